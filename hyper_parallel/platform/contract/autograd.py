@@ -1,0 +1,47 @@
+"""Contract section: autograd."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from hyper_parallel.platform.contract.common import CustomFunction
+
+#: What ``vjp`` returns as its backward: output gradients in, (input gradients,
+#: parameter gradients) out.
+VjpFn = Callable[[Sequence[Any]], tuple[tuple[Any, ...], tuple[Any, ...]]]
+
+
+class AutogradSection(ABC):
+    """Custom functions, grad mode, and a backward both frameworks can run."""
+
+    @abstractmethod
+    def apply_function(self, function: type[CustomFunction], *args: Any) -> Any:
+        """Apply a backend-neutral ``CustomFunction`` subclass to ``args``: its forward
+        runs now, its backward is recorded for autograd (torch ``autograd.Function``,
+        MindSpore ``_Function``). The native class is built once per subclass."""
+
+    @abstractmethod
+    def no_grad(self) -> AbstractContextManager[None]:
+        """A context in which operations are not recorded for autograd."""
+
+    @abstractmethod
+    def grad_enabled(self) -> bool:
+        """True when operations are being recorded for autograd."""
+
+    @abstractmethod
+    def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
+        """Run ``fn(*inputs)`` recording autograd, and return ``(outputs, backward)``.
+
+        ``backward(grad_outputs)`` takes one gradient per output (a sequence, in the
+        order of a flat tuple of outputs; a single tensor output takes a 1-sequence) and
+        returns ``(input_grads, param_grads)``: one gradient per input and per param,
+        zeros where the output does not depend on it (``None`` for inputs that are not
+        floating-point tensors). It runs once. This is how core runs a backward from
+        given output gradients (pipeline stages) on both frameworks. ``param_grads``
+        are this backward's gradients; torch also accumulates them into ``param.grad``
+        (so torch optimizers step as usual), MindSpore keeps no gradient on parameters.
+        Per-parameter post-accumulate hooks fire during ``backward`` on both.
+        """

@@ -1,0 +1,35 @@
+"""Contract section: device queries and memory statistics."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class DeviceSection(ABC):
+    """The device this process computes on, and its memory use."""
+
+    @property
+    @abstractmethod
+    def device_type(self) -> str:
+        """``"cpu"``, ``"cuda"``, ``"npu"`` or ``"ascend"``."""
+
+    @abstractmethod
+    def device_count(self) -> int:
+        """Devices of ``device_type`` visible to this process (1 for CPU)."""
+
+    @abstractmethod
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to device ``local_rank`` (no-op on CPU).
+
+        Raises:
+            ValueError: ``local_rank`` is not below ``device_count()``.
+        """
+
+    @abstractmethod
+    def memory_allocated(self) -> int:
+        """Bytes in use now: device memory held by tensors, or the process's resident
+        set size on CPU."""
+
+    @abstractmethod
+    def max_memory_allocated(self) -> int:
+        """Peak of ``memory_allocated`` in bytes since the process started (CPU: peak RSS)."""

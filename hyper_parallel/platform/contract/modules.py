@@ -1,0 +1,68 @@
+"""Contract section: module hooks, module tree walk, parameter replacement.
+
+Hook signatures follow torch (MindSpore Cells use the same ones):
+``pre_hook(module, args) -> args | None``; ``hook(module, args, output) -> output | None``;
+``backward_pre_hook(module, grad_output) -> grad_output | None``;
+``backward_hook(module, grad_input, grad_output) -> grad_input | None``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hyper_parallel.platform.contract.common import RemovableHandle
+
+
+class ModulesSection(ABC):
+    """Hooks on modules, parameters and tensors; walking and editing a module tree."""
+
+    @abstractmethod
+    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        """Call ``hook(module, args)`` before ``module``'s forward; a non-None return replaces ``args``."""
+
+    @abstractmethod
+    def register_forward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        """Call ``hook(module, args, output)`` after the forward; a non-None return replaces ``output``."""
+
+    @abstractmethod
+    def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        """Call ``hook(module, grad_output)`` (a tuple) before the module's backward;
+        a non-None return replaces ``grad_output``."""
+
+    @abstractmethod
+    def register_full_backward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        """Call ``hook(module, grad_input, grad_output)`` once the gradients of the
+        module's inputs are computed."""
+
+    @abstractmethod
+    def register_post_accumulate_grad_hook(self, param: Any, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+        """Call ``hook(param, grad)`` once ``param``'s gradient of the current backward
+        is final. Under ``vjp`` ``grad`` is this backward's gradient on every backend; in
+        a plain torch ``loss.backward()`` it is ``param.grad`` (accumulated)."""
+
+    @abstractmethod
+    def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
+        """Call ``hook(grad)`` when the gradient of ``tensor`` is computed; a non-None
+        return replaces the gradient."""
+
+    @abstractmethod
+    def named_modules(self, module: Any) -> Iterator[tuple[str, Any]]:
+        """``(fqn, submodule)`` pairs, the root first as ``""``, then depth-first."""
+
+    @abstractmethod
+    def named_parameters(self, module: Any) -> Iterator[tuple[str, Any]]:
+        """``(fqn, parameter)`` pairs (``"layers.0.weight"``), each parameter once."""
+
+    @abstractmethod
+    def make_parameter(self, tensor: Any, requires_grad: bool = True) -> Any:
+        """A new framework parameter holding ``tensor``'s data."""
+
+    @abstractmethod
+    def set_parameter(self, module: Any, fqn: str, param: Any) -> None:
+        """Replace the parameter at dotted path ``fqn`` under ``module`` with ``param``.
+
+        Raises:
+            KeyError: no parameter at ``fqn``; the message lists the nearest names.
+        """

@@ -1,0 +1,119 @@
+"""Contract section: the tensor operations core calls through the platform.
+
+Beyond these, core may call the tensor methods listed in ``TENSOR_METHODS`` directly;
+they behave the same on every backend (the conformance suite checks each one).
+Factories create tensors on this platform's current device.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+#: Tensor attributes and methods core may use directly on a framework tensor.
+TENSOR_METHODS: tuple[str, ...] = (
+    "shape", "dtype", "ndim", "dim", "numel", "reshape", "view", "permute", "transpose",
+    "contiguous", "is_contiguous", "unsqueeze", "squeeze", "flatten", "sum", "mean",
+    "amax", "exp", "log", "float", "detach", "clone", "__getitem__",
+    "__add__", "__sub__", "__mul__", "__truediv__", "__neg__", "__matmul__",
+)
+
+
+class OpsSection(ABC):
+    """Tensor factories, shape ops, conversions, storage and local attention."""
+
+    @abstractmethod
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        """An uninitialised tensor of ``shape`` and framework ``dtype``."""
+
+    @abstractmethod
+    def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
+        """A tensor of zeros."""
+
+    @abstractmethod
+    def full(self, shape: Sequence[int], value: float, dtype: Any) -> Any:
+        """A tensor filled with ``value``."""
+
+    @abstractmethod
+    def arange(self, start: int, end: int, dtype: Any) -> Any:
+        """``[start, start + 1, ..., end - 1]`` as a 1-D tensor."""
+
+    @abstractmethod
+    def from_numpy(self, array: np.ndarray) -> Any:
+        """A tensor with ``array``'s values, shape and dtype (copied to the device)."""
+
+    @abstractmethod
+    def to_numpy(self, tensor: Any) -> np.ndarray:
+        """A host numpy copy of ``tensor`` (bfloat16 is widened to float32)."""
+
+    @abstractmethod
+    def cat(self, tensors: Sequence[Any], dim: int = 0) -> Any:
+        """Concatenate along ``dim``; differentiable."""
+
+    @abstractmethod
+    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
+        """Stack along a new ``dim``; differentiable."""
+
+    @abstractmethod
+    def chunk(self, tensor: Any, chunks: int, dim: int = 0) -> list[Any]:
+        """torch.chunk semantics: pieces of ``ceil(size / chunks)`` along ``dim``, the
+        last smaller, possibly fewer than ``chunks`` pieces; differentiable."""
+
+    @abstractmethod
+    def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+        """Pieces of the given sizes (zero allowed) along ``dim``; differentiable.
+
+        Raises:
+            ValueError: ``sizes`` do not sum to ``tensor.shape[dim]``.
+        """
+
+    @abstractmethod
+    def narrow(self, tensor: Any, dim: int, start: int, length: int) -> Any:
+        """Rows ``start .. start + length`` of ``dim``; differentiable."""
+
+    @abstractmethod
+    def pad(self, tensor: Any, dim: int, before: int, after: int, value: float = 0.0) -> Any:
+        """Pad ``dim`` with ``before`` and ``after`` entries of ``value``; differentiable."""
+
+    @abstractmethod
+    def to_dtype(self, tensor: Any, dtype: Any) -> Any:
+        """Cast to framework ``dtype``; differentiable for floating dtypes."""
+
+    @abstractmethod
+    def free_storage(self, tensor: Any) -> None:
+        """Release ``tensor``'s memory while keeping the tensor object (its shape is
+        kept; its values are gone until ``alloc_storage``). Used to reshard parameters
+        without rebinding them. Without ``Capability.STORAGE_RESIZE`` the memory is
+        not returned, but the call is still valid."""
+
+    @abstractmethod
+    def alloc_storage(self, tensor: Any) -> None:
+        """Re-acquire the memory released by ``free_storage`` (values undefined)."""
+
+    @abstractmethod
+    def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
+                  mask: Any = None) -> tuple[Any, Any]:
+        """Local scaled-dot-product attention returning the output and its log-sum-exp.
+
+        Args:
+            q: ``[batch, q_seq, heads, head_dim]``.
+            k, v: ``[batch, kv_seq, kv_heads, head_dim]``; ``heads`` divisible by
+                ``kv_heads`` (grouped-query attention repeats each kv head).
+            scale: multiplies ``q @ k^T``; default ``head_dim ** -0.5``.
+            causal: query ``i`` sees keys ``j <= i`` (top-left aligned).
+            mask: optional bool ``[q_seq, kv_seq]`` (or broadcastable to
+                ``[batch, heads, q_seq, kv_seq]``), True where attention is allowed;
+                combined with ``causal`` by logical and.
+
+        Returns:
+            ``(out, lse)``: ``out`` ``[batch, q_seq, heads, head_dim]`` in ``q``'s dtype;
+            ``lse`` ``[batch, heads, q_seq]`` float32, the log-sum-exp of the scaled,
+            masked scores (``-inf`` for a query that sees no key, whose output row is 0).
+            Both differentiable. Softmax statistics are computed in float32.
+
+        Raises:
+            ValueError: rank-4 shapes or head counts that do not fit.
+        """

@@ -1,0 +1,379 @@
+"""``TorchPlatform``: the contract on torch, for CPU (gloo), CUDA (NCCL) and NPU (HCCL)."""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.platform import host_memory, host_streams
+from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
+from hyper_parallel.platform.base import Capability, CustomFunction, Platform, RemovableHandle, VjpFn
+from hyper_parallel.platform.contract.types import DTYPE_NAMES
+from hyper_parallel.platform.torch import attention as attn
+from hyper_parallel.platform.torch.collectives import TorchCollectives
+from hyper_parallel.platform.validation import check_group_ranks, check_partition, normalize_dim
+
+#: device type -> process-group backend
+DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+_DTYPES = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+}
+assert set(_DTYPES) == set(DTYPE_NAMES)
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (imports CANN; fails on machines without it)
+    except Exception:  # noqa: BLE001 - any failure means "no usable NPU stack"
+        return False
+    return bool(torch.npu.is_available())
+
+
+def _resolve_device(device: str | None) -> str:
+    if device is None:
+        if torch.cuda.is_available():
+            return "cuda"
+        return "npu" if _npu_available() else "cpu"
+    if device not in DEVICE_BACKENDS:
+        raise ValueError(f"TorchPlatform: device={device!r} is not one of {sorted(DEVICE_BACKENDS)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("platform torch-cuda was requested but torch.cuda.is_available() is False "
+                           f"(torch {torch.__version__}); use torch-cpu or a CUDA build of torch on a GPU machine")
+    if device == "npu" and not _npu_available():
+        raise RuntimeError("platform torch-npu was requested but torch_npu cannot be imported or sees no NPU; "
+                           "install torch_npu with Ascend CANN, or use torch-cpu")
+    return device
+
+
+class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
+    """torch backend. ``device``: ``"cpu"``, ``"cuda"``, ``"npu"``, or ``None`` for CUDA
+    if available, else NPU if torch_npu imports, else CPU.
+
+    Raises:
+        ValueError: unknown device. RuntimeError: the device is not available.
+    """
+
+    def __init__(self, device: str | None = None) -> None:
+        self._device_type: str = _resolve_device(device)
+        self._device: torch.device = torch.device(self._device_type)
+        self._groups: dict[tuple[int, ...], Any] = {}  # sorted global ranks -> ProcessGroup
+        self._functions: dict[type, type] = {}  # CustomFunction subclass -> torch Function
+
+    # -- types -------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return f"torch-{self._device_type}"
+
+    @property
+    def framework(self) -> str:
+        return "torch"
+
+    @property
+    def tensor_type(self) -> type:
+        return torch.Tensor
+
+    @property
+    def parameter_type(self) -> type:
+        return torch.nn.Parameter
+
+    @property
+    def module_type(self) -> type:
+        return torch.nn.Module
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def dtype(self, name: str) -> Any:
+        if name not in _DTYPES:
+            raise ValueError(f"dtype name {name!r} is unknown; use one of {', '.join(DTYPE_NAMES)}")
+        return _DTYPES[name]
+
+    def dtype_name(self, dtype: Any) -> str:
+        for name, value in _DTYPES.items():
+            if value == dtype:
+                return name
+        raise ValueError(f"dtype {dtype!r} has no hyper_parallel name; supported: {', '.join(DTYPE_NAMES)}")
+
+    def capabilities(self) -> frozenset[Capability]:
+        caps = {Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
+                Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
+                Capability.ASYNC_COLLECTIVES, Capability.STORAGE_RESIZE}
+        if self._device_type != "cpu":
+            caps |= {Capability.STREAMS, Capability.FUSED_ATTENTION}
+        return frozenset(caps)
+
+    # -- process groups ----------------------------------------------------------------
+    def init_process_group(self, *, timeout_s: float = 300.0) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("init_process_group: torch.distributed is already initialised in this process")
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if v not in os.environ]
+        if missing:
+            raise RuntimeError(f"init_process_group: environment variables {missing} are not set; "
+                               "launch with torchrun or hyper_parallel.testing")
+        if self._device_type != "cpu":
+            self.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(DEVICE_BACKENDS[self._device_type],
+                                timeout=datetime.timedelta(seconds=timeout_s))
+
+    def is_initialized(self) -> bool:
+        return dist.is_initialized()
+
+    def destroy_process_group(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._groups.clear()
+
+    def rank(self, group: Any = None) -> int:
+        return dist.get_rank(group)
+
+    def world_size(self, group: Any = None) -> int:
+        return dist.get_world_size(group)
+
+    def create_group(self, ranks: Sequence[int]) -> Any:
+        key = check_group_ranks(ranks, dist.get_world_size())
+        if key == tuple(range(dist.get_world_size())):
+            return dist.group.WORLD
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key))
+        return self._groups[key]
+
+    def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
+        parts = check_partition(partition, dist.get_world_size())
+        own = dist.get_rank()
+        mine = None
+        for part in parts:
+            group = self.create_group(part)
+            if own in part:
+                mine = group
+        return mine
+
+    def group_ranks(self, group: Any = None) -> list[int]:
+        if group is None:
+            return list(range(dist.get_world_size()))
+        return list(dist.get_process_group_ranks(group))
+
+    # -- autograd ----------------------------------------------------------------------
+    def apply_function(self, function: type[CustomFunction], *args: Any) -> Any:
+        native = self._functions.get(function)
+        if native is None:
+            native = type(f"Torch{function.__name__}", (torch.autograd.Function,), {
+                "forward": staticmethod(function.forward),
+                "backward": staticmethod(function.backward),
+            })
+            self._functions[function] = native
+        return native.apply(*args)
+
+    def no_grad(self) -> AbstractContextManager[None]:
+        return torch.no_grad()
+
+    def grad_enabled(self) -> bool:
+        return torch.is_grad_enabled()
+
+    def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
+        leaves = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                  for x in inputs]
+        with torch.enable_grad():
+            outputs = fn(*leaves)
+        params = list(params)
+
+        def backward(grad_outputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+            outs = outputs if isinstance(outputs, tuple) else (outputs,)
+            if len(grad_outputs) != len(outs):
+                raise ValueError(f"vjp backward: got {len(grad_outputs)} output gradients for {len(outs)} outputs")
+            pairs = [(o, g) for o, g in zip(outs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            targets = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+            targets += [p for p in params if p.requires_grad]
+            # Accumulate into .grad the torch way, but report this backward's share:
+            # earlier gradients are set aside and added back afterwards.
+            saved = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            if pairs and targets:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=targets)
+            input_grads = tuple(
+                (x.grad if x.grad is not None else torch.zeros_like(x))
+                if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves)
+            param_grads = []
+            for p, old in zip(params, saved):
+                new = p.grad if p.grad is not None else torch.zeros_like(p)
+                param_grads.append(new)
+                p.grad = new.clone() if old is None else old + new
+            return input_grads, tuple(param_grads)
+
+        return outputs, backward
+
+    # -- module hooks and tree ---------------------------------------------------------
+    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        return module.register_forward_pre_hook(hook)
+
+    def register_forward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        return module.register_forward_hook(hook)
+
+    def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        return module.register_full_backward_pre_hook(hook)
+
+    def register_full_backward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        return module.register_full_backward_hook(hook)
+
+    def register_post_accumulate_grad_hook(self, param: Any, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+        return param.register_post_accumulate_grad_hook(lambda p: hook(p, p.grad))
+
+    def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
+        return tensor.register_hook(hook)
+
+    def named_modules(self, module: Any) -> Iterator[tuple[str, Any]]:
+        return module.named_modules()
+
+    def named_parameters(self, module: Any) -> Iterator[tuple[str, Any]]:
+        return module.named_parameters()
+
+    def make_parameter(self, tensor: Any, requires_grad: bool = True) -> Any:
+        return torch.nn.Parameter(tensor.detach(), requires_grad=requires_grad)
+
+    def set_parameter(self, module: Any, fqn: str, param: Any) -> None:
+        names = [name for name, _ in module.named_parameters()]
+        if fqn not in names:
+            near = difflib.get_close_matches(fqn, names, n=3)
+            raise KeyError(f"set_parameter: no parameter {fqn!r} in {type(module).__name__}; nearest: {near}")
+        owner_path, _, leaf = fqn.rpartition(".")
+        setattr(module.get_submodule(owner_path), leaf, param)
+
+    # -- tensor ops --------------------------------------------------------------------
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        return torch.empty(tuple(shape), dtype=dtype, device=self._device)
+
+    def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
+        return torch.zeros(tuple(shape), dtype=dtype, device=self._device)
+
+    def full(self, shape: Sequence[int], value: float, dtype: Any) -> Any:
+        return torch.full(tuple(shape), value, dtype=dtype, device=self._device)
+
+    def arange(self, start: int, end: int, dtype: Any) -> Any:
+        return torch.arange(start, end, dtype=dtype, device=self._device)
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        # clone(): a torch-owned storage, resizable by free_storage (numpy's is not).
+        return torch.from_numpy(np.ascontiguousarray(array)).clone().to(self._device)
+
+    def to_numpy(self, tensor: Any) -> np.ndarray:
+        host = tensor.detach().cpu()
+        if host.dtype == torch.bfloat16:
+            host = host.float()
+        return host.numpy().copy()
+
+    def cat(self, tensors: Sequence[Any], dim: int = 0) -> Any:
+        return torch.cat(list(tensors), dim=dim)
+
+    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
+        return torch.stack(list(tensors), dim=dim)
+
+    def chunk(self, tensor: Any, chunks: int, dim: int = 0) -> list[Any]:
+        return list(torch.chunk(tensor, chunks, dim=dim))
+
+    def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+        dim = normalize_dim(dim, tensor.ndim)
+        if sum(sizes) != tensor.shape[dim]:
+            raise ValueError(f"split: sizes={list(sizes)} sum to {sum(sizes)}, but tensor.shape[{dim}] is "
+                             f"{tensor.shape[dim]}; the sizes must add up to it")
+        return list(torch.split(tensor, list(sizes), dim=dim))
+
+    def narrow(self, tensor: Any, dim: int, start: int, length: int) -> Any:
+        return tensor.narrow(dim, start, length)
+
+    def pad(self, tensor: Any, dim: int, before: int, after: int, value: float = 0.0) -> Any:
+        dim = normalize_dim(dim, tensor.ndim)
+        return torch.nn.functional.pad(tensor, [0, 0] * (tensor.ndim - 1 - dim) + [before, after], value=value)
+
+    def to_dtype(self, tensor: Any, dtype: Any) -> Any:
+        return tensor.to(dtype)
+
+    def free_storage(self, tensor: Any) -> None:
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    def alloc_storage(self, tensor: Any) -> None:
+        storage = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
+                  mask: Any = None) -> tuple[Any, Any]:
+        attn.check_attention_shapes(q, k, v)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        allowed = attn.allowed_mask(q.shape[1], k.shape[1], causal, mask, q.device)
+        if self._device_type == "cpu":
+            return attn.plain_attention(q, k, v, scale, allowed)
+        return attn.fused_attention(self._device_type, q, k, v, scale, allowed)
+
+    # -- streams and events ------------------------------------------------------------
+    def _device_module(self) -> Any:
+        return torch.get_device_module(self._device_type)
+
+    def current_stream(self) -> Any:
+        if self._device_type == "cpu":
+            return host_streams.HostStream()
+        return self._device_module().current_stream()
+
+    def new_stream(self) -> Any:
+        if self._device_type == "cpu":
+            return host_streams.HostStream()
+        return self._device_module().Stream()
+
+    def stream(self, stream: Any) -> AbstractContextManager[Any]:
+        if self._device_type == "cpu":
+            return host_streams.host_stream_context(stream)
+        return self._device_module().stream(stream)
+
+    def new_event(self) -> Any:
+        if self._device_type == "cpu":
+            return host_streams.HostEvent()
+        return self._device_module().Event()
+
+    def record_event(self, event: Any, stream: Any = None) -> None:
+        event.record(stream if stream is not None else self.current_stream())
+
+    def wait_event(self, event: Any, stream: Any = None) -> None:
+        (stream if stream is not None else self.current_stream()).wait_event(event)
+
+    def synchronize(self) -> None:
+        if self._device_type != "cpu":
+            self._device_module().synchronize()
+
+    # -- device ------------------------------------------------------------------------
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    def device_count(self) -> int:
+        return 1 if self._device_type == "cpu" else int(self._device_module().device_count())
+
+    def set_device(self, local_rank: int) -> None:
+        count = self.device_count()
+        if not 0 <= local_rank < count:
+            raise ValueError(f"set_device: local_rank={local_rank} but {count} {self._device_type} device(s) are visible")
+        if self._device_type != "cpu":
+            self._device_module().set_device(local_rank)
+            self._device = torch.device(self._device_type, local_rank)
+
+    def memory_allocated(self) -> int:
+        if self._device_type == "cpu":
+            return host_memory.rss_bytes()
+        return int(self._device_module().memory_allocated())
+
+    def max_memory_allocated(self) -> int:
+        if self._device_type == "cpu":
+            return host_memory.peak_rss_bytes()
+        return int(self._device_module().max_memory_allocated())

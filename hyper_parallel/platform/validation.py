@@ -1,0 +1,79 @@
+"""Argument checks shared by every backend, run before any communication is issued.
+
+Each check raises with the argument, the value, the rule and the fix, so that every
+rank fails the same way before a collective could leave its peers waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def normalize_dim(dim: int, ndim: int, *, argument: str = "dim") -> int:
+    """``dim`` as a non-negative index into ``ndim`` dims.
+
+    Raises:
+        ValueError: ``dim`` outside ``[-ndim, ndim)``.
+    """
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -ndim <= dim < ndim:
+        raise ValueError(f"{argument}={dim!r} is out of range for a {ndim}-D tensor; use a dim in [{-ndim}, {ndim})")
+    return dim % ndim
+
+
+def check_divisible(size: int, parts: int, *, what: str, fix: str) -> int:
+    """``size // parts``, or a ValueError naming ``what`` when it does not divide."""
+    if size % parts:
+        raise ValueError(f"{what} is {size}, not divisible by the group size {parts}; {fix}")
+    return size // parts
+
+
+def check_split_sizes(sizes: Sequence[int] | None, total: int | None, group_size: int, *, argument: str) -> list[int] | None:
+    """Validate all-to-all split sizes: one non-negative int per rank, summing to ``total``
+    when ``total`` is known. Returns them as a list (``None`` passes through)."""
+    if sizes is None:
+        return None
+    sizes = list(sizes)
+    if len(sizes) != group_size:
+        raise ValueError(f"{argument}={sizes} has {len(sizes)} entries; give one per rank of the group ({group_size})")
+    for size in sizes:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"{argument}={sizes} holds {size!r}; split sizes are non-negative ints")
+    if total is not None and sum(sizes) != total:
+        raise ValueError(
+            f"{argument}={sizes} sums to {sum(sizes)}, but the tensor has {total} rows on dim 0; "
+            "the split sizes must add up to the size of dim 0"
+        )
+    return sizes
+
+
+def check_peer(peer: int, group_size: int, own_rank: int, *, argument: str) -> None:
+    """A point-to-point peer must be another rank of the group."""
+    if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < group_size:
+        raise ValueError(f"{argument}={peer!r} is not a rank of the group (size {group_size}); use a group rank in [0, {group_size})")
+    if peer == own_rank:
+        raise ValueError(f"{argument}={peer} is this rank itself; point-to-point needs another rank of the group")
+
+
+def check_group_ranks(ranks: Sequence[int], world_size: int, *, argument: str = "ranks") -> tuple[int, ...]:
+    """A group's global ranks: non-empty, distinct, inside the world. Returned sorted."""
+    ranks = tuple(ranks)
+    if not ranks:
+        raise ValueError(f"{argument}=() is empty; a group needs at least one rank")
+    for rank in ranks:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+            raise ValueError(f"{argument}={list(ranks)} holds {rank!r}; ranks are ints in [0, {world_size})")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{argument}={list(ranks)} repeats a rank; list each rank once")
+    return tuple(sorted(ranks))
+
+
+def check_partition(partition: Sequence[Sequence[int]], world_size: int) -> list[tuple[int, ...]]:
+    """Disjoint parts that cover ``range(world_size)``; each part sorted."""
+    parts = [check_group_ranks(part, world_size, argument="partition part") for part in partition]
+    seen = sorted(rank for part in parts for rank in part)
+    if seen != list(range(world_size)):
+        raise ValueError(
+            f"partition={[list(p) for p in parts]} does not cover each of the {world_size} ranks exactly once; "
+            "give disjoint parts whose union is the world"
+        )
+    return parts

@@ -1,0 +1,127 @@
+"""Conformance: custom functions, vjp, grad mode, module hooks, module tree, parameter
+replacement. World size 1: none of this communicates."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.base import CustomFunction
+from tests.platform_contract._data import close, rank_data
+from tests.platform_contract._models import build_mlp, mlp_numpy, mlp_weights
+
+
+class _ScaleAndShift(CustomFunction):
+    """y = a * x + b with a non-tensor ``a``; a hand-written backward that doubles as a
+    check that ``ctx`` carries attributes and that None gradients are accepted."""
+
+    @staticmethod
+    def forward(ctx, x, b, a):
+        ctx.a = a
+        return x * a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.a, grad, None
+
+
+def check_apply_function() -> None:
+    p = get_platform()
+    x, b, g = rank_data(0, (3, 4)), rank_data(1, (3, 4)), rank_data(2, (3, 4))
+    out, backward = p.vjp(lambda x_, b_: p.apply_function(_ScaleAndShift, x_, b_, 3.0),
+                          [p.from_numpy(x), p.from_numpy(b)])
+    close(p.to_numpy(out), 3 * x + b, "custom function forward")
+    (gx, gb), params = backward([p.from_numpy(g)])
+    close(p.to_numpy(gx), 3 * g, "custom function backward")
+    close(p.to_numpy(gb), g, "custom function second input")
+    assert params == ()
+
+
+def test_apply_function(run_on_ranks) -> None:
+    run_on_ranks(check_apply_function, world_size=1)
+
+
+def check_vjp_and_hooks() -> None:
+    p = get_platform()
+    weights = mlp_weights(4, 5, 3)
+    model = build_mlp(p, weights)
+    assert [name for name, _ in p.named_modules(model)] == ["", "fc1", "fc2"]
+    params = list(p.named_parameters(model))
+    assert [name for name, _ in params] == list(weights)
+    events: list[str] = []
+    handles = [
+        p.register_forward_pre_hook(model.fc1, lambda m, args: events.append("pre")),
+        p.register_forward_hook(model.fc1, lambda m, args, out: events.append("fwd")),
+        p.register_full_backward_pre_hook(model.fc2, lambda m, grad_out: events.append("bwd_pre")),
+        p.register_full_backward_hook(model.fc2, lambda m, grad_in, grad_out: events.append("bwd")),
+    ]
+    post_grads: dict[str, np.ndarray] = {}
+    name_of = {id(param): name for name, param in params}
+    handles.append(p.register_post_accumulate_grad_hook(
+        params[0][1], lambda param, grad: post_grads.__setitem__(name_of[id(param)], p.to_numpy(grad)))
+    )
+    x = rank_data(0, (6, 4))
+    g = rank_data(1, (6, 3))
+    assert p.grad_enabled()
+    out, backward = p.vjp(model, [p.from_numpy(x)], [param for _, param in params])
+    close(p.to_numpy(out), mlp_numpy(weights, x), "mlp forward")
+    assert events == ["pre", "fwd"], events
+    (gx,), param_grads = backward([p.from_numpy(g)])
+    assert events[2:] == ["bwd_pre", "bwd"], events
+
+    pre = x @ weights["fc1.weight"].T + weights["fc1.bias"]
+    h = np.maximum(pre, 0.0)
+    gh = (g @ weights["fc2.weight"]) * (pre > 0)
+    expected = {"fc1.weight": gh.T @ x, "fc1.bias": gh.sum(0), "fc2.weight": g.T @ h, "fc2.bias": g.sum(0)}
+    close(p.to_numpy(gx), gh @ weights["fc1.weight"], "input gradient")
+    for (name, _), grad in zip(params, param_grads):
+        close(p.to_numpy(grad), expected[name], f"gradient of {name}")
+    close(post_grads["fc1.weight"], expected["fc1.weight"], "post-accumulate hook gradient")
+
+    for handle in handles:
+        handle.remove()
+    events.clear()
+    with p.no_grad():
+        assert not p.grad_enabled()
+        model(p.from_numpy(x))
+    assert events == [], "removed hooks still fired"
+
+
+def test_vjp_and_module_hooks(run_on_ranks) -> None:
+    run_on_ranks(check_vjp_and_hooks, world_size=1)
+
+
+def check_tensor_hook_and_set_parameter() -> None:
+    p = get_platform()
+    weights = mlp_weights(4, 5, 3)
+    model = build_mlp(p, weights)
+    doubled = {k: 2 * v for k, v in weights.items()}
+    new = p.make_parameter(p.from_numpy(doubled["fc2.weight"]))
+    p.set_parameter(model, "fc2.weight", new)
+    assert dict(p.named_parameters(model))["fc2.weight"] is new
+    x = rank_data(0, (2, 4))
+    mixed = dict(weights, **{"fc2.weight": doubled["fc2.weight"]})
+    close(p.to_numpy(model(p.from_numpy(x))), mlp_numpy(mixed, x), "forward after set_parameter")
+    try:
+        p.set_parameter(model, "fc3.weight", new)
+    except KeyError as err:
+        assert "fc3.weight" in str(err) and "fc2.weight" in str(err), str(err)
+    else:
+        raise AssertionError("set_parameter accepted a missing fqn")
+
+    seen: list[np.ndarray] = []
+
+    def fn(t):
+        y = t * 3.0
+        p.register_tensor_hook(y, lambda grad: seen.append(p.to_numpy(grad)) or grad * 2.0)
+        return y * 1.0
+
+    g = rank_data(1, (2, 4))
+    _, backward = p.vjp(fn, [p.from_numpy(x)])
+    (gx,), _ = backward([p.from_numpy(g)])
+    close(seen[0], g, "tensor hook sees the incoming gradient")
+    close(p.to_numpy(gx), 6 * g, "tensor hook's return replaces the gradient")
+
+
+def test_tensor_hook_and_set_parameter(run_on_ranks) -> None:
+    run_on_ranks(check_tensor_hook_and_set_parameter, world_size=1)

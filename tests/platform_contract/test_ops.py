@@ -1,0 +1,209 @@
+"""Conformance: tensor ops, the documented tensor methods, dtypes, attention, storage,
+streams and device queries. World size 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyper_parallel.platform import Capability, get_platform
+from hyper_parallel.platform.base import DTYPE_NAMES, TENSOR_METHODS
+from tests.platform_contract._data import close, rank_data
+
+
+def check_dtypes() -> None:
+    p = get_platform()
+    for name in DTYPE_NAMES:
+        assert p.dtype_name(p.dtype(name)) == name
+    try:
+        p.dtype("complex32")
+    except ValueError as err:
+        assert "complex32" in str(err) and "float32" in str(err)
+    else:
+        raise AssertionError("unknown dtype name accepted")
+    bf = p.to_dtype(p.from_numpy(np.array([1.5, -2.0], np.float32)), p.dtype("bfloat16"))
+    assert p.dtype_name(bf.dtype) == "bfloat16"
+    out = p.to_numpy(bf)
+    assert out.dtype == np.float32 and out.tolist() == [1.5, -2.0]
+
+
+def check_factories_and_shape_ops() -> None:
+    p = get_platform()
+    f32, i64 = p.dtype("float32"), p.dtype("int64")
+    assert tuple(p.empty((2, 3), f32).shape) == (2, 3)
+    np.testing.assert_array_equal(p.to_numpy(p.zeros((2, 3), f32)), np.zeros((2, 3), np.float32))
+    np.testing.assert_array_equal(p.to_numpy(p.full((2,), 7.0, f32)), [7.0, 7.0])
+    np.testing.assert_array_equal(p.to_numpy(p.arange(2, 6, i64)), [2, 3, 4, 5])
+    a = rank_data(0, (7, 5))
+    t = p.from_numpy(a)
+    assert p.is_tensor(t) and not p.is_tensor(a)
+    np.testing.assert_array_equal(p.to_numpy(p.cat([t, t], 1)), np.concatenate([a, a], 1))
+    np.testing.assert_array_equal(p.to_numpy(p.stack([t, t], 0)), np.stack([a, a]))
+    chunks = p.chunk(t, 4, 0)
+    assert [tuple(c.shape) for c in chunks] == [(2, 5), (2, 5), (2, 5), (1, 5)]
+    assert len(p.chunk(p.from_numpy(rank_data(0, (5, 2))), 4, 0)) == 3, "torch.chunk gives 3 pieces of 5 rows"
+    pieces = p.split(t, [3, 0, 4], 0)
+    assert [tuple(c.shape) for c in pieces] == [(3, 5), (0, 5), (4, 5)]
+    np.testing.assert_array_equal(p.to_numpy(pieces[2]), a[3:])
+    np.testing.assert_array_equal(p.to_numpy(p.narrow(t, 1, 1, 3)), a[:, 1:4])
+    np.testing.assert_array_equal(p.to_numpy(p.pad(t, 0, 1, 2, value=-1.0)),
+                                  np.pad(a, ((1, 2), (0, 0)), constant_values=-1.0))
+    np.testing.assert_array_equal(p.to_numpy(p.pad(t, 1, 0, 3)), np.pad(a, ((0, 0), (0, 3))))
+    try:
+        p.split(t, [3, 3], 0)
+    except ValueError as err:
+        assert "sum to 6" in str(err)
+    else:
+        raise AssertionError("split accepted sizes that do not add up")
+
+
+def check_tensor_methods() -> list[str]:
+    """Every method core may call directly behaves like numpy on every backend."""
+    p = get_platform()
+    a = rank_data(0, (2, 3, 4))
+    b = rank_data(1, (2, 3, 4))
+    t, u = p.from_numpy(a), p.from_numpy(b)
+    checks = {
+        "shape": lambda: tuple(t.shape) == a.shape,
+        "dtype": lambda: p.dtype_name(t.dtype) == "float32",
+        "ndim": lambda: t.ndim == 3,
+        "dim": lambda: t.dim() == 3,
+        "numel": lambda: t.numel() == 24,
+        "reshape": lambda: np.array_equal(p.to_numpy(t.reshape(6, 4)), a.reshape(6, 4)),
+        "view": lambda: np.array_equal(p.to_numpy(t.view(4, 6)), a.reshape(4, 6)),
+        "permute": lambda: np.array_equal(p.to_numpy(t.permute(2, 0, 1)), a.transpose(2, 0, 1)),
+        "transpose": lambda: np.array_equal(p.to_numpy(t.transpose(0, 2)), a.swapaxes(0, 2)),
+        "contiguous": lambda: np.array_equal(p.to_numpy(t.transpose(0, 1).contiguous()), a.swapaxes(0, 1)),
+        "is_contiguous": lambda: t.is_contiguous() is True,
+        "unsqueeze": lambda: tuple(t.unsqueeze(1).shape) == (2, 1, 3, 4),
+        "squeeze": lambda: tuple(t.unsqueeze(0).squeeze(0).shape) == (2, 3, 4),
+        "flatten": lambda: np.array_equal(p.to_numpy(t.flatten()), a.reshape(-1)),
+        "sum": lambda: np.allclose(p.to_numpy(t.sum(1)), a.sum(1), atol=1e-5),
+        "mean": lambda: np.allclose(p.to_numpy(t.mean(2)), a.mean(2), atol=1e-6),
+        "amax": lambda: np.array_equal(p.to_numpy(t.amax(0)), a.max(0)),
+        "exp": lambda: np.allclose(p.to_numpy(t.exp()), np.exp(a), rtol=1e-6),
+        "log": lambda: np.allclose(p.to_numpy((t * t + 1.0).log()), np.log(a * a + 1), rtol=1e-6),
+        "float": lambda: p.dtype_name(p.to_dtype(t, p.dtype("float16")).float().dtype) == "float32",
+        "detach": lambda: np.array_equal(p.to_numpy(t.detach()), a),
+        "clone": lambda: np.array_equal(p.to_numpy(t.clone()), a),
+        "__getitem__": lambda: np.array_equal(p.to_numpy(t[1, :, 1:3]), a[1, :, 1:3]),
+        "__add__": lambda: np.allclose(p.to_numpy(t + u), a + b),
+        "__sub__": lambda: np.allclose(p.to_numpy(t - u), a - b),
+        "__mul__": lambda: np.allclose(p.to_numpy(t * u), a * b),
+        "__truediv__": lambda: np.allclose(p.to_numpy(t / 2.0), a / 2),
+        "__neg__": lambda: np.array_equal(p.to_numpy(-t), -a),
+        "__matmul__": lambda: np.allclose(p.to_numpy(t @ u.transpose(1, 2)), a @ b.swapaxes(1, 2), atol=1e-5),
+    }
+    assert set(checks) == set(TENSOR_METHODS), set(TENSOR_METHODS) ^ set(checks)
+    failed = [name for name, check in checks.items() if not check()]
+    assert not failed, f"tensor methods that differ from numpy: {failed}"
+    return sorted(checks)
+
+
+def _attention_numpy(q, k, v, scale, allowed):
+    rep = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64)) * scale
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    lse = np.where(total[..., 0] > 0, np.log(np.where(total > 0, total, 1.0))[..., 0] + m[..., 0], -np.inf)
+    probs = e / np.where(total > 0, total, 1.0)
+    return np.einsum("bhqk,bkhd->bqhd", probs, v.astype(np.float64)), lse
+
+
+def check_attention(kv_heads: int, causal: bool, masked: bool) -> None:
+    p = get_platform()
+    q = rank_data(0, (2, 5, 4, 8))
+    k = rank_data(1, (2, 6, kv_heads, 8))
+    v = rank_data(2, (2, 6, kv_heads, 8))
+    mask = None
+    allowed = np.ones((5, 6), bool)
+    if causal:
+        allowed &= np.tril(np.ones((5, 6), bool))
+    if masked:
+        mask = np.ones((5, 6), bool)
+        mask[:, 4:] = False
+        mask[3] = False  # query 3 sees no key: output 0, lse -inf
+        allowed &= mask
+    scale = 0.3
+    out, lse = p.attention(p.from_numpy(q), p.from_numpy(k), p.from_numpy(v), scale=scale, causal=causal,
+                           mask=None if mask is None else p.from_numpy(mask))
+    ref_out, ref_lse = _attention_numpy(q, k, v, scale, allowed)
+    assert p.dtype_name(lse.dtype) == "float32" and tuple(lse.shape) == (2, 4, 5)
+    # float32 against a float64 reference: softmax over 6 keys, ~1e-6 relative.
+    np.testing.assert_allclose(p.to_numpy(out), ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(p.to_numpy(lse), ref_lse, rtol=1e-5, atol=1e-5)
+
+    g = rank_data(3, (2, 5, 4, 8))
+    _, backward = p.vjp(lambda q_, k_, v_: p.attention(q_, k_, v_, scale=scale, causal=causal,
+                                                       mask=None if mask is None else p.from_numpy(mask))[0],
+                        [p.from_numpy(q), p.from_numpy(k), p.from_numpy(v)])
+    grads, _ = backward([p.from_numpy(g)])
+    for grad in grads:
+        assert np.isfinite(p.to_numpy(grad)).all(), "attention gradient has NaN/inf (fully masked row?)"
+    # dV = P^T dO summed over the heads sharing a kv head.
+    probs = np.exp(np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64),
+                             np.repeat(k, 4 // kv_heads, axis=2).astype(np.float64)) * scale
+                   - np.where(np.isfinite(ref_lse), ref_lse, 0.0)[..., None]) * allowed
+    dv = np.einsum("bhqk,bqhd->bkhd", probs, g.astype(np.float64))
+    dv = dv.reshape(2, 6, kv_heads, 4 // kv_heads, 8).sum(3)
+    np.testing.assert_allclose(p.to_numpy(grads[2]), dv, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_attention(run_on_ranks, kv_heads: int, causal: bool, masked: bool) -> None:
+    run_on_ranks(check_attention, kv_heads, causal, masked, world_size=1)
+
+
+def check_storage_streams_device() -> dict:
+    p = get_platform()
+    t = p.from_numpy(rank_data(0, (64, 64)))
+    p.free_storage(t)
+    assert tuple(t.shape) == (64, 64)
+    p.alloc_storage(t)
+    assert p.to_numpy(t).shape == (64, 64)  # values are undefined after re-allocation
+    stream = p.new_stream()
+    event = p.new_event()
+    with p.stream(stream):
+        y = p.from_numpy(np.ones(3, np.float32)) * 2.0
+    p.record_event(event, stream)
+    p.wait_event(event)
+    p.record_event(p.new_event())
+    p.current_stream()
+    p.synchronize()
+    assert p.to_numpy(y).tolist() == [2.0, 2.0, 2.0]
+    assert p.device_type in ("cpu", "cuda", "npu", "ascend")
+    assert p.device_count() >= 1
+    p.set_device(0)
+    try:
+        p.set_device(p.device_count())
+    except ValueError as err:
+        assert "local_rank" in str(err)
+    else:
+        raise AssertionError("set_device accepted a device index past device_count()")
+    used, peak = p.memory_allocated(), p.max_memory_allocated()
+    assert 0 < used <= peak, (used, peak)
+    return {"caps": sorted(c.name for c in p.capabilities()), "name": p.name}
+
+
+def test_storage_streams_device(run_on_ranks) -> None:
+    (result,) = run_on_ranks(check_storage_streams_device, world_size=1)
+    assert set(result["caps"]) <= {c.name for c in Capability}
+
+
+def test_dtypes(run_on_ranks) -> None:
+    run_on_ranks(check_dtypes, world_size=1)
+
+
+def test_factories_and_shape_ops(run_on_ranks) -> None:
+    run_on_ranks(check_factories_and_shape_ops, world_size=1)
+
+
+def test_tensor_methods(run_on_ranks) -> None:
+    (checked,) = run_on_ranks(check_tensor_methods, world_size=1)
+    assert checked == sorted(TENSOR_METHODS)
