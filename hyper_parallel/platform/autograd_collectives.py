@@ -118,6 +118,18 @@ class _AllToAll(CustomFunction):
         return None, back, None, None, None, None, None
 
 
+def _deliver(ctx: Any, send: Any, work: Work) -> Any:
+    """The gradient of ``x`` for the async waits' backward: without a handle box, the
+    reverse collective's result now; with one, ``(work, send)`` is handed over and ``x``
+    gets zeros (the consumer adds the real gradient after ``work.wait()``)."""
+    if ctx.handle_box is None:
+        return work.wait()
+    # The send buffer rides along with its Work: on accelerators the collective reads it
+    # until the wait, so it must stay alive until then.
+    ctx.handle_box.append((work, send))
+    return ctx.p.zeros(ctx.x_shape, ctx.x_dtype)
+
+
 class _AsyncA2AWait(CustomFunction):
     @staticmethod
     def forward(ctx: Any, p: Any, x: Any, work: Work, out_perm: Any, group: Any, world_size: int,
@@ -130,17 +142,9 @@ class _AsyncA2AWait(CustomFunction):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
-        p = ctx.p
         send = _split_leading(grad, ctx.concat_dim, ctx.n)
-        launched = p.all_to_all_single(send, group=ctx.group, async_op=ctx.handle_box is not None)
-        work = HandleWork([launched], lambda: _merge_leading(launched.wait(), ctx.split_dim))
-        if ctx.handle_box is None:
-            grad_x = work.wait()
-        else:
-            # The send buffer rides along with its Work: on accelerators the collective
-            # reads it until the wait, so it must stay alive until then.
-            ctx.handle_box.append((work, send))
-            grad_x = p.zeros(ctx.x_shape, ctx.x_dtype)
+        launched = ctx.p.all_to_all_single(send, group=ctx.group, async_op=ctx.handle_box is not None)
+        grad_x = _deliver(ctx, send, HandleWork([launched], lambda: _merge_leading(launched.wait(), ctx.split_dim)))
         return None, grad_x, None, None, None, None, None, None, None
 
 
@@ -155,15 +159,10 @@ class _AsyncAllGatherWait(CustomFunction):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
-        p = ctx.p
         send = _to_front(grad, ctx.gather_dim)
-        launched = p.reduce_scatter_tensor(send, ReduceOp.SUM, group=ctx.group, async_op=ctx.handle_box is not None)
-        work = HandleWork([launched], lambda: _from_front(launched.wait(), ctx.gather_dim))
-        if ctx.handle_box is None:
-            grad_x = work.wait()
-        else:
-            ctx.handle_box.append((work, send))
-            grad_x = p.zeros(ctx.x_shape, ctx.x_dtype)
+        launched = ctx.p.reduce_scatter_tensor(send, ReduceOp.SUM, group=ctx.group,
+                                               async_op=ctx.handle_box is not None)
+        grad_x = _deliver(ctx, send, HandleWork([launched], lambda: _from_front(launched.wait(), ctx.gather_dim)))
         return None, grad_x, None, None, None, None, None, None
 
 
@@ -172,7 +171,7 @@ class _SyncHook(CustomFunction):
     def forward(ctx: Any, p: Any, x: Any, hook_name: str, coordinator: Any) -> Any:
         ctx.hook_name, ctx.coordinator = hook_name, coordinator
         coordinator.forward_hook(hook_name)
-        return x.clone()
+        return x
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:

@@ -17,7 +17,7 @@ import numpy as np
 TENSOR_METHODS: tuple[str, ...] = (
     "shape", "dtype", "ndim", "dim", "numel", "reshape", "view", "permute", "transpose",
     "contiguous", "is_contiguous", "unsqueeze", "squeeze", "flatten", "sum", "mean",
-    "amax", "exp", "log", "float", "detach", "clone", "__getitem__",
+    "amax", "exp", "log", "float", "__getitem__",
     "__add__", "__sub__", "__mul__", "__truediv__", "__neg__", "__matmul__",
 )
 
@@ -31,11 +31,11 @@ class OpsSection(ABC):
 
     @abstractmethod
     def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
-        """A tensor of zeros."""
+        """A tensor of ``shape`` and framework ``dtype`` filled with zeros."""
 
     @abstractmethod
     def full(self, shape: Sequence[int], value: float, dtype: Any) -> Any:
-        """A tensor filled with ``value``."""
+        """A tensor of ``shape`` and framework ``dtype`` filled with ``value``."""
 
     @abstractmethod
     def arange(self, start: int, end: int, dtype: Any) -> Any:
@@ -81,6 +81,16 @@ class OpsSection(ABC):
     @abstractmethod
     def to_dtype(self, tensor: Any, dtype: Any) -> Any:
         """Cast to framework ``dtype``; differentiable for floating dtypes."""
+
+    @abstractmethod
+    def detach(self, tensor: Any) -> Any:
+        """``tensor``'s values cut from autograd: no gradient flows back through the
+        result (torch ``Tensor.detach``, MindSpore ``ops.stop_gradient``)."""
+
+    @abstractmethod
+    def clone(self, tensor: Any) -> Any:
+        """A copy of ``tensor`` in its own memory; differentiable (the gradient passes
+        through unchanged)."""
 
     @abstractmethod
     def free_storage(self, tensor: Any) -> None:

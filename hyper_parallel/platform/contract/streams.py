@@ -17,19 +17,19 @@ class StreamsSection(ABC):
 
     @abstractmethod
     def current_stream(self) -> Any:
-        """The stream work is issued to now."""
+        """The stream that device work is issued to now (a no-op stream object on CPU)."""
 
     @abstractmethod
     def new_stream(self) -> Any:
-        """A new stream of the current device."""
+        """A new stream of the current device, for work that should overlap the current stream."""
 
     @abstractmethod
     def stream(self, stream: Any) -> AbstractContextManager[Any]:
-        """A context issuing work to ``stream``."""
+        """A context manager under which device work is issued to ``stream``."""
 
     @abstractmethod
     def new_event(self) -> Any:
-        """A new event."""
+        """A new event, to be recorded on one stream and waited for by another."""
 
     @abstractmethod
     def record_event(self, event: Any, stream: Any = None) -> None:

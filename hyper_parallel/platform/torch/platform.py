@@ -13,13 +13,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.platform import host_memory, host_streams
+from hyper_parallel.platform import group_partition, host_memory, host_streams
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
 from hyper_parallel.platform.base import Capability, CustomFunction, Platform, RemovableHandle, VjpFn
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.collectives import TorchCollectives
-from hyper_parallel.platform.validation import check_group_ranks, check_partition, normalize_dim
+from hyper_parallel.platform.validation import check_group_ranks, normalize_dim
 
 #: device type -> process-group backend
 DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -149,14 +149,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return self._groups[key]
 
     def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
-        parts = check_partition(partition, dist.get_world_size())
-        own = dist.get_rank()
-        mine = None
-        for part in parts:
-            group = self.create_group(part)
-            if own in part:
-                mine = group
-        return mine
+        return group_partition.split_group(self, partition)
 
     def group_ranks(self, group: Any = None) -> list[int]:
         if group is None:
@@ -297,6 +290,12 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def to_dtype(self, tensor: Any, dtype: Any) -> Any:
         return tensor.to(dtype)
+
+    def detach(self, tensor: Any) -> Any:
+        return tensor.detach()
+
+    def clone(self, tensor: Any) -> Any:
+        return tensor.clone()
 
     def free_storage(self, tensor: Any) -> None:
         storage = tensor.untyped_storage()

@@ -1,0 +1,121 @@
+"""Autograd on MindSpore: custom functions, grad mode, and ``vjp``.
+
+MindSpore records operations only inside a differentiation call (``mindspore.grad``,
+``value_and_grad``, ``vjp``) in PyNative mode; there is no ``Tensor.backward`` and
+parameters carry no ``.grad``. Core runs every backward through ``vjp`` below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from hyper_parallel.platform.contract.autograd import AutogradSection, VjpFn
+from hyper_parallel.platform.contract.common import CustomFunction
+
+
+def native_function(base: type, function: type[CustomFunction]) -> type:
+    """A ``mindspore._Function`` subclass whose forward and backward are ``function``'s.
+
+    ``_Function`` follows ``torch.autograd.Function``: ``apply`` runs ``forward(ctx,
+    *args)`` with recording off, and autograd calls ``backward(ctx, *grads)`` with one
+    gradient per output (zeros for unused outputs); non-tensor arguments pass through
+    and take ``None`` gradients.
+    """
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        return function.forward(ctx, *args)
+
+    def backward(ctx: Any, *grad_outputs: Any) -> Any:
+        return function.backward(ctx, *grad_outputs)
+
+    return type(function.__name__, (base,), {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward),
+        "__module__": function.__module__,
+        "__qualname__": f"{function.__qualname__}[mindspore]",
+        "__doc__": function.__doc__,
+    })
+
+
+class MindSporeAutograd(AutogradSection):
+    """Autograd members of ``MindSporePlatform``.
+
+    Uses the platform's ``_ms``/``_mint`` modules and ``_native_functions`` (the
+    ``_Function`` subclass built for each ``CustomFunction`` subclass).
+    """
+
+    _ms: Any
+    _mint: Any
+    _native_functions: dict[type, type]
+
+    def apply_function(self, function: type[CustomFunction], *args: Any) -> Any:
+        """``<native _Function subclass>.apply(*args)``; the subclass is built on first use
+        and cached on this platform object."""
+        if not (isinstance(function, type) and issubclass(function, CustomFunction)):
+            raise TypeError(f"apply_function: {function!r} is not a CustomFunction subclass")
+        native = self._native_functions.get(function)
+        if native is None:
+            native = native_function(self._ms._Function, function)
+            self._native_functions[function] = native
+        return native.apply(*args)
+
+    def no_grad(self) -> AbstractContextManager[None]:
+        """``mindspore._no_grad()``: MindSpore's context that turns recording off."""
+        return self._ms._no_grad()
+
+    def grad_enabled(self) -> bool:
+        """MindSpore's grad-mode flag: False under ``no_grad`` and inside a custom
+        function's forward, True otherwise. Like torch's ``is_grad_enabled``, it is True
+        at top level even though MindSpore records only inside ``vjp``."""
+        from mindspore.graph.api import _pynative_executor
+
+        return bool(_pynative_executor.enable_grad())
+
+    def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
+        """``mindspore.vjp(fn, *tensor_inputs, weights=params)``.
+
+        Non-tensor inputs are bound into ``fn`` rather than differentiated (MindSpore
+        differentiates positional tensors only) and get ``None`` gradients, as do
+        non-floating tensors. ``params`` must be ``mindspore.Parameter``: MindSpore finds
+        weights by identity and silently returns zeros for a plain tensor.
+        """
+        inputs = tuple(inputs)
+        params = list(params)
+        for index, param in enumerate(params):
+            if not isinstance(param, self._ms.Parameter):
+                raise TypeError(f"vjp: params[{index}] is {type(param).__name__}, not a mindspore.Parameter; "
+                                "make it with make_parameter() or pass it as an input")
+        positions = [i for i, value in enumerate(inputs) if isinstance(value, self._ms.Tensor)]
+
+        def call(*tensors: Any) -> Any:
+            args = list(inputs)
+            for position, tensor in zip(positions, tensors):
+                args[position] = tensor
+            return fn(*args)
+
+        outputs, native_backward = self._ms.vjp(call, *(inputs[i] for i in positions), weights=params)
+        flat = (outputs,) if isinstance(outputs, self._ms.Tensor) else tuple(outputs)
+        state = {"ran": False}
+
+        def backward(grad_outputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+            if state["ran"]:
+                # MindSpore would re-run the forward (and its collectives) to go again.
+                raise RuntimeError("vjp: backward already ran; it runs once per vjp call")
+            grads = list(grad_outputs)
+            if len(grads) != len(flat):
+                raise ValueError(f"vjp backward: got {len(grads)} output gradients for {len(flat)} outputs; "
+                                 "give one per output (None for an output without a gradient)")
+            state["ran"] = True
+            sens = [self._mint.zeros(tuple(out.shape), dtype=out.dtype) if grad is None else grad
+                    for grad, out in zip(grads, flat)]
+            input_grads, param_grads = native_backward(sens[0] if isinstance(outputs, self._ms.Tensor)
+                                                       else tuple(sens))
+            input_grads = (input_grads,) if isinstance(input_grads, self._ms.Tensor) else tuple(input_grads)
+            per_input: list[Any] = [None] * len(inputs)
+            for position, grad in zip(positions, input_grads):
+                per_input[position] = grad if inputs[position].is_floating_point() else None
+            return tuple(per_input), tuple(param_grads)
+
+        return outputs, backward

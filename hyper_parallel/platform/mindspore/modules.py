@@ -1,0 +1,82 @@
+"""Hooks on Cells, Parameters and tensors; walking and editing a Cell tree.
+
+MindSpore's Cell hooks take torch's signatures and fire under ``mindspore.vjp``/``grad``
+in PyNative mode, so most members forward to them directly.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hyper_parallel.platform.contract.common import RemovableHandle
+from hyper_parallel.platform.contract.modules import ModulesSection
+
+
+class MindSporeModules(ModulesSection):
+    """Module members of ``MindSporePlatform``; uses the platform's ``_ms`` module."""
+
+    _ms: Any
+
+    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        """``Cell.register_forward_pre_hook``."""
+        return module.register_forward_pre_hook(hook)
+
+    def register_forward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        """``Cell.register_forward_hook``."""
+        return module.register_forward_hook(hook)
+
+    def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        """``Cell.register_backward_pre_hook``."""
+        return module.register_backward_pre_hook(hook)
+
+    def register_full_backward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+        """``Cell.register_backward_hook`` (MindSpore's backward hook is a full one: it
+        receives the gradients of the Cell's inputs and outputs)."""
+        return module.register_backward_hook(hook)
+
+    def register_post_accumulate_grad_hook(self, param: Any, hook: Callable[[Any, Any], None]) -> RemovableHandle:
+        """A ``Parameter.register_hook`` calling ``hook(param, grad)``: MindSpore calls a
+        parameter's hook once, with the sum over every use of the parameter in this
+        backward, which is its final gradient (nothing accumulates across backwards)."""
+
+        def on_grad(grad: Any) -> None:
+            hook(param, grad)  # returning None leaves the gradient unchanged
+
+        return param.register_hook(on_grad)
+
+    def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
+        """``Tensor.register_hook``."""
+        return tensor.register_hook(hook)
+
+    def named_modules(self, module: Any) -> Iterator[tuple[str, Any]]:
+        """``Cell.cells_and_names()`` (root ``""`` first, depth-first, each Cell once)."""
+        yield from module.cells_and_names()
+
+    def named_parameters(self, module: Any) -> Iterator[tuple[str, Any]]:
+        """``Cell.parameters_and_names()``: attribute paths, each Parameter once."""
+        yield from module.parameters_and_names()
+
+    def make_parameter(self, tensor: Any, requires_grad: bool = True) -> Any:
+        """``mindspore.Parameter(tensor)``, which copies the data. Its name is a unique
+        placeholder until ``set_parameter`` names it after its path."""
+        return self._ms.Parameter(tensor, requires_grad=requires_grad)
+
+    def set_parameter(self, module: Any, fqn: str, param: Any) -> None:
+        """``setattr`` on the owning Cell, then ``param.name = fqn``: MindSpore identifies
+        parameters by name (checkpoints, optimizers), and a Cell renames a Parameter
+        assigned to it after the attribute alone."""
+        if not isinstance(param, self._ms.Parameter):
+            raise TypeError(f"set_parameter: param is {type(param).__name__}, not a mindspore.Parameter; "
+                            "wrap it with make_parameter()")
+        *path, leaf = fqn.split(".")
+        owner = module
+        for part in path:
+            owner = getattr(owner, part, None) if owner is not None else None
+        if owner is None or not isinstance(getattr(owner, leaf, None), self._ms.Parameter):
+            names = [name for name, _ in module.parameters_and_names()]
+            nearest = difflib.get_close_matches(fqn, names, n=3) or names[:3]
+            raise KeyError(f"set_parameter: no parameter at {fqn!r}; nearest names: {nearest}")
+        setattr(owner, leaf, param)
+        param.name = fqn

@@ -1,0 +1,162 @@
+"""Tensor factories, shape operations, conversions and storage on MindSpore.
+
+[Note: MindSpore CPU kernels]
+Several ``mindspore.mint`` operations have no CPU kernel in MindSpore 2.10: ``full``
+(FillScalar), ``arange``, ``stack`` (StackExt), ``clone``, ``zeros_like``, ``tril``,
+``logsumexp``, ``repeat_interleave`` and ``nn.functional.pad`` (ConstantPadND). Calling
+one fails *and* leaves the process's operation queue broken (later operations re-raise
+the error), so this backend never calls them: it uses ``ops.full``, numpy, ``cat`` of
+unsqueezed tensors and ``cat`` with a filled tensor instead, which work on every device
+and are differentiable. Arguments are checked here for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.platform.contract.ops import OpsSection
+from hyper_parallel.platform.mindspore.attention import attention as local_attention
+from hyper_parallel.platform.validation import normalize_dim
+
+
+def _shape(shape: Sequence[int]) -> tuple[int, ...]:
+    dims = tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape={list(shape)} has a negative size; sizes are >= 0")
+    return dims
+
+
+class MindSporeOps(OpsSection):
+    """Tensor-op members of ``MindSporePlatform``; uses its ``_ms``/``_mint``/``_ops``
+    modules and ``_device_type``."""
+
+    _ms: Any
+    _mint: Any
+    _ops: Any
+    _device_type: str
+
+    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
+        """``mint.empty``."""
+        return self._mint.empty(_shape(shape), dtype=dtype)
+
+    def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
+        """``mint.zeros``."""
+        return self._mint.zeros(_shape(shape), dtype=dtype)
+
+    def full(self, shape: Sequence[int], value: float, dtype: Any) -> Any:
+        """``ops.full`` (see [Note: MindSpore CPU kernels]); bfloat16 is filled in float32
+        and cast, since ``ops.full`` rejects it."""
+        dims = _shape(shape)
+        if dtype == self._ms.bfloat16:
+            return self._ops.full(dims, value, dtype=self._ms.float32).astype(dtype)
+        return self._ops.full(dims, value, dtype=dtype)
+
+    def arange(self, start: int, end: int, dtype: Any) -> Any:
+        """Built with numpy and copied to the device (``mint.arange`` has no CPU kernel)."""
+        return self._ms.Tensor(np.arange(int(start), int(end), dtype=np.int64)).astype(dtype)
+
+    def from_numpy(self, array: np.ndarray) -> Any:
+        """``mindspore.Tensor(array)``, which copies (``mindspore.from_numpy`` would share
+        the numpy buffer)."""
+        # np.ascontiguousarray would turn a 0-d array into shape (1,).
+        return self._ms.Tensor(array if array.flags.c_contiguous else np.ascontiguousarray(array))
+
+    def to_numpy(self, tensor: Any) -> np.ndarray:
+        """``Tensor.asnumpy()`` copied (on CPU it shares the tensor's memory)."""
+        if tensor.dtype == self._ms.bfloat16:
+            tensor = tensor.astype(self._ms.float32)
+        return np.array(tensor.asnumpy(), copy=True)
+
+    def cat(self, tensors: Sequence[Any], dim: int = 0) -> Any:
+        """``mint.cat``."""
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("cat: tensors is empty; give at least one tensor")
+        return self._mint.cat(tensors, normalize_dim(dim, tensors[0].ndim))
+
+    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
+        """``cat`` of tensors unsqueezed at ``dim`` (``mint.stack`` has no CPU kernel)."""
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("stack: tensors is empty; give at least one tensor")
+        dim = normalize_dim(dim, tensors[0].ndim + 1)
+        if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
+            raise ValueError(f"stack: shapes differ ({[tuple(t.shape) for t in tensors]}); stack needs equal shapes")
+        return self._mint.cat([t.unsqueeze(dim) for t in tensors], dim)
+
+    def chunk(self, tensor: Any, chunks: int, dim: int = 0) -> list[Any]:
+        """``mint.chunk`` (torch.chunk semantics)."""
+        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
+            raise ValueError(f"chunk: chunks={chunks!r} must be a positive int")
+        return list(self._mint.chunk(tensor, chunks, normalize_dim(dim, tensor.ndim)))
+
+    def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+        """``mint.split`` with a list of sizes."""
+        dim = normalize_dim(dim, tensor.ndim)
+        sizes = list(sizes)
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in sizes):
+            raise ValueError(f"split: sizes={sizes} must be non-negative ints")
+        if sum(sizes) != tensor.shape[dim]:
+            raise ValueError(f"split: sizes={sizes} sum to {sum(sizes)}, but tensor.shape[{dim}] is "
+                             f"{tensor.shape[dim]}; the sizes must add up to it")
+        return list(self._mint.split(tensor, sizes, dim))
+
+    def narrow(self, tensor: Any, dim: int, start: int, length: int) -> Any:
+        """``mint.narrow``."""
+        dim = normalize_dim(dim, tensor.ndim)
+        size = tensor.shape[dim]
+        if start < 0 or length < 0 or start + length > size:
+            raise ValueError(f"narrow: rows {start} .. {start + length} are outside dim {dim} of size {size}; "
+                             "use 0 <= start and start + length <= size")
+        return self._mint.narrow(tensor, dim, start, length)
+
+    def pad(self, tensor: Any, dim: int, before: int, after: int, value: float = 0.0) -> Any:
+        """``cat`` with filled tensors (``ConstantPadND`` has no CPU kernel)."""
+        dim = normalize_dim(dim, tensor.ndim)
+        if before < 0 or after < 0:
+            raise ValueError(f"pad: before={before}, after={after} must be >= 0; use narrow to cut")
+        parts = []
+        for count in (before, after):
+            shape = list(tensor.shape)
+            shape[dim] = count
+            parts.append(self.full(shape, value, tensor.dtype) if count else None)
+        pieces = [piece for piece in (parts[0], tensor, parts[1]) if piece is not None]
+        return pieces[0] if len(pieces) == 1 else self._mint.cat(pieces, dim)
+
+    def to_dtype(self, tensor: Any, dtype: Any) -> Any:
+        """``Tensor.astype``."""
+        return tensor.astype(dtype)
+
+    def detach(self, tensor: Any) -> Any:
+        """``ops.stop_gradient`` (MindSpore tensors have no ``detach``)."""
+        return self._ops.stop_gradient(tensor)
+
+    def clone(self, tensor: Any) -> Any:
+        """A one-piece ``mint.cat``: MindSpore 2.10 has no CPU kernel for ``clone``."""
+        return self._mint.cat([tensor])
+
+    def free_storage(self, tensor: Any) -> None:
+        """``tensor.untyped_storage().resize_(0)``: the memory goes back to MindSpore's
+        allocator and is reused by later tensors (the process RSS does not shrink, the
+        pool keeps it). Reading the tensor before ``alloc_storage`` is undefined."""
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    def alloc_storage(self, tensor: Any) -> None:
+        """``tensor.untyped_storage().resize_(numel * itemsize)``; values are undefined."""
+        storage = tensor.untyped_storage()
+        nbytes = int(tensor.numel()) * int(tensor.itemsize)
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
+                  mask: Any = None) -> tuple[Any, Any]:
+        """CPU: plain operations (see ``attention.attention``). Ascend: ``out`` from
+        ``ops.flash_attention_score`` for float16/bfloat16 inputs, ``lse`` from plain
+        float32 operations so that its gradient is exact."""
+        return local_attention(self._ms, self._mint, q, k, v, scale=scale, causal=causal, mask=mask,
+                               fused=self._device_type == "ascend")

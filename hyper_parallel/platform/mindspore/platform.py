@@ -1,0 +1,166 @@
+"""``MindSporePlatform``: the platform contract on MindSpore, CPU (MCCL) or Ascend (HCCL).
+
+The members live in one mixin per contract section (``groups``, ``collectives``,
+``autograd``, ``modules``, ``ops``, ``streams``); this module holds the state they share,
+the types and device sections, and the capability report. MindSpore is imported when a
+platform object is built, never when this package is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyper_parallel.platform import host_memory
+from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
+from hyper_parallel.platform.base import Capability, Platform
+from hyper_parallel.platform.contract.types import DTYPE_NAMES
+from hyper_parallel.platform.mindspore.autograd import MindSporeAutograd
+from hyper_parallel.platform.mindspore.collectives import MindSporeCollectives
+from hyper_parallel.platform.mindspore.groups import MindSporeGroups
+from hyper_parallel.platform.mindspore.modules import MindSporeModules
+from hyper_parallel.platform.mindspore.ops import MindSporeOps
+from hyper_parallel.platform.mindspore.p2p import RecvChannels
+from hyper_parallel.platform.mindspore.streams import MindSporeStreams
+
+_DEVICES = ("cpu", "ascend")
+
+#: DTYPE_NAMES -> attribute of the ``mindspore`` module.
+_DTYPE_ATTRS = {name: ("bool_" if name == "bool" else name) for name in DTYPE_NAMES}
+
+
+class MindSporePlatform(
+    DifferentiableCollectives,
+    MindSporeGroups,
+    MindSporeCollectives,
+    MindSporeAutograd,
+    MindSporeModules,
+    MindSporeOps,
+    MindSporeStreams,
+    Platform,
+):
+    """The MindSpore backend (PyNative mode).
+
+    Args:
+        device: ``"cpu"`` or ``"ascend"``; ``None`` takes MindSpore's
+            ``device_target`` (Ascend when it is Ascend, else CPU).
+
+    Raises:
+        ValueError: unknown ``device``.
+        RuntimeError: ``"ascend"`` requested where MindSpore has no Ascend device.
+    """
+
+    def __init__(self, device: str | None = None) -> None:
+        import mindspore
+        import mindspore.communication
+        import mindspore.mint.distributed
+
+        if device is None:
+            device = "ascend" if str(mindspore.get_context("device_target")).lower() == "ascend" else "cpu"
+        device = device.lower()
+        if device not in _DEVICES:
+            raise ValueError(f"MindSporePlatform: device={device!r} is not supported; use one of {_DEVICES}")
+        if device == "ascend" and not mindspore.device_context.ascend.is_available():
+            raise RuntimeError("MindSporePlatform: device 'ascend' was requested but MindSpore finds no Ascend "
+                               "device (is CANN installed and the Ascend build of MindSpore in use?)")
+        self._device_type: str = device
+        self._ms: Any = mindspore  # the framework modules, held here so that no module imports them
+        self._mint: Any = mindspore.mint
+        self._ops: Any = mindspore.ops
+        self._dist: Any = mindspore.mint.distributed
+        self._comm: Any = mindspore.communication
+        self._dtypes: dict[str, Any] = {name: getattr(mindspore, attr) for name, attr in _DTYPE_ATTRS.items()}
+        self._device_id: int | None = None  # set by set_device on Ascend
+        self._initialized: bool = False  # between init_process_group and destroy_process_group
+        self._groups: dict[tuple[int, ...], str] = {}  # sorted global ranks -> group name
+        self._group_ranks: dict[str, tuple[int, ...]] = {}  # group name -> sorted global ranks
+        self._native_functions: dict[type, type] = {}  # CustomFunction subclass -> _Function subclass
+        self._recv_channels: RecvChannels = RecvChannels()  # CPU receives not yet posted
+
+    # -- types ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return f"mindspore-{self._device_type}"
+
+    @property
+    def framework(self) -> str:
+        return "mindspore"
+
+    @property
+    def tensor_type(self) -> type:
+        return self._ms.Tensor
+
+    @property
+    def parameter_type(self) -> type:
+        return self._ms.Parameter
+
+    @property
+    def module_type(self) -> type:
+        return self._ms.nn.Cell
+
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, self._ms.Tensor)
+
+    def dtype(self, name: str) -> Any:
+        """``mindspore.<name>`` (``"bool"`` is ``mindspore.bool_``)."""
+        found = self._dtypes.get(name)
+        if found is None:
+            raise ValueError(f"dtype: {name!r} is not a dtype name; use one of {', '.join(DTYPE_NAMES)}")
+        return found
+
+    def dtype_name(self, dtype: Any) -> str:
+        for name, candidate in self._dtypes.items():
+            if dtype == candidate:
+                return name
+        raise ValueError(f"dtype_name: {dtype} has no name in DTYPE_NAMES ({', '.join(DTYPE_NAMES)})")
+
+    def capabilities(self) -> frozenset[Capability]:
+        """Ascend: everything. CPU: only ``STORAGE_RESIZE``. Its AlltoAll, ReduceScatter,
+        AllGatherIntoTensor and batched p2p are emulated (see [Note: CPU collectives]);
+        PyNative runs every operation on one queue, so an async collective delays the
+        compute issued after it instead of overlapping it; streams are host no-ops; and
+        attention is plain operations. ``untyped_storage().resize_`` does return memory
+        to MindSpore's CPU allocator, where later tensors reuse it."""
+        if self._device_type == "ascend":
+            return frozenset({
+                Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
+                Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
+                Capability.ASYNC_COLLECTIVES, Capability.STREAMS, Capability.FUSED_ATTENTION,
+                Capability.STORAGE_RESIZE,
+            })
+        return frozenset({Capability.STORAGE_RESIZE})
+
+    # -- device --------------------------------------------------------------------------
+
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    def device_count(self) -> int:
+        """``mindspore.device_context.ascend.device_count()`` on Ascend; 1 on CPU."""
+        if self._device_type == "cpu":
+            return 1
+        return int(self._ms.device_context.ascend.device_count())
+
+    def set_device(self, local_rank: int) -> None:
+        """``mindspore.set_device("Ascend", local_rank)``; no-op on CPU."""
+        count = self.device_count()
+        if not isinstance(local_rank, int) or isinstance(local_rank, bool) or not 0 <= local_rank < count:
+            raise ValueError(f"set_device: local_rank={local_rank!r} is not a {self._device_type} device of this "
+                             f"process; use an int in [0, {count})")
+        if self._device_type == "ascend":
+            self._ms.set_device("Ascend", local_rank)
+            self._device_id = local_rank
+
+    def memory_allocated(self) -> int:
+        """Ascend: ``mindspore.runtime.memory_allocated()``. CPU: the process RSS (MindSpore
+        reports 0 for CPU tensors)."""
+        if self._device_type == "cpu":
+            return host_memory.rss_bytes()
+        return int(self._ms.runtime.memory_allocated())
+
+    def max_memory_allocated(self) -> int:
+        """Ascend: ``mindspore.runtime.max_memory_allocated()``. CPU: the peak RSS."""
+        if self._device_type == "cpu":
+            return host_memory.peak_rss_bytes()
+        return int(self._ms.runtime.max_memory_allocated())

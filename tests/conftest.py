@@ -1,0 +1,1 @@
+pytest_plugins = ["hyper_parallel.testing.pytest_plugin"]
