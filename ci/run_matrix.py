@@ -80,10 +80,10 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     print("=== import boundary: lint-imports", flush=True)
-    lint = subprocess.call([sys.executable, "-m", "importlinter.cli", "--config", str(REPO / "pyproject.toml")],
-                           cwd=REPO)
-    if lint != 0:
-        lint = subprocess.call(["lint-imports"], cwd=REPO)
+    # The console script of the interpreter running this file (the CI venv's), so the
+    # check cannot silently resolve to another installation or to nothing.
+    lint_imports = Path(sys.executable).parent / "lint-imports"
+    lint = subprocess.call([str(lint_imports), "--config", str(REPO / "pyproject.toml")], cwd=REPO)
 
     results = {name: run_backend(name, args.pytest_args, args.out) for name in backends}
 
@@ -105,6 +105,7 @@ def main() -> int:
             parity_problems.append(f"  {tid}: {seen}")
     skipped = [(name, tid, reason) for name, (_, tests, _) in results.items()
                for tid, (o, reason) in tests.items() if o == "skipped" and tid.startswith(contract)]
+    print(f"import boundary (lint-imports): {'kept' if lint == 0 else 'BROKEN'}")
     print(f"conformance: {len(all_ids)} test ids; parity problems: {len(parity_problems)}")
     for line in parity_problems:
         print(line)
