@@ -4,7 +4,18 @@ The core algorithms are written once against ``hyper_parallel.platform``; pick t
 backend with ``hyper_parallel.init(platform=...)`` or ``HYPER_PARALLEL_PLATFORM``.
 """
 
+from hyper_parallel.core.dtensor import (
+    DeviceMesh,
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+    init_device_mesh,
+)
 from hyper_parallel.platform import Capability, P2POp, Platform, ReduceOp, Work, get_platform, init
 
-__all__ = ["Capability", "P2POp", "Platform", "ReduceOp", "Work", "get_platform", "init"]
+__all__ = ["Capability", "DTensor", "DeviceMesh", "P2POp", "Partial", "Placement", "Platform", "ReduceOp",
+           "Replicate", "Shard", "Work", "distribute_tensor", "get_platform", "init", "init_device_mesh"]
 __version__ = "0.1.0"

@@ -14,40 +14,11 @@ from typing import Any
 
 from hyper_parallel.platform.contract.common import CustomFunction, HandleWork, ReduceOp, Work
 from hyper_parallel.platform.contract.differentiable import DifferentiableSection
+from hyper_parallel.platform.tensor_layout import from_front as _from_front
+from hyper_parallel.platform.tensor_layout import merge_leading as _merge_leading
+from hyper_parallel.platform.tensor_layout import split_leading as _split_leading
+from hyper_parallel.platform.tensor_layout import to_front as _to_front
 from hyper_parallel.platform.validation import check_divisible, check_split_sizes, normalize_dim
-
-
-def _to_front(x: Any, dim: int) -> Any:
-    """``x`` with ``dim`` moved to position 0 (others keep their order), contiguous."""
-    if dim == 0:
-        return x.contiguous()
-    perm = [dim] + [i for i in range(x.ndim) if i != dim]
-    return x.permute(*perm).contiguous()
-
-
-def _from_front(x: Any, dim: int) -> Any:
-    """Inverse of ``_to_front``: move dim 0 back to position ``dim``."""
-    if dim == 0:
-        return x.contiguous()
-    perm = list(range(1, dim + 1)) + [0] + list(range(dim + 1, x.ndim))
-    return x.permute(*perm).contiguous()
-
-
-def _merge_leading(buf: Any, dim: int) -> Any:
-    """``[n, *shape]`` -> ``shape`` with ``shape[dim]`` grown ``n`` times, the leading
-    index major (block ``s`` of the result is ``buf[s]``)."""
-    n = buf.shape[0]
-    rest = list(buf.shape[1:])
-    moved = buf.permute(*(list(range(1, dim + 1)) + [0] + list(range(dim + 1, buf.ndim)))).contiguous()
-    return moved.reshape(*(rest[:dim] + [n * rest[dim]] + rest[dim + 1:]))
-
-
-def _split_leading(x: Any, dim: int, n: int) -> Any:
-    """Inverse of ``_merge_leading``: ``shape`` -> ``[n, *shape with shape[dim] / n]``, contiguous."""
-    shape = list(x.shape)
-    blocked = x.reshape(*(shape[:dim] + [n, shape[dim] // n] + shape[dim + 1:]))
-    perm = [dim] + [i for i in range(blocked.ndim) if i != dim]
-    return blocked.permute(*perm).contiguous()
 
 
 def _all_to_all(p: Any, x: Any, split_dim: int, concat_dim: int, group: Any,

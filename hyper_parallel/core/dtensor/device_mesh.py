@@ -1,0 +1,201 @@
+"""``DeviceMesh``: ranks arranged in an n-D grid with named axes, one process group per axis.
+
+*Axis* means a mesh axis throughout (a tensor dimension is a *dim*). Groups come from
+the platform (``split_group``), created once per rank tuple; creating a mesh, and
+``flatten``, are collective over the world: every rank calls them in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.platform import get_platform
+
+
+def _axis_lines(mesh: np.ndarray, axes: Sequence[int]) -> list[list[int]]:
+    """The rank lists that vary only along ``axes`` (row-major inside each list): one
+    process group per list makes the group of that set of axes."""
+    others = [a for a in range(mesh.ndim) if a not in axes]
+    moved = np.transpose(mesh, others + list(axes))
+    return [list(map(int, block.reshape(-1))) for block in moved.reshape(-1, int(np.prod([mesh.shape[a] for a in axes])))]
+
+
+class DeviceMesh:
+    """An n-D grid of global ranks with optional axis names.
+
+    Args:
+        device_type: the platform's device type (``"cpu"``, ``"cuda"``, ``"npu"``,
+            ``"ascend"``); a different one raises.
+        mesh: nested sequence or array of global ranks, each rank of the world once.
+        mesh_dim_names: one distinct name per axis (``("dp", "tp")``).
+
+    Raises:
+        ValueError: the mesh does not hold each rank of the world exactly once, the
+            names are duplicated or of the wrong count, or ``device_type`` is not the
+            platform's.
+    """
+
+    def __init__(self, device_type: str, mesh: Any, *, mesh_dim_names: Sequence[str] | None = None) -> None:
+        p = get_platform()
+        ranks = np.asarray(mesh, dtype=np.int64)
+        if ranks.ndim == 0:
+            ranks = ranks.reshape(1)
+        world = p.world_size()
+        if sorted(ranks.reshape(-1).tolist()) != list(range(world)):
+            raise ValueError(
+                f"DeviceMesh: mesh {ranks.tolist()} (shape {tuple(ranks.shape)}) must hold each of the {world} ranks "
+                f"of the world exactly once; use init_device_mesh(device_type, shape) with prod(shape) == {world}"
+            )
+        self._init(device_type, ranks, mesh_dim_names)
+        self._root: DeviceMesh = self
+        self._root_axes: tuple[int, ...] = tuple(range(ranks.ndim))  # this mesh's axes as root axes
+        self._groups: tuple[Any, ...] = tuple(p.split_group(_axis_lines(ranks, [a])) for a in range(ranks.ndim))
+
+    def _init(self, device_type: str, ranks: np.ndarray, names: Sequence[str] | None) -> None:
+        p = get_platform()
+        if device_type != p.device_type:
+            raise ValueError(f"DeviceMesh: device_type={device_type!r} but the platform {p.name} computes on "
+                             f"{p.device_type!r}; pass {p.device_type!r}")
+        if names is not None:
+            names = tuple(names)
+            if len(names) != ranks.ndim or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"DeviceMesh: mesh_dim_names={names} must be {ranks.ndim} distinct strings, "
+                                 f"one per axis of the {tuple(ranks.shape)} mesh")
+        self._device_type: str = device_type
+        self._mesh: np.ndarray = ranks  # n-D array of global ranks
+        self._names: tuple[str, ...] | None = names
+        me = p.rank()
+        where = np.argwhere(ranks == me)
+        self._coordinate: tuple[int, ...] | None = tuple(int(c) for c in where[0]) if len(where) else None
+
+    # -- queries -----------------------------------------------------------------------
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    @property
+    def mesh(self) -> np.ndarray:
+        """The grid of global ranks (a copy)."""
+        return self._mesh.copy()
+
+    @property
+    def ndim(self) -> int:
+        return self._mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self._mesh.shape)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return self._names
+
+    def size(self, axis: int | str | None = None) -> int:
+        """The number of ranks in the mesh, or along ``axis``."""
+        return int(self._mesh.size) if axis is None else self.shape[self._axis(axis)]
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's index along each axis; ``None`` if the rank is not in the mesh."""
+        return self._coordinate
+
+    def get_local_rank(self, axis: int | str | None = None) -> int:
+        """This rank's index along ``axis`` (may be omitted on a 1-D mesh)."""
+        coordinate = self._require_coordinate("get_local_rank")
+        return coordinate[self._axis(axis)]
+
+    def get_group(self, axis: int | str | None = None) -> Any:
+        """The platform process group of ``axis`` that holds this rank."""
+        self._require_coordinate("get_group")
+        return self._groups[self._axis(axis)]
+
+    def _require_coordinate(self, what: str) -> tuple[int, ...]:
+        if self._coordinate is None:
+            raise RuntimeError(f"DeviceMesh.{what}: rank {get_platform().rank()} is not in mesh {self._mesh.tolist()}")
+        return self._coordinate
+
+    def _axis(self, axis: int | str | None) -> int:
+        if axis is None:
+            if self.ndim != 1:
+                raise ValueError(f"DeviceMesh: axis=None is ambiguous on a {self.ndim}-D mesh; name an axis "
+                                 f"({self._names or tuple(range(self.ndim))})")
+            return 0
+        if isinstance(axis, str):
+            if self._names is None or axis not in self._names:
+                raise ValueError(f"DeviceMesh: no axis named {axis!r}; the axes are {self._names}")
+            return self._names.index(axis)
+        if not isinstance(axis, int) or isinstance(axis, bool) or not -self.ndim <= axis < self.ndim:
+            raise ValueError(f"DeviceMesh: axis={axis!r} is out of range for a {self.ndim}-D mesh")
+        return axis % self.ndim
+
+    # -- submeshes ---------------------------------------------------------------------
+    def __getitem__(self, names: str | Sequence[str]) -> DeviceMesh:
+        """The submesh over the named axes that holds this rank (``mesh["tp"]``,
+        ``mesh["dp", "cp"]``); its groups are this mesh's, nothing is created."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        axes = [self._axis(name) for name in names]
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"DeviceMesh: axes {names} repeat an axis")
+        if axes == list(range(self.ndim)):
+            return self
+        coordinate = self._require_coordinate("__getitem__")
+        index = tuple(slice(None) if a in axes else coordinate[a] for a in range(self.ndim))
+        order = sorted(axes)  # numpy keeps the sliced axes in increasing order
+        ranks = np.transpose(self._mesh[index], [order.index(a) for a in axes])
+        sub = DeviceMesh.__new__(DeviceMesh)
+        sub._init(self._device_type, np.ascontiguousarray(ranks),
+                  tuple(self._names[a] for a in axes) if self._names else None)
+        sub._root = self._root
+        sub._root_axes = tuple(self._root_axes[a] for a in axes)
+        sub._groups = tuple(self._groups[a] for a in axes)
+        return sub
+
+    def flatten(self, name: str | None = None) -> DeviceMesh:
+        """A 1-D mesh over this mesh's ranks in row-major order, with its own group.
+
+        Collective: every rank of the world calls it on its own (sub)mesh of the same axes.
+        """
+        if self.ndim == 1 and name is None:
+            return self
+        root = self._root
+        lines = _axis_lines(root._mesh, list(self._root_axes))
+        group = get_platform().split_group(lines)
+        flat = DeviceMesh.__new__(DeviceMesh)
+        flat_name = name if name is not None else "_".join(self._names) if self._names else None
+        flat._init(self._device_type, self._mesh.reshape(-1), None if flat_name is None else (flat_name,))
+        flat._root = root
+        flat._root_axes = self._root_axes
+        flat._groups = (group,)
+        return flat
+
+    # -- identity ----------------------------------------------------------------------
+    def _key(self) -> tuple[Any, ...]:
+        return self._device_type, self.shape, tuple(self._mesh.reshape(-1).tolist()), self._names
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self._names}" if self._names else ""
+        return f"DeviceMesh({self._device_type!r}, {self._mesh.tolist()}{names})"
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """A mesh of ``mesh_shape`` over ranks ``0 .. world - 1`` in row-major order.
+
+    Raises:
+        ValueError: ``prod(mesh_shape)`` is not the world size (on every rank, before
+            any group is created), or the names do not fit.
+    """
+    shape = tuple(int(s) for s in mesh_shape)
+    world = get_platform().world_size()
+    if not shape or any(s < 1 for s in shape) or int(np.prod(shape)) != world:
+        raise ValueError(f"init_device_mesh: mesh_shape={shape} holds {int(np.prod(shape)) if shape else 0} ranks but "
+                         f"the world has {world}; give a shape whose product is {world}")
+    return DeviceMesh(device_type, np.arange(world).reshape(shape), mesh_dim_names=mesh_dim_names)
