@@ -215,3 +215,26 @@ def test_subgroups_inside_world_4(run_on_ranks) -> None:
     results = run_on_ranks(check_groups, world_size=4)
     assert [res["split_sum"] for res in results] == [3.0, 3.0, 3.0, 3.0]
     assert [res.get("sub", False) for res in results] == [False, True, True, False]
+
+
+def check_empty_tensors() -> None:
+    """Zero-size tensors (an empty shard of an uneven split) go through every collective."""
+    p = get_platform()
+    n = p.world_size()
+    f32 = p.dtype("float32")
+    empty = p.zeros((0, 3), f32)
+    for op in ("sum", "avg", "max"):
+        assert tuple(p.all_reduce(empty, op).wait().shape) == (0, 3)
+    assert tuple(p.all_gather_into_tensor(empty, async_op=True).wait().shape) == (0, 3)
+    assert tuple(p.reduce_scatter_tensor(empty).wait().shape) == (0, 3)
+    assert tuple(p.all_to_all_single(empty).wait().shape) == (0, 3)
+    assert tuple(p.all_to_all_single(empty, [0] * n, [0] * n).wait().shape) == (0, 3)
+    assert tuple(p.broadcast(empty, 0).wait().shape) == (0, 3)
+    assert tuple(p.differentiable_all_gather(p.zeros((2, 0), f32), dim=1).shape) == (2, 0)
+    total = p.all_reduce(p.from_numpy(np.ones(1, np.float32))).wait()
+    assert float(p.to_numpy(total)[0]) == n
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_empty_tensors(run_on_ranks, world_size: int) -> None:
+    run_on_ranks(check_empty_tensors, world_size=world_size)

@@ -164,6 +164,8 @@ class MindSporeCollectives(CollectivesSection):
             raise ValueError(f"broadcast: src={src!r} is not a rank of the group (size {len(ranks)}); "
                              f"use a group rank in [0, {len(ranks)})")
         buf = self._wire(self._fresh(tensor)) if me == src else self._receive_buffer(tensor)
+        if buf.numel() == 0:  # see _gather: empty buffers are not sent
+            return CompletedWork(self._unwire(buf, tensor.dtype))
         handle = self._dist.broadcast(buf, ranks[src], group=name, async_op=async_op)
         return _work(handle, lambda: self._unwire(buf, tensor.dtype))
 
@@ -277,10 +279,16 @@ class MindSporeCollectives(CollectivesSection):
         """List all-gather of ``tensor`` (as its wire view): ``(handle, pieces)``."""
         wire = self._wire(self._contiguous(tensor))
         pieces = [self._mint.empty(tuple(wire.shape), dtype=wire.dtype) for _ in range(n)]
+        if wire.numel() == 0:
+            # MindSpore's CPU ring all-gather fails on empty buffers ("Memcpy error ...
+            # size is 0"); every rank has the same empty shape, so none communicates.
+            return None, pieces
         handle = self._dist.all_gather(pieces, wire, group=name, async_op=async_op)
         return handle, pieces
 
     def _reduce(self, tensor: Any, op: ReduceOp, name: str, n: int, async_op: bool) -> Work:
+        if tensor.numel() == 0:  # see _gather: empty buffers are not sent
+            return CompletedWork(self._fresh(tensor))
         if self._dtype_key(tensor.dtype) in _NATIVE_REDUCE_DTYPES:
             buf = self._fresh(tensor)
             handle = self._dist.all_reduce(buf, _NATIVE_OP[op], group=name, async_op=async_op)
