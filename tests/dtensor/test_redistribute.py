@@ -13,7 +13,7 @@ import pytest
 
 from hyper_parallel.core.dtensor import DTensor, init_device_mesh
 from hyper_parallel.platform import get_platform
-from tests.dtensor._reference import (PAVG, PMAX, PMIN, PSUM, S0, S1, R, expected_local, grad_local,
+from tests.dtensor._reference import (PAVG, PMAX, PMIN, PSUM, S0, S1, R, chunk, expected_local, grad_local,
                                       placement_lists)
 
 
@@ -87,3 +87,32 @@ def test_all_pairs_2x2(run_on_ranks, shape: tuple[int, int], ops: tuple) -> None
 
 def test_world_one(run_on_ranks) -> None:
     assert run_on_ranks(check_all_pairs, (1,), (3, 4), world_size=1) == [len(_pairs(1))]
+
+
+def check_to_local_grad_placements(shape: tuple[int, int]) -> None:
+    """Column-parallel matmul by hand: x is replicated, each rank multiplies it by its rows
+    of W; x's gradient arrives as Partial and ``to_local(grad_placements=[Partial()])``
+    all-reduces it into G @ W, the single-process gradient."""
+    p = get_platform()
+    n, r = p.world_size(), p.rank()
+    mesh = init_device_mesh(p.device_type, (n,))
+    rng = np.random.default_rng(3)
+    out_features, in_features = shape
+    x, w = rng.standard_normal((4, in_features)), rng.standard_normal((out_features, in_features))
+    g = rng.standard_normal((4, out_features))
+    start, length = chunk(out_features, n, r)
+    w_local = w[start:start + length]
+
+    def fn(x_local):
+        x_dt = DTensor.from_local(x_local, mesh, [R])
+        return x_dt.to_local(grad_placements=[PSUM]) @ p.from_numpy(w_local).transpose(0, 1)
+
+    out, backward = p.vjp(fn, [p.from_numpy(x)])
+    np.testing.assert_allclose(p.to_numpy(out), x @ w_local.T, rtol=1e-12)
+    (grad,), _ = backward([p.from_numpy(np.ascontiguousarray(g[:, start:start + length]))])
+    np.testing.assert_allclose(p.to_numpy(grad), g @ w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_to_local_grad_placements(run_on_ranks, world_size: int) -> None:
+    run_on_ranks(check_to_local_grad_placements, (7, 5), world_size=world_size)

@@ -14,7 +14,7 @@ from typing import Any
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_shape, normalize_placements
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
-from hyper_parallel.core.dtensor.redistribute import redistribute_local
+from hyper_parallel.core.dtensor.redistribute import redistribute_local, to_local_with_grad_placements
 from hyper_parallel.platform import get_platform
 
 
@@ -86,9 +86,25 @@ class DTensor:
         return DTensor(local, spec)
 
     # -- conversions -------------------------------------------------------------------
-    def to_local(self) -> Any:
-        """This rank's local tensor (differentiable identity)."""
-        return self._local
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> Any:
+        """This rank's local tensor (differentiable identity).
+
+        Args:
+            grad_placements: how the gradient of the returned local tensor will be laid
+                out, when that is not this DTensor's placements. The typical case: a
+                replicated input multiplied locally by a sharded weight receives a
+                ``Partial()`` gradient, and passing ``[Partial()]`` makes the backward
+                all-reduce it into the replicated gradient. ``None``: the gradient has
+                this DTensor's placements (``Partial`` read as ``Replicate``).
+
+        Raises:
+            ValueError: ``grad_placements`` does not fit the mesh or the tensor.
+        """
+        if grad_placements is None:
+            return self._local
+        grad_placements = normalize_placements(grad_placements, self._spec.mesh, len(self._spec.shape),
+                                               what="DTensor.to_local")
+        return to_local_with_grad_placements(self._local, self._spec, grad_placements)
 
     def redistribute(self, device_mesh: DeviceMesh | None = None,
                      placements: Sequence[Placement] | None = None) -> DTensor:

@@ -167,6 +167,43 @@ class _Redistribute(CustomFunction):
         return grad, None, None
 
 
+def gradient_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """The placements of a DTensor's gradient: ``Partial`` read as ``Replicate``."""
+    return tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
+
+
+class _ToLocalWithGradPlacements(CustomFunction):
+    """Identity forward; backward takes a local gradient laid out as ``grad_placements``
+    to the DTensor's gradient layout (each step forward-transformed, then 1/n per
+    ``Partial('avg')`` axis)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Any, spec: DTensorSpec, grad_placements: tuple[Placement, ...]) -> Any:
+        ctx.spec, ctx.grad_placements = spec, grad_placements
+        return local
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+        spec = ctx.spec
+        coordinate = spec.mesh.get_coordinate()
+        grad_spec = DTensorSpec(spec.mesh, ctx.grad_placements, spec.shape)
+        for step in redistribute_plan(ctx.grad_placements, gradient_placements(spec.placements)):
+            grad = _forward_step(grad.contiguous(), step, grad_spec, coordinate)
+        for axis, placement in enumerate(spec.placements):
+            if placement == Partial("avg") and spec.mesh.shape[axis] > 1:
+                grad = grad / spec.mesh.shape[axis]
+        return grad, None, None
+
+
+def to_local_with_grad_placements(local: Any, spec: DTensorSpec, grad_placements: tuple[Placement, ...]) -> Any:
+    """``local``, whose gradient will arrive laid out as ``grad_placements`` (for example
+    ``Partial()`` after a local matmul with a sharded weight: the Megatron "f" operator,
+    identity forward and all-reduce backward)."""
+    if spec.mesh.get_coordinate() is None or tuple(grad_placements) == gradient_placements(spec.placements):
+        return local
+    return get_platform().apply_function(_ToLocalWithGradPlacements, local, spec, tuple(grad_placements))
+
+
 def redistribute_local(local: Any, spec: DTensorSpec, placements: tuple[Placement, ...]) -> Any:
     """The local tensor of ``spec``'s DTensor redistributed to ``placements``,
     differentiable (see the module doc). A rank outside the mesh keeps its tensor."""
