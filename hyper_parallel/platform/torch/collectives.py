@@ -25,7 +25,13 @@ _TORCH_OPS = {
 
 
 def _buffer(tensor: torch.Tensor) -> torch.Tensor:
+    """A private copy, for collectives that write into their input (all-reduce, broadcast)."""
     return tensor.detach().contiguous().clone()
+
+
+def _source(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous view or copy, for collectives that only read their input."""
+    return tensor.detach().contiguous()
 
 
 def _keep_alive(buf: torch.Tensor) -> Any:
@@ -64,7 +70,7 @@ class TorchCollectives:
             raise ValueError("all_gather_into_tensor: tensor is 0-dimensional; reshape it to [1] first")
         n = dist.get_world_size(self._group(group))
         out = tensor.new_empty((n * tensor.shape[0], *tensor.shape[1:]))
-        native = dist.all_gather_into_tensor(out, _buffer(tensor), group=self._group(group), async_op=async_op)
+        native = dist.all_gather_into_tensor(out, _source(tensor), group=self._group(group), async_op=async_op)
         return _work(native, out, async_op)
 
     def reduce_scatter_tensor(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
@@ -78,7 +84,7 @@ class TorchCollectives:
         rows = check_divisible(tensor.shape[0], n, what="reduce_scatter_tensor: tensor.shape[0]",
                                fix="pad dim 0 to a multiple of the group size")
         out = tensor.new_empty((rows, *tensor.shape[1:]))
-        native = dist.reduce_scatter_tensor(out, _buffer(tensor), _TORCH_OPS[op], group=self._group(group),
+        native = dist.reduce_scatter_tensor(out, _source(tensor), _TORCH_OPS[op], group=self._group(group),
                                             async_op=async_op)
         return _work(native, out, async_op)
 
@@ -95,7 +101,7 @@ class TorchCollectives:
                             fix="give input_split_sizes/output_split_sizes for uneven splits")
         rows = sum(out_sizes) if out_sizes is not None else (tensor.shape[0] // n) * n
         out = tensor.new_empty((rows, *tensor.shape[1:]))
-        native = dist.all_to_all_single(out, _buffer(tensor), out_sizes, in_sizes, group=self._group(group),
+        native = dist.all_to_all_single(out, _source(tensor), out_sizes, in_sizes, group=self._group(group),
                                         async_op=async_op)
         return _work(native, out, async_op)
 
