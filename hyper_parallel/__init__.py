@@ -14,8 +14,17 @@ from hyper_parallel.core.dtensor import (
     distribute_tensor,
     init_device_mesh,
 )
+from hyper_parallel.core.tensor_parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from hyper_parallel.platform import Capability, P2POp, Platform, ReduceOp, Work, get_platform, init
 
-__all__ = ["Capability", "DTensor", "DeviceMesh", "P2POp", "Partial", "Placement", "Platform", "ReduceOp",
-           "Replicate", "Shard", "Work", "distribute_tensor", "get_platform", "init", "init_device_mesh"]
+__all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "ParallelStyle", "Partial", "Placement",
+           "Platform", "PrepareModuleInput", "ReduceOp", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard",
+           "Work", "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
 __version__ = "0.1.0"

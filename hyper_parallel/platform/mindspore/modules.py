@@ -64,9 +64,9 @@ class MindSporeModules(ModulesSection):
         return self._ms.Parameter(tensor, requires_grad=requires_grad)
 
     def set_parameter(self, module: Any, fqn: str, param: Any) -> None:
-        """``setattr`` on the owning Cell, then ``param.name = fqn``: MindSpore identifies
-        parameters by name (checkpoints, optimizers), and a Cell renames a Parameter
-        assigned to it after the attribute alone."""
+        """``setattr`` on the owning Cell, then the new parameter takes the replaced one's
+        name: MindSpore identifies parameters by name (checkpoints, optimizers), and a
+        Cell renames a Parameter assigned to it after the attribute alone."""
         if not isinstance(param, self._ms.Parameter):
             raise TypeError(f"set_parameter: param is {type(param).__name__}, not a mindspore.Parameter; "
                             "wrap it with make_parameter()")
@@ -78,5 +78,8 @@ class MindSporeModules(ModulesSection):
             names = [name for name, _ in module.parameters_and_names()]
             nearest = difflib.get_close_matches(fqn, names, n=3) or names[:3]
             raise KeyError(f"set_parameter: no parameter at {fqn!r}; nearest names: {nearest}")
+        old_name = getattr(owner, leaf).name
         setattr(owner, leaf, param)
-        param.name = fqn
+        # Keep the replaced parameter's name (its path from the root Cell), also when
+        # ``module`` is a submodule and ``fqn`` is relative to it.
+        param.name = old_name
