@@ -47,6 +47,14 @@ def _own_parameter(module: Any, name: str) -> Any:
     return dict(get_platform().named_parameters(module)).get(name)
 
 
+def _linear_weight(module: Any, style: str) -> Any:
+    """The ``[out, in]`` weight of a linear layer, or a ValueError naming the style."""
+    weight = _own_parameter(module, "weight")
+    if weight is None or weight.ndim != 2:
+        raise ValueError(f"{style}: {type(module).__name__} has no 2-D 'weight' ([out, in]); apply it to a linear layer")
+    return weight
+
+
 def _shard_parameter(module: Any, name: str, placement: Shard, mesh: DeviceMesh) -> None:
     """Replace ``module.<name>`` by a parameter holding this rank's ``placement`` shard."""
     p = get_platform()
@@ -90,10 +98,7 @@ class ColwiseParallel(ParallelStyle):
     def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
         _check_1d(device_mesh, "ColwiseParallel")
         p = get_platform()
-        weight = _own_parameter(module, "weight")
-        if weight is None or weight.ndim != 2:
-            raise ValueError(f"ColwiseParallel: {type(module).__name__} has no 2-D 'weight' ([out, in]); "
-                             "apply it to a linear layer")
+        weight = _linear_weight(module, "ColwiseParallel")
         out_features = int(weight.shape[0])
         for name in ("weight", "bias"):
             _shard_parameter(module, name, Shard(0), device_mesh)
@@ -137,10 +142,7 @@ class RowwiseParallel(ParallelStyle):
     def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
         _check_1d(device_mesh, "RowwiseParallel")
         p = get_platform()
-        weight = _own_parameter(module, "weight")
-        if weight is None or weight.ndim != 2:
-            raise ValueError(f"RowwiseParallel: {type(module).__name__} has no 2-D 'weight' ([out, in]); "
-                             "apply it to a linear layer")
+        weight = _linear_weight(module, "RowwiseParallel")
         in_features = int(weight.shape[1])
         _shard_parameter(module, "weight", Shard(1), device_mesh)
         mesh, in_layout, out_layout = device_mesh, self.input_layout, self.output_layout
