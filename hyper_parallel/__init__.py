@@ -11,6 +11,8 @@ from hyper_parallel.core.dtensor import (
     Placement,
     Replicate,
     Shard,
+    distribute_module,
+    distribute_parameter,
     distribute_tensor,
     init_device_mesh,
 )
@@ -24,7 +26,8 @@ from hyper_parallel.core.tensor_parallel import (
 )
 from hyper_parallel.platform import Capability, P2POp, Platform, ReduceOp, Work, get_platform, init
 
-__all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "ParallelStyle", "Partial", "Placement",
-           "Platform", "PrepareModuleInput", "ReduceOp", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard",
-           "Work", "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
+__all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "ParallelStyle", "Partial",
+           "Placement", "Platform", "PrepareModuleInput", "ReduceOp", "Replicate", "RowwiseParallel",
+           "SequenceParallel", "Shard", "Work", "distribute_module", "distribute_parameter",
+           "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
 __version__ = "0.1.0"

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.distribute_module import distribute_parameter
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
@@ -56,13 +57,10 @@ def _linear_weight(module: Any, style: str) -> Any:
 
 
 def _shard_parameter(module: Any, name: str, placement: Shard, mesh: DeviceMesh) -> None:
-    """Replace ``module.<name>`` by a parameter holding this rank's ``placement`` shard."""
-    p = get_platform()
-    param = _own_parameter(module, name)
-    if param is None:
-        return
-    local = DTensor.from_local(p.detach(param), mesh, [Replicate()]).redistribute(mesh, [placement]).to_local()
-    p.set_parameter(module, name, p.make_parameter(p.clone(local)))
+    """Replace ``module.<name>`` (if it has one) by this rank's ``placement`` shard, rank 0's
+    values broadcast first so that ranks initialised differently still agree."""
+    if _own_parameter(module, name) is not None:
+        distribute_parameter(module, name, mesh, [placement])
 
 
 class ParallelStyle:
