@@ -24,6 +24,14 @@ DEFAULT_COSTS: dict[ActionType, float] = {A.F: 1.0, A.B: 2.0, A.I: 1.0, A.W: 1.0
                                           A.SEND_B: 0.0, A.RECV_B: 0.0}
 
 
+@dataclass(frozen=True)
+class _Gradient:
+    """The input gradient of ``stage`` for ``microbatch`` exists (made by its B or I)."""
+
+    stage: int
+    microbatch: int
+
+
 class ScheduleError(ValueError):
     """A schedule that cannot run: a missing or duplicate action, an unmatched send or
     receive, an action placed on the wrong rank, or a deadlock."""
@@ -49,11 +57,12 @@ class SimulationResult:
     finish_time: dict[int, float] = field(default_factory=dict)
 
 
-def _deps(action: Action, num_stages: int, place: Callable[[int], int], lowered: bool) -> list[tuple[int, Action]]:
+def _deps(action: Action, num_stages: int, place: Callable[[int], int],
+          lowered: bool) -> list[tuple[int, Action | _Gradient]]:
     """(rank, action) pairs that must be done before ``action`` starts."""
     s, m = action.stage_index, action.microbatch_index
     here = place(s)
-    deps: list[tuple[int, Action]] = []
+    deps: list[tuple[int, Action | _Gradient]] = []
     if action.type is A.F and s > 0:
         prev = place(s - 1)
         deps.append((here, Action(s, A.RECV_F, m)) if lowered and prev != here else (prev, Action(s - 1, A.F, m)))
@@ -64,13 +73,13 @@ def _deps(action: Action, num_stages: int, place: Callable[[int], int], lowered:
             if lowered and nxt != here:
                 deps.append((here, Action(s, A.RECV_B, m)))
             else:
-                deps.append((nxt, ("grad", s + 1, m)))  # type: ignore[arg-type]
+                deps.append((nxt, _Gradient(s + 1, m)))
     elif action.type is A.W:
         deps.append((here, Action(s, A.I, m)))
     elif action.type is A.SEND_F:
         deps.append((here, Action(s, A.F, m)))
     elif action.type is A.SEND_B:
-        deps.append((here, ("grad", s, m)))  # type: ignore[arg-type]
+        deps.append((here, _Gradient(s, m)))
     elif action.type is A.RECV_F:
         deps.append((place(s - 1), Action(s - 1, A.SEND_F, m)))
     elif action.type is A.RECV_B:
@@ -120,7 +129,7 @@ def simulate(schedule: Schedule, num_stages: int, *, stage_to_rank: Callable[[in
                 clock[rank] = end
                 done[(rank, action)] = end
                 if action.type in (A.B, A.I):
-                    done[(rank, ("grad", action.stage_index, action.microbatch_index))] = end
+                    done[(rank, _Gradient(action.stage_index, action.microbatch_index))] = end
                 if action.type.is_compute:
                     busy[rank] += cost(action)
                 if action.type is A.F:
