@@ -12,6 +12,8 @@ from hyper_parallel.core.dtensor import Partial, Placement, Replicate, Shard
 
 
 def chunk(size: int, num: int, index: int) -> tuple[int, int]:
+    """torch.chunk bounds, written again on purpose: the reference must not share the
+    implementation it checks (``placement_types.chunk_bounds``)."""
     step = -(-size // num)
     start = min(index * step, size)
     return start, min(step, size - start)

@@ -31,6 +31,7 @@ def check_distribute_module() -> None:
                       output_fn=lambda mod, out, m: out + 1.0)
     assert seen == ["", "fc1", "fc2"], seen
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    # float32 framework GEMMs against numpy's: summation order differs by a few ulps.
     np.testing.assert_allclose(p.to_numpy(model(p.from_numpy(x))), mlp_numpy(rank0, 2 * x) + 1, rtol=1e-5, atol=1e-5)
 
     sharded = build_mlp(p, mine)

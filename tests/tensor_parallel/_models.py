@@ -39,15 +39,18 @@ def build(p: Any, kind: str, values: dict[str, np.ndarray]) -> Any:
     """``mlp``: fc2(relu(fc1(x))); ``sp_block``: fc2(relu(fc1(rmsnorm(x)))); ``attention``:
     wo(causal_attention(wq x, wk x, wv x)) over heads of ``HEAD_DIM``."""
     shapes = {name: value.shape for name, value in values.items()}
+    # name -> (in features, out features, has bias), sorted so every rank registers the
+    # submodules in the same order (sets iterate in a per-process hash order).
+    linears = {name: (shapes[f"{name}.weight"][1], shapes[f"{name}.weight"][0], f"{name}.bias" in shapes)
+               for name in sorted({n.split(".")[0] for n in shapes if n.endswith(".weight") and n != "norm.weight"})}
     if p.framework == "torch":
         import torch
 
         class Model(torch.nn.Module):
             def __init__(self) -> None:
                 super().__init__()
-                for name in sorted({n.split(".")[0] for n in shapes if n.endswith("weight") and n != "norm.weight"}):
-                    out_f, in_f = shapes[f"{name}.weight"]
-                    setattr(self, name, torch.nn.Linear(in_f, out_f, bias=f"{name}.bias" in shapes))
+                for name, (in_f, out_f, bias) in linears.items():
+                    setattr(self, name, torch.nn.Linear(in_f, out_f, bias=bias))
                 if "norm.weight" in shapes:
                     self.norm = RMSNorm(shapes["norm.weight"][0])
 
@@ -82,9 +85,8 @@ def build(p: Any, kind: str, values: dict[str, np.ndarray]) -> Any:
         class MSModel(nn.Cell):
             def __init__(self) -> None:
                 super().__init__()
-                for name in sorted({n.split(".")[0] for n in shapes if n.endswith("weight") and n != "norm.weight"}):
-                    out_f, in_f = shapes[f"{name}.weight"]
-                    setattr(self, name, mint.nn.Linear(in_f, out_f, bias=f"{name}.bias" in shapes))
+                for name, (in_f, out_f, bias) in linears.items():
+                    setattr(self, name, mint.nn.Linear(in_f, out_f, bias=bias))
                 if "norm.weight" in shapes:
                     self.norm = MSRMSNorm(shapes["norm.weight"][0])
 

@@ -102,12 +102,22 @@ class DeviceMesh:
         return self._coordinate
 
     def get_local_rank(self, axis: int | str | None = None) -> int:
-        """This rank's index along ``axis`` (may be omitted on a 1-D mesh)."""
+        """This rank's index along ``axis`` (may be omitted on a 1-D mesh).
+
+        Raises:
+            ValueError: unknown axis, or ``None`` on a mesh of several axes.
+            RuntimeError: this rank is not in the mesh.
+        """
         coordinate = self._require_coordinate("get_local_rank")
         return coordinate[self._axis(axis)]
 
     def get_group(self, axis: int | str | None = None) -> Any:
-        """The platform process group of ``axis`` that holds this rank."""
+        """The platform process group of ``axis`` that holds this rank.
+
+        Raises:
+            ValueError: unknown axis, or ``None`` on a mesh of several axes.
+            RuntimeError: this rank is not in the mesh.
+        """
         self._require_coordinate("get_group")
         return self._groups[self._axis(axis)]
 

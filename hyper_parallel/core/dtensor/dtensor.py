@@ -52,6 +52,7 @@ class DTensor:
             stride: the global stride; only the contiguous stride of ``shape`` is supported.
 
         Raises:
+            TypeError: ``local`` is not a framework tensor, or a placement is not a Placement.
             ValueError: placements do not fit the mesh or the tensor, ``local``'s shape
                 is not this rank's piece of ``shape``, or a non-contiguous ``stride``.
         """

@@ -22,6 +22,7 @@ Collectives (mesh of n ranks, ``x``: activations, ``W``: ``[out, in]`` linear we
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,11 +64,17 @@ def _shard_parameter(module: Any, name: str, placement: Shard, mesh: DeviceMesh)
         distribute_parameter(module, name, mesh, [placement])
 
 
-class ParallelStyle:
+class ParallelStyle(ABC):
     """A way to parallelize one module over a 1-D mesh; applied by ``parallelize_module``."""
 
+    @abstractmethod
     def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
-        raise NotImplementedError  # pragma: no cover - every style overrides
+        """Shard ``module``'s parameters and register its hooks; returns ``module``.
+        Collective (parameters are broadcast from mesh rank 0).
+
+        Raises:
+            ValueError: the mesh is not 1-D, or the module does not fit the style.
+        """
 
     def parameter_placements(self) -> dict[str, Placement]:
         """The placement of each parameter this style shards or replicates, by name."""

@@ -92,6 +92,9 @@ class HandleWork:
         return self._result
 
     def is_completed(self) -> bool:
+        """True once waited, or when every native handle reports completion. A handle
+        without ``is_completed`` (MindSpore's ``CommHandle``) counts as pending until the
+        Work is waited: a conservative answer, never a wrong "done"."""
         if self._finish is None:
             return True
         return all(bool(getattr(h, "is_completed", lambda: False)()) for h in self._handles)

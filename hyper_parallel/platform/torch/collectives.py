@@ -35,9 +35,16 @@ def _source(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _keep_alive(buf: torch.Tensor) -> Any:
-    """A finish step returning None that holds ``buf`` until the Work is waited: a
-    send reads its buffer until then."""
-    return lambda: None if buf is None else None
+    """A finish step returning None whose closure holds ``buf`` until the Work is
+    waited: an asynchronous send reads its buffer until then."""
+
+    keep: torch.Tensor | None = buf
+
+    def finish() -> None:
+        nonlocal keep
+        keep = None  # released here, once the send has completed
+
+    return finish
 
 
 def _work(native: Any, result: Any, async_op: bool) -> Work:
