@@ -23,12 +23,12 @@ from hyper_parallel.platform.contract.device import DeviceSection
 from hyper_parallel.platform.contract.differentiable import DifferentiableSection
 from hyper_parallel.platform.contract.groups import GroupsSection
 from hyper_parallel.platform.contract.modules import ModulesSection
-from hyper_parallel.platform.contract.ops import TENSOR_METHODS, OpsSection
+from hyper_parallel.platform.contract.ops import LOCAL_OPS, TENSOR_METHODS, OpsSection
 from hyper_parallel.platform.contract.streams import StreamsSection
 from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
 
 __all__ = [
-    "DTYPE_NAMES", "TENSOR_METHODS", "Capability", "CompletedWork", "CustomFunction", "HandleWork",
+    "DTYPE_NAMES", "LOCAL_OPS", "TENSOR_METHODS", "Capability", "CompletedWork", "CustomFunction", "HandleWork",
     "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work", "contract_members",
 ]
 

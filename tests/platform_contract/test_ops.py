@@ -3,11 +3,13 @@ streams and device queries. World size 1."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from hyper_parallel.platform import Capability, get_platform
-from hyper_parallel.platform.base import DTYPE_NAMES, TENSOR_METHODS
+from hyper_parallel.platform.base import DTYPE_NAMES, LOCAL_OPS, TENSOR_METHODS
 from tests.platform_contract._data import close, rank_data
 
 
@@ -230,3 +232,63 @@ def test_factories_and_shape_ops(run_on_ranks) -> None:
 def test_tensor_methods(run_on_ranks) -> None:
     (checked,) = run_on_ranks(check_tensor_methods, world_size=1)
     assert checked == sorted(TENSOR_METHODS)
+
+
+def check_local_ops() -> list[str]:
+    """Every ``local_op`` against numpy (float64 data: the backends' transcendental
+    functions agree with numpy to ~1e-7 relative; MindSpore's CPU exp is the loosest),
+    and the gradients of the ones with a non-elementwise backward."""
+    p = get_platform()
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((3, 5))
+    ids = np.array([[0, 2, 3], [3, 3, 1]], np.int64)
+    weight = rng.standard_normal((4, 5))
+    target = np.array([1, 0, 4], np.int64)
+    x, w = p.from_numpy(a), p.from_numpy(weight)
+    shifted = np.exp(a - a.max(1, keepdims=True))
+    softmax = shifted / shifted.sum(1, keepdims=True)
+    log_softmax = np.log(softmax)
+    nll = -log_softmax[np.arange(3), target]
+    erf = np.vectorize(math.erf)
+    expected = {
+        "softmax": (lambda op: op(x, 1), softmax),
+        "log_softmax": (lambda op: op(x, -1), log_softmax),
+        "embedding": (lambda op: op(p.from_numpy(ids), w), weight[ids]),
+        "cross_entropy": (lambda op: op(x, p.from_numpy(target), "none"), nll),
+        "silu": (lambda op: op(x), a / (1 + np.exp(-a))),
+        "gelu": (lambda op: op(x), 0.5 * a * (1 + erf(a / math.sqrt(2)))),
+        "relu": (lambda op: op(x), np.maximum(a, 0)),
+        "sigmoid": (lambda op: op(x), 1 / (1 + np.exp(-a))),
+        "tanh": (lambda op: op(x), np.tanh(a)),
+        "sqrt": (lambda op: op(x * x + 1.0), np.sqrt(a * a + 1)),
+        "rsqrt": (lambda op: op(x * x + 1.0), 1 / np.sqrt(a * a + 1)),
+        "pow": (lambda op: op(x, 2.0), a ** 2),
+    }
+    assert set(expected) == set(LOCAL_OPS), set(expected) ^ set(LOCAL_OPS)
+    for name, (call, want) in expected.items():
+        np.testing.assert_allclose(p.to_numpy(call(p.local_op(name))), want, rtol=1e-5, atol=1e-7, err_msg=name)
+    for reduction, want in (("sum", nll.sum()), ("mean", nll.mean())):
+        got = p.to_numpy(p.local_op("cross_entropy")(x, p.from_numpy(target), reduction))
+        assert got.shape == () and np.allclose(got, want, rtol=1e-6), (reduction, got, want)
+
+    def fn(logits, table):
+        loss = p.local_op("cross_entropy")(logits, p.from_numpy(target), "sum")
+        return loss + (p.local_op("embedding")(p.from_numpy(ids), table) * 3.0).sum()
+
+    _, backward = p.vjp(fn, [x, w])
+    (grad_x, grad_w), _ = backward([p.full((), 1.0, x.dtype)])
+    onehot = np.eye(5)[target]
+    np.testing.assert_allclose(p.to_numpy(grad_x), softmax - onehot, rtol=1e-5, atol=1e-7, err_msg="cross_entropy grad")
+    counts = np.bincount(ids.reshape(-1), minlength=4)[:, None] * 3.0
+    np.testing.assert_allclose(p.to_numpy(grad_w), np.broadcast_to(counts, (4, 5)), err_msg="embedding grad")
+    try:
+        p.local_op("logsumexp")
+    except ValueError as err:
+        assert "logsumexp" in str(err) and "softmax" in str(err)
+    else:
+        raise AssertionError("local_op accepted an unknown name")
+    return sorted(expected)
+
+
+def test_local_ops(run_on_ranks) -> None:
+    assert run_on_ranks(check_local_ops, world_size=1) == [sorted(LOCAL_OPS)]

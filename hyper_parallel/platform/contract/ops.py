@@ -8,7 +8,7 @@ Factories create tensors on this platform's current device.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,13 @@ TENSOR_METHODS: tuple[str, ...] = (
     "contiguous", "is_contiguous", "unsqueeze", "squeeze", "flatten", "sum", "mean",
     "amax", "exp", "log", "float", "__getitem__",
     "__add__", "__sub__", "__mul__", "__truediv__", "__neg__", "__matmul__",
+)
+
+#: The framework functions ``local_op(name)`` returns, with the signature each one has
+#: (the DTensor op rules run them on local tensors; see ``local_op``).
+LOCAL_OPS: tuple[str, ...] = (
+    "softmax", "log_softmax", "embedding", "cross_entropy", "silu", "gelu", "relu", "sigmoid", "tanh",
+    "sqrt", "rsqrt", "pow",
 )
 
 
@@ -126,4 +133,23 @@ class OpsSection(ABC):
 
         Raises:
             ValueError: rank-4 shapes or head counts that do not fit.
+        """
+
+    @abstractmethod
+    def local_op(self, name: str) -> Callable[..., Any]:
+        """The framework's differentiable implementation of the named op (one of
+        ``LOCAL_OPS``), on local tensors of any floating dtype:
+
+        - ``softmax(x, dim)``, ``log_softmax(x, dim)``: along ``dim``, shape kept.
+        - ``embedding(ids, weight)``: ``ids`` integer ``[*]``, ``weight`` ``[vocab, dim]``
+          -> ``[*, dim]`` (rows of ``weight``; gradient to ``weight`` only).
+        - ``cross_entropy(logits, target, reduction)``: ``logits`` ``[N, C]``, ``target``
+          int64 ``[N]`` class indices, ``reduction`` ``"none"`` (-> ``[N]``), ``"sum"`` or
+          ``"mean"`` (-> ``[]``); natural log, no ignore index, no label smoothing.
+        - ``silu(x)``, ``gelu(x)`` (exact erf form), ``relu(x)``, ``sigmoid(x)``,
+          ``tanh(x)``, ``sqrt(x)``, ``rsqrt(x)``: elementwise.
+        - ``pow(x, exponent)``: elementwise ``x ** exponent`` for a Python float exponent.
+
+        Raises:
+            ValueError: ``name`` is not in ``LOCAL_OPS``.
         """

@@ -12,14 +12,14 @@ and are differentiable. Arguments are checked here for the same reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hyper_parallel.platform.contract.ops import OpsSection
 from hyper_parallel.platform.mindspore.attention import attention as local_attention
-from hyper_parallel.platform.validation import normalize_dim
+from hyper_parallel.platform.validation import check_local_op, normalize_dim
 
 
 def _shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -152,6 +152,23 @@ class MindSporeOps(OpsSection):
         nbytes = int(tensor.numel()) * int(tensor.itemsize)
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+
+    def local_op(self, name: str) -> Callable[..., Any]:
+        """``mint`` where it has CPU kernels; ``ops.log_softmax``, ``ops.gather`` (for
+        embedding), ``ops.gelu`` and ``ops.cross_entropy`` where ``mint``'s do not
+        (LogSoftmaxExt, Embedding and GeluExt are unregistered on CPU in 2.10)."""
+        mint, ops = self._mint, self._ops
+        functional = mint.nn.functional
+        table: dict[str, Callable[..., Any]] = {
+            "softmax": lambda x, dim: functional.softmax(x, dim=dim),
+            "log_softmax": lambda x, dim: ops.log_softmax(x, axis=dim),
+            "embedding": lambda ids, weight: ops.gather(weight, ids, 0),
+            "cross_entropy": lambda logits, target, reduction: ops.cross_entropy(logits, target, reduction=reduction),
+            "silu": functional.silu, "gelu": lambda x: ops.gelu(x, approximate="none"), "relu": functional.relu,
+            "sigmoid": mint.sigmoid, "tanh": mint.tanh, "sqrt": mint.sqrt, "rsqrt": mint.rsqrt,
+            "pow": lambda x, exponent: mint.pow(x, float(exponent)),
+        }
+        return check_local_op(name, table)
 
     def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
                   mask: Any = None) -> tuple[Any, Any]:

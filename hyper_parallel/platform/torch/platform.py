@@ -19,7 +19,7 @@ from hyper_parallel.platform.base import Capability, CustomFunction, Platform, R
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.collectives import TorchCollectives
-from hyper_parallel.platform.validation import check_group_ranks, normalize_dim
+from hyper_parallel.platform.validation import check_group_ranks, check_local_op, normalize_dim
 
 #: device type -> process-group backend
 DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -316,6 +316,18 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         if self._device_type == "cpu":
             return attn.plain_attention(q, k, v, scale, allowed)
         return attn.fused_attention(self._device_type, q, k, v, scale, allowed)
+
+    def local_op(self, name: str) -> Callable[..., Any]:
+        F = torch.nn.functional
+        table: dict[str, Callable[..., Any]] = {
+            "softmax": lambda x, dim: F.softmax(x, dim=dim),
+            "log_softmax": lambda x, dim: F.log_softmax(x, dim=dim),
+            "embedding": F.embedding,
+            "cross_entropy": lambda logits, target, reduction: F.cross_entropy(logits, target, reduction=reduction),
+            "silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+            "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "pow": torch.pow,
+        }
+        return check_local_op(name, table)
 
     # -- streams and events ------------------------------------------------------------
     def _device_module(self) -> Any:
