@@ -160,9 +160,89 @@ class DTensor:
     def dtype(self) -> Any:
         return self._local.dtype
 
+    # -- ops (sharding propagation: see op_rules.py; the functions live in functional.py) --
+    def __add__(self, other: Any) -> DTensor:
+        return _functional().add(self, other)
+
+    def __radd__(self, other: Any) -> DTensor:
+        return _functional().add(other, self)
+
+    def __sub__(self, other: Any) -> DTensor:
+        return _functional().sub(self, other)
+
+    def __rsub__(self, other: Any) -> DTensor:
+        return _functional().sub(other, self)
+
+    def __mul__(self, other: Any) -> DTensor:
+        return _functional().mul(self, other)
+
+    def __rmul__(self, other: Any) -> DTensor:
+        return _functional().mul(other, self)
+
+    def __truediv__(self, other: Any) -> DTensor:
+        return _functional().div(self, other)
+
+    def __rtruediv__(self, other: Any) -> DTensor:
+        return _functional().div(other, self)
+
+    def __neg__(self) -> DTensor:
+        return _functional().neg(self)
+
+    def __pow__(self, exponent: float) -> DTensor:
+        return _functional().pow(self, exponent)
+
+    def __matmul__(self, other: Any) -> DTensor:
+        return _functional().matmul(self, other)
+
+    def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> DTensor:
+        """See ``functional.sum``."""
+        return _functional().sum(self, dim, keepdim)
+
+    def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> DTensor:
+        """See ``functional.mean``."""
+        return _functional().mean(self, dim, keepdim)
+
+    def amax(self, dim: int | Sequence[int], keepdim: bool = False) -> DTensor:
+        """See ``functional.amax``."""
+        return _functional().amax(self, dim, keepdim)
+
+    def exp(self) -> DTensor:
+        return _functional().exp(self)
+
+    def log(self) -> DTensor:
+        return _functional().log(self)
+
+    def float(self) -> DTensor:
+        """float32 (see ``functional.to_float``)."""
+        return _functional().to_float(self)
+
+    def reshape(self, *shape: int) -> DTensor:
+        """See ``functional.reshape``."""
+        return _functional().reshape(self, *shape)
+
+    def view(self, *shape: int) -> DTensor:
+        """See ``functional.view``."""
+        return _functional().view(self, *shape)
+
+    def transpose(self, dim0: int, dim1: int) -> DTensor:
+        """See ``functional.transpose``."""
+        return _functional().transpose(self, dim0, dim1)
+
+    def permute(self, *dims: int) -> DTensor:
+        """See ``functional.permute``."""
+        return _functional().permute(self, *dims)
+
     def __repr__(self) -> str:
         return (f"DTensor(shape={self.shape}, placements={list(self.placements)}, mesh={self.device_mesh}, "
                 f"local_shape={tuple(self._local.shape)})")
+
+
+def _functional() -> Any:
+    # functional.py builds on this module (dispatch wraps results in DTensors), so the
+    # operators import it on use rather than at import time.
+    from hyper_parallel.core.dtensor import functional
+
+    return functional
 
 
 def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence[Placement], *,

@@ -1,0 +1,182 @@
+"""Ops on DTensors under the sharding rules of ``op_rules.py``: every case of
+``_op_cases.CASES`` against the same op on the whole tensors in one process (values and
+gradients), for input placements swept over Shard/Replicate/Partial on 1-D meshes (world
+2 and 4) and a 2x2 mesh, with even, uneven and empty shards; the placements chosen for
+the textbook cases; the fallback of an op without a rule.
+
+Float64 data; the tolerance (1e-9) absorbs the different summation orders of sharded
+reductions and Partial sums (the reference and the DTensor run the same framework
+kernels, so MindSpore's approximate exp is on both sides).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from hyper_parallel.core.dtensor import DTensor, Partial, Replicate, Shard, init_device_mesh
+from hyper_parallel.core.dtensor import functional as F
+from hyper_parallel.platform import get_platform
+from tests.dtensor._op_cases import CASES, input_values, placement_combos, sample
+from tests.dtensor._reference import expected_local, grad_local
+
+TOL = {"rtol": 1e-9, "atol": 1e-9}
+
+
+def _tensor(p, value: np.ndarray):
+    return p.from_numpy(value.reshape(-1)).reshape(value.shape) if value.ndim == 0 else p.from_numpy(value)
+
+
+def check_rules(mesh_shape: tuple[int, ...], per_case: int, seed: int) -> int:
+    """Each case with ``per_case`` placement combinations (all of them when fewer)."""
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, mesh_shape)
+    coordinate = mesh.get_coordinate()
+    checked = 0
+    for index, case in enumerate(CASES):
+        values = input_values(case, seed + index)
+        ref_out, ref_backward = p.vjp(case.fn, [_tensor(p, v) for v in values])
+        ref = p.to_numpy(ref_out)
+        g = np.random.default_rng(seed + 100 + index).standard_normal(ref.shape)
+        ref_grads = [None if grad is None else p.to_numpy(grad) for grad in ref_backward([_tensor(p, g)])[0]]
+        for combo in sample(placement_combos(case, len(mesh_shape)), per_case, seed + index):
+            where = f"{case.name}: inputs {[list(c) for c in combo]} on mesh {mesh_shape}"
+
+            def fn(*locals_, combo=combo, case=case, values=values):
+                dts = [DTensor.from_local(t, mesh, pl, shape=v.shape) for t, pl, v in zip(locals_, combo, values)]
+                out = case.fn(*dts)
+                assert isinstance(out, DTensor) and out.shape == ref.shape, f"{where}: got {out!r}"
+                return out.full_tensor()
+
+            locals_ = [_tensor(p, expected_local(v, pl, mesh_shape, coordinate)) for v, pl in zip(values, combo)]
+            out, backward = p.vjp(fn, locals_)
+            np.testing.assert_allclose(p.to_numpy(out), ref, **TOL, err_msg=where)
+            grads = backward([_tensor(p, g)])[0]
+            for i, (grad, ref_grad, pl) in enumerate(zip(grads, ref_grads, combo)):
+                if i in case.ints:
+                    continue
+                np.testing.assert_allclose(p.to_numpy(grad), grad_local(ref_grad, pl, mesh_shape, coordinate),
+                                           **TOL, err_msg=f"{where}: gradient of input {i}")
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("mesh_shape,per_case", [((2,), 40), ((4,), 10), ((2, 2), 14)],
+                         ids=["world2", "world4", "mesh2x2"])
+def test_rules_against_single_process(run_on_ranks, mesh_shape: tuple[int, ...], per_case: int) -> None:
+    world = int(np.prod(mesh_shape))
+    counts = run_on_ranks(check_rules, mesh_shape, per_case, 7, world_size=world, timeout_s=600)
+    assert counts[0] > len(CASES) and len(set(counts)) == 1
+
+
+def check_chosen_placements() -> None:
+    """The strategies the textbook cases should pick (world 2), and that they need no
+    communication when the inputs already fit."""
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (2,))
+    rng = np.random.default_rng(0)
+
+    def dt(shape, placement, integer=False):
+        value = rng.integers(0, 4, shape).astype(np.int64) if integer else rng.standard_normal(shape)
+        return DTensor.from_local(p.from_numpy(expected_local(value, [placement], (2,), mesh.get_coordinate())),
+                                  mesh, [placement], shape=shape)
+
+    S0, S1, S2, R, P = Shard(0), Shard(1), Shard(2), Replicate(), Partial("sum")
+    expectations = [
+        ("matmul Shard(-1) x Shard(0)", lambda: dt((4, 6), S1) @ dt((6, 3), S0), (P,)),
+        ("matmul rows", lambda: dt((4, 6), S0) @ dt((6, 3), R), (S0,)),
+        ("colwise linear", lambda: F.linear(dt((2, 4, 6), R), dt((8, 6), S0), dt((8,), S0)), (S2,)),
+        ("rowwise linear", lambda: F.linear(dt((2, 4, 6), S2), dt((8, 6), S1), dt((8,), R)), (P,)),
+        ("sequence-sharded linear", lambda: F.linear(dt((2, 4, 6), S1), dt((8, 6), R)), (S1,)),
+        ("sum over a sharded dim", lambda: dt((4, 6), S1).sum(1), (P,)),
+        ("mean over a sharded dim", lambda: dt((5, 6), S0).mean(0), (P,)),
+        ("sum over another dim", lambda: dt((4, 6), S1).sum(0), (S0,)),
+        ("broadcast add", lambda: dt((4, 6), S0) + dt((6,), R), (S0,)),
+        ("partial + replicate", lambda: (dt((4, 6), S1) @ dt((6, 3), S0)) + dt((4, 3), R), (P,)),
+        ("partial * replicate", lambda: (dt((4, 6), S1) @ dt((6, 3), S0)) * dt((4, 3), R), (P,)),
+        ("softmax keeps another shard", lambda: F.softmax(dt((4, 6), S0), -1), (S0,)),
+        ("split heads", lambda: dt((3, 4, 10), S2).reshape(3, 4, 2, 5), (S2,)),
+        ("merge heads", lambda: dt((3, 4, 2, 5), S2).reshape(3, 4, 10), (S2,)),
+        ("transpose moves the shard", lambda: dt((3, 4, 5), S0).transpose(0, 2), (S2,)),
+        ("embedding rows", lambda: F.embedding(dt((3, 4), S0, True), dt((4, 6), R)), (S0,)),
+        ("embedding columns", lambda: F.embedding(dt((3, 4), R, True), dt((4, 6), S1)), (S2,)),
+        ("cross entropy over rows", lambda: F.cross_entropy(dt((6, 5), S0), dt((6,), S0, True)), (P,)),
+    ]
+    for what, make, placements in expectations:
+        out = make()
+        assert out.placements == placements, f"{what}: got {list(out.placements)}, expected {list(placements)}"
+    # softmax along a sharded dim must make it whole first
+    out = F.softmax(dt((4, 6), S1), -1)
+    assert out.placements[0] != S1, f"softmax along its sharded dim kept the shard: {out.placements}"
+
+
+def test_chosen_placements(run_on_ranks) -> None:
+    run_on_ranks(check_chosen_placements, world_size=2)
+
+
+def _diff_rows(t):
+    return t[1:] - t[:-1]
+
+
+def check_fallback() -> None:
+    """An op without a rule: Replicate result, right values and gradients, one warning
+    naming the op however often it runs."""
+    p = get_platform()
+    n = p.world_size()
+    mesh = init_device_mesh(p.device_type, (n,))
+    value = np.random.default_rng(2).standard_normal((7, 3))
+    g = np.random.default_rng(3).standard_normal((6, 3))
+    local = p.from_numpy(expected_local(value, [Shard(0)], (n,), mesh.get_coordinate()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+
+        def fn(t):
+            dt = DTensor.from_local(t, mesh, [Shard(0)], shape=(7, 3))
+            first = F.call("diff_rows", _diff_rows, dt)
+            second = F.call("diff_rows", _diff_rows, dt)
+            assert first.placements == (Replicate(),) and first.shape == (6, 3), repr(first)
+            return (first + second).to_local()
+
+        out, backward = p.vjp(fn, [local])
+    messages = [str(w.message) for w in caught if "diff_rows" in str(w.message)]
+    assert len(messages) == 1, f"expected one warning naming the op, got {messages}"
+    assert "no sharding rule" in messages[0] and "Replicate" in messages[0], messages[0]
+    np.testing.assert_allclose(p.to_numpy(out), 2 * np.diff(value, axis=0), **TOL)
+    (grad,), _ = backward([p.from_numpy(g)])
+    full_grad = np.zeros_like(value)
+    full_grad[1:] += 2 * g
+    full_grad[:-1] -= 2 * g
+    np.testing.assert_allclose(p.to_numpy(grad), grad_local(full_grad, [Shard(0)], (n,), mesh.get_coordinate()),
+                               **TOL, err_msg="gradient through the fallback")
+
+
+def check_bad_input() -> None:
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (2,))
+    x = DTensor.from_local(p.from_numpy(np.ones((2, 3))), mesh, [Shard(0)])
+    checks = [
+        (lambda: x + p.from_numpy(np.ones((4, 3))), TypeError, "DTensor.from_local(t, mesh"),
+        (lambda: F.softmax(x, 2), ValueError, "dim=2 is out of range"),
+        (lambda: x.reshape(5, -1), ValueError, "does not fit 12 elements"),
+        (lambda: F.cross_entropy(x, x, "avg"), ValueError, "reduction='avg'"),
+        (lambda: x.permute(0, 0), ValueError, "not a permutation"),
+        (lambda: p.local_op("cumsum"), ValueError, "unknown op 'cumsum'"),
+    ]
+    for call, error, text in checks:
+        try:
+            call()
+        except error as err:
+            assert text in str(err), f"{text!r} not in {err}"
+        else:
+            raise AssertionError(f"no {error.__name__} for {text!r}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fallback(run_on_ranks, world_size: int) -> None:
+    run_on_ranks(check_fallback, world_size=world_size)
+
+
+def test_bad_input(run_on_ranks) -> None:
+    run_on_ranks(check_bad_input, world_size=2)
