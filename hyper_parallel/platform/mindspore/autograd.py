@@ -7,6 +7,7 @@ parameters carry no ``.grad``. Core runs every backward through ``vjp`` below.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -39,6 +40,10 @@ def native_function(base: type, function: type[CustomFunction]) -> type:
     })
 
 
+class _Recording:
+    """Identity of one live ``vjp`` recording (weakly referenced from the live list)."""
+
+
 class MindSporeAutograd(AutogradSection):
     """Autograd members of ``MindSporePlatform``.
 
@@ -49,6 +54,7 @@ class MindSporeAutograd(AutogradSection):
     _ms: Any
     _mint: Any
     _native_functions: dict[type, type]
+    _vjp_live: list[weakref.ref]  # recordings whose backward has not run (and may), oldest first
 
     def apply_function(self, function: type[CustomFunction], *args: Any) -> Any:
         """``<native _Function subclass>.apply(*args)``; the subclass is built on first use
@@ -80,6 +86,14 @@ class MindSporeAutograd(AutogradSection):
         differentiates positional tensors only) and get ``None`` gradients, as do
         non-floating tensors. ``params`` must be ``mindspore.Parameter``: MindSpore finds
         weights by identity and silently returns zeros for a plain tensor.
+
+        [Note: out-of-order backwards] PyNative keeps recordings on a stack: only the
+        most recent live recording can run its backward ("Can not find top cell for
+        backward" otherwise). A pipeline's 1F1B runs backwards oldest first, so a
+        backward that is not the newest live recording re-records ``fn`` on the same
+        inputs and runs its backward at once (recompute): the forward, its hooks and
+        its collectives run a second time, and ``fn`` must be deterministic (no
+        dropout) for the gradients to match the first forward's outputs.
         """
         inputs = tuple(inputs)
         params = list(params)
@@ -95,9 +109,12 @@ class MindSporeAutograd(AutogradSection):
                 args[position] = tensor
             return fn(*args)
 
-        outputs, native_backward = self._ms.vjp(call, *(inputs[i] for i in positions), weights=params)
+        tensors = tuple(inputs[i] for i in positions)
+        outputs, native_backward = self._ms.vjp(call, *tensors, weights=params)
         flat = (outputs,) if isinstance(outputs, self._ms.Tensor) else tuple(outputs)
         state = {"ran": False}
+        token = _Recording()  # held by ``backward`` only: its entry dies with it
+        self._vjp_live.append(weakref.ref(token))
 
         def backward(grad_outputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             if state["ran"]:
@@ -110,8 +127,15 @@ class MindSporeAutograd(AutogradSection):
             state["ran"] = True
             sens = [self._mint.zeros(tuple(out.shape), dtype=out.dtype) if grad is None else grad
                     for grad, out in zip(grads, flat)]
-            input_grads, param_grads = native_backward(sens[0] if isinstance(outputs, self._ms.Tensor)
-                                                       else tuple(sens))
+            run = native_backward
+            # A dropped newer recording still sits on MindSpore's stack: dead entries count.
+            if self._vjp_live[-1]() is not token:  # see [Note: out-of-order backwards]
+                run = self._ms.vjp(call, *tensors, weights=params)[1]
+            live = [ref for ref in self._vjp_live if ref() is not token]
+            while live and live[0]() is None:  # a dead entry older than every live one blocks nothing
+                live.pop(0)
+            self._vjp_live[:] = live
+            input_grads, param_grads = run(sens[0] if isinstance(outputs, self._ms.Tensor) else tuple(sens))
             input_grads = (input_grads,) if isinstance(input_grads, self._ms.Tensor) else tuple(input_grads)
             per_input: list[Any] = [None] * len(inputs)
             for position, grad in zip(positions, input_grads):
