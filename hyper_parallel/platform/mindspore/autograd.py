@@ -41,7 +41,10 @@ def native_function(base: type, function: type[CustomFunction]) -> type:
 
 
 class _Recording:
-    """Identity of one live ``vjp`` recording (weakly referenced from the live list)."""
+    """Identity of one ``vjp`` recording (weakly referenced from the live list)."""
+
+    def __init__(self) -> None:
+        self.recomputed = False  # its backward ran on a second recording; the first stays on MindSpore's stack
 
 
 class MindSporeAutograd(AutogradSection):
@@ -54,7 +57,7 @@ class MindSporeAutograd(AutogradSection):
     _ms: Any
     _mint: Any
     _native_functions: dict[type, type]
-    _vjp_live: list[weakref.ref]  # recordings whose backward has not run (and may), oldest first
+    _vjp_live: list[weakref.ref]  # MindSpore's stack of recordings not yet backwarded, oldest first
 
     def apply_function(self, function: type[CustomFunction], *args: Any) -> Any:
         """``<native _Function subclass>.apply(*args)``; the subclass is built on first use
@@ -87,13 +90,15 @@ class MindSporeAutograd(AutogradSection):
         non-floating tensors. ``params`` must be ``mindspore.Parameter``: MindSpore finds
         weights by identity and silently returns zeros for a plain tensor.
 
-        [Note: out-of-order backwards] PyNative keeps recordings on a stack: only the
-        most recent live recording can run its backward ("Can not find top cell for
-        backward" otherwise). A pipeline's 1F1B runs backwards oldest first, so a
-        backward that is not the newest live recording re-records ``fn`` on the same
-        inputs and runs its backward at once (recompute): the forward, its hooks and
-        its collectives run a second time, and ``fn`` must be deterministic (no
-        dropout) for the gradients to match the first forward's outputs.
+        [Note: out-of-order backwards] PyNative keeps recordings on a stack and can run
+        the backward of the top one only ("Can not find top cell for backward"
+        otherwise); a recording whose backward never runs (dropped, or recomputed as
+        below) stays on the stack and blocks every older one. A pipeline's 1F1B runs
+        backwards oldest first, so a backward whose recording is not on top re-records
+        ``fn`` on the same inputs and runs its backward at once (recompute): the
+        forward, its hooks and its collectives run a second time, and ``fn`` must be
+        deterministic (no dropout) for the gradients to match the first forward's
+        outputs. ``_vjp_live`` mirrors that stack to tell the two cases apart.
         """
         inputs = tuple(inputs)
         params = list(params)
@@ -128,13 +133,15 @@ class MindSporeAutograd(AutogradSection):
             sens = [self._mint.zeros(tuple(out.shape), dtype=out.dtype) if grad is None else grad
                     for grad, out in zip(grads, flat)]
             run = native_backward
-            # A dropped newer recording still sits on MindSpore's stack: dead entries count.
-            if self._vjp_live[-1]() is not token:  # see [Note: out-of-order backwards]
-                run = self._ms.vjp(call, *tensors, weights=params)[1]
-            live = [ref for ref in self._vjp_live if ref() is not token]
-            while live and live[0]() is None:  # a dead entry older than every live one blocks nothing
-                live.pop(0)
-            self._vjp_live[:] = live
+            if self._vjp_live and self._vjp_live[-1]() is token:
+                self._vjp_live.pop()
+            else:  # see [Note: out-of-order backwards]
+                # A new function object: MindSpore caches a recording by its function and
+                # would hand back the stale one.
+                run = self._ms.vjp(lambda *again: call(*again), *tensors, weights=params)[1]
+                token.recomputed = True
+            while self._vjp_live and (self._vjp_live[0]() is None or self._vjp_live[0]().recomputed):
+                self._vjp_live.pop(0)  # stale, and nothing older is live: it decides nothing
             input_grads, param_grads = run(sens[0] if isinstance(outputs, self._ms.Tensor) else tuple(sens))
             input_grads = (input_grads,) if isinstance(input_grads, self._ms.Tensor) else tuple(input_grads)
             per_input: list[Any] = [None] * len(inputs)
