@@ -31,3 +31,13 @@ __all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "P
            "SequenceParallel", "Shard", "Work", "distribute_module", "distribute_parameter",
            "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
 __version__ = "0.1.0"
+
+from hyper_parallel.core.pipeline_parallel import (  # noqa: E402  appended: pipeline parallelism
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+__all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]

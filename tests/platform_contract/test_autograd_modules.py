@@ -125,3 +125,35 @@ def check_tensor_hook_and_set_parameter() -> None:
 
 def test_tensor_hook_and_set_parameter(run_on_ranks) -> None:
     run_on_ranks(check_tensor_hook_and_set_parameter, world_size=1)
+
+
+def check_vjp_backwards_out_of_order() -> None:
+    """Several live recordings whose backwards run oldest first, newest first, and
+    after a newer recording was dropped unrun (a pipeline's 1F1B and an eval forward)."""
+    p = get_platform()
+    weights = mlp_weights(4, 5, 3)
+    model = build_mlp(p, weights)
+    params = [param for _, param in p.named_parameters(model)]
+    p.register_forward_hook(model.fc1, lambda m, args, out: out * 1.0)  # a hooked model
+    xs = [rank_data(i, (2, 4)) for i in range(5)]
+    gs = [rank_data(10 + i, (2, 3)) for i in range(5)]
+
+    def expected(i: int) -> np.ndarray:
+        pre = xs[i] @ weights["fc1.weight"].T + weights["fc1.bias"]
+        return gs[i].T @ np.maximum(pre, 0.0)  # fc2.weight's gradient
+
+    recordings = {i: p.vjp(model, [p.from_numpy(xs[i])], params) for i in range(3)}
+    for i in (0, 2, 1):
+        _, param_grads = recordings.pop(i)[1]([p.from_numpy(gs[i])])
+        close(p.to_numpy(param_grads[2]), expected(i), f"recording {i} run out of order")
+    kept = p.vjp(model, [p.from_numpy(xs[3])], params)
+    p.vjp(model, [p.from_numpy(xs[4])], params)  # dropped without a backward
+    _, param_grads = kept[1]([p.from_numpy(gs[3])])
+    close(p.to_numpy(param_grads[2]), expected(3), "recording older than a dropped one")
+    out, backward = p.vjp(model, [p.from_numpy(xs[4])], params)
+    _, param_grads = backward([p.from_numpy(gs[4])])
+    close(p.to_numpy(param_grads[2]), expected(4), "recording after a dropped one")
+
+
+def test_vjp_backwards_out_of_order(run_on_ranks) -> None:
+    run_on_ranks(check_vjp_backwards_out_of_order, world_size=1)

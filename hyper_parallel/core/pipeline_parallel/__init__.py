@@ -1,3 +1,11 @@
-"""Pipeline parallelism. Landed so far: schedules as data (per-rank action lists), their
-lowering to point-to-point communication, a validator and a time/memory simulator.
-Stages and the runtime that executes the action lists come next."""
+"""Pipeline parallelism: stages, schedules as data (per-rank action lists), their
+lowering to point-to-point communication, a validator, a time/memory simulator, and the
+runtime that executes the action lists (GPipe, 1F1B, interleaved 1F1B)."""
+
+from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
+from hyper_parallel.core.pipeline_parallel.runtime import (PipelineSchedule, Schedule1F1B, ScheduleGPipe,
+                                                           ScheduleInterleaved1F1B)
+from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+
+__all__ = ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B",
+           "TensorSpec"]

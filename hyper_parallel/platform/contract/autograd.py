@@ -43,5 +43,8 @@ class AutogradSection(ABC):
         given output gradients (pipeline stages) on both frameworks. ``param_grads``
         are this backward's gradients; torch also accumulates them into ``param.grad``
         (so torch optimizers step as usual), MindSpore keeps no gradient on parameters.
-        Per-parameter post-accumulate hooks fire during ``backward`` on both.
+        Per-parameter post-accumulate hooks fire during ``backward`` on both. Several
+        recordings may be live at once and their backwards run in any order (a
+        pipeline's 1F1B runs them oldest first); a backend that can only run the newest
+        one recomputes the forward for the others, so ``fn`` must be deterministic.
         """

@@ -7,6 +7,7 @@ parameters carry no ``.grad``. Core runs every backward through ``vjp`` below.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -39,6 +40,13 @@ def native_function(base: type, function: type[CustomFunction]) -> type:
     })
 
 
+class _Recording:
+    """Identity of one ``vjp`` recording (weakly referenced from the live list)."""
+
+    def __init__(self) -> None:
+        self.recomputed = False  # its backward ran on a second recording; the first stays on MindSpore's stack
+
+
 class MindSporeAutograd(AutogradSection):
     """Autograd members of ``MindSporePlatform``.
 
@@ -49,6 +57,7 @@ class MindSporeAutograd(AutogradSection):
     _ms: Any
     _mint: Any
     _native_functions: dict[type, type]
+    _vjp_live: list[weakref.ref]  # MindSpore's stack of recordings not yet backwarded, oldest first
 
     def apply_function(self, function: type[CustomFunction], *args: Any) -> Any:
         """``<native _Function subclass>.apply(*args)``; the subclass is built on first use
@@ -80,6 +89,16 @@ class MindSporeAutograd(AutogradSection):
         differentiates positional tensors only) and get ``None`` gradients, as do
         non-floating tensors. ``params`` must be ``mindspore.Parameter``: MindSpore finds
         weights by identity and silently returns zeros for a plain tensor.
+
+        [Note: out-of-order backwards] PyNative keeps recordings on a stack and can run
+        the backward of the top one only ("Can not find top cell for backward"
+        otherwise); a recording whose backward never runs (dropped, or recomputed as
+        below) stays on the stack and blocks every older one. A pipeline's 1F1B runs
+        backwards oldest first, so a backward whose recording is not on top re-records
+        ``fn`` on the same inputs and runs its backward at once (recompute): the
+        forward, its hooks and its collectives run a second time, and ``fn`` must be
+        deterministic (no dropout) for the gradients to match the first forward's
+        outputs. ``_vjp_live`` mirrors that stack to tell the two cases apart.
         """
         inputs = tuple(inputs)
         params = list(params)
@@ -95,9 +114,12 @@ class MindSporeAutograd(AutogradSection):
                 args[position] = tensor
             return fn(*args)
 
-        outputs, native_backward = self._ms.vjp(call, *(inputs[i] for i in positions), weights=params)
+        tensors = tuple(inputs[i] for i in positions)
+        outputs, native_backward = self._ms.vjp(call, *tensors, weights=params)
         flat = (outputs,) if isinstance(outputs, self._ms.Tensor) else tuple(outputs)
         state = {"ran": False}
+        token = _Recording()  # held by ``backward`` only: its entry dies with it
+        self._vjp_live.append(weakref.ref(token))
 
         def backward(grad_outputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             if state["ran"]:
@@ -110,8 +132,17 @@ class MindSporeAutograd(AutogradSection):
             state["ran"] = True
             sens = [self._mint.zeros(tuple(out.shape), dtype=out.dtype) if grad is None else grad
                     for grad, out in zip(grads, flat)]
-            input_grads, param_grads = native_backward(sens[0] if isinstance(outputs, self._ms.Tensor)
-                                                       else tuple(sens))
+            run = native_backward
+            if self._vjp_live and self._vjp_live[-1]() is token:
+                self._vjp_live.pop()
+            else:  # see [Note: out-of-order backwards]
+                # A new function object: MindSpore caches a recording by its function and
+                # would hand back the stale one.
+                run = self._ms.vjp(lambda *again: call(*again), *tensors, weights=params)[1]
+                token.recomputed = True
+            while self._vjp_live and (self._vjp_live[0]() is None or self._vjp_live[0]().recomputed):
+                self._vjp_live.pop(0)  # stale, and nothing older is live: it decides nothing
+            input_grads, param_grads = run(sens[0] if isinstance(outputs, self._ms.Tensor) else tuple(sens))
             input_grads = (input_grads,) if isinstance(input_grads, self._ms.Tensor) else tuple(input_grads)
             per_input: list[Any] = [None] * len(inputs)
             for position, grad in zip(positions, input_grads):

@@ -74,6 +74,7 @@ class MindSporePlatform(
         self._groups: dict[tuple[int, ...], str] = {}  # sorted global ranks -> group name
         self._group_ranks: dict[str, tuple[int, ...]] = {}  # group name -> sorted global ranks
         self._native_functions: dict[type, type] = {}  # CustomFunction subclass -> _Function subclass
+        self._vjp_live: list = []  # live vjp recordings, oldest first (see MindSporeAutograd.vjp)
         self._recv_channels: RecvChannels = RecvChannels()  # CPU receives not yet posted
 
     # -- types ---------------------------------------------------------------------------

@@ -1,0 +1,329 @@
+"""Executing a schedule: each rank runs its own action list over the stages it holds.
+
+The schedule classes (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``)
+produce the compute actions of every rank (``schedules.generators``), lower them to
+point-to-point actions (``schedules.lowering``), validate the result
+(``schedules.validate``) and hand this rank's list to ``PipelineSchedule.step``.
+
+A forward ``F`` runs the stage under ``platform.vjp``, which keeps what its backward
+needs; ``B`` runs that backward with the output gradient received from the next stage
+(the last stage starts from its loss). Gradients of a step are summed over
+microbatches, scaled by ``1 / n_microbatches`` by default (a mean loss over the batch
+then gives the unpipelined model's gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hyper_parallel.core.pipeline_parallel.messages import (META_LEN, Mailbox, MessageKey, TensorSpec, decode_specs,
+                                                            encode_specs, receive, send, spec_of)
+from hyper_parallel.core.pipeline_parallel.microbatch import merge_microbatches, split_microbatches
+from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType, Schedule
+from hyper_parallel.core.pipeline_parallel.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
+from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication
+from hyper_parallel.core.pipeline_parallel.schedules.validate import validate
+from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.platform import Work
+
+A = ActionType
+#: loss_fn(last stage's output for one microbatch, that microbatch's target) -> scalar tensor
+LossFn = Callable[[Any, Any], Any]
+
+
+class PipelineSchedule:
+    """Runs ``compute`` (every rank's compute actions, lowered and validated here) on this
+    rank's ``stages``.
+
+    Args:
+        stages: the stages this rank runs (stage ``s`` on group rank ``s % group_size``),
+            all of one pipeline (same ``num_stages`` and group).
+        n_microbatches: microbatches per step; the batch size must be a multiple of it.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage, per microbatch.
+        compute: ``{rank: [Action, ...]}`` compute actions of every rank of the group.
+        scale_grads: multiply gradients by ``1 / n_microbatches`` (default True).
+
+    Raises:
+        ValueError: no stages; stages of different pipelines; ``stages`` differ from the
+            stages the schedule puts on this rank; ``n_microbatches < 1``.
+        TypeError: ``loss_fn`` is not callable.
+        ScheduleError: the lowered schedule is invalid (see ``validate``).
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, compute: Schedule,
+                 *, scale_grads: bool = True) -> None:
+        stages = list(stages)
+        if not stages:
+            raise ValueError(f"{type(self).__name__}: no stages; pass the PipelineStage(s) this rank runs")
+        first = stages[0]
+        if any(s.num_stages != first.num_stages or s.group is not first.group for s in stages):
+            raise ValueError(f"{type(self).__name__}: stages {stages} are not of one pipeline (same num_stages and "
+                             "group)")
+        if n_microbatches < 1:
+            raise ValueError(f"{type(self).__name__}: n_microbatches={n_microbatches} must be >= 1")
+        if not callable(loss_fn):
+            raise TypeError(f"{type(self).__name__}: loss_fn={loss_fn!r} is not callable; give "
+                            "loss_fn(output, target) -> scalar tensor")
+        self.platform = first.platform
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.num_stages = first.num_stages
+        self.group = first.group
+        self._rank = first.group_rank
+        self._place = first.stage_rank
+        self._stages = {stage.stage_index: stage for stage in stages}
+        expected = sorted({a.stage_index for a in compute.get(self._rank, [])})
+        if sorted(self._stages) != expected:
+            raise ValueError(f"{type(self).__name__}: rank {self._rank} holds stages {sorted(self._stages)} but the "
+                             f"schedule runs stages {expected} here; build one PipelineStage per stage of this rank")
+        #: every rank's lowered action list (this rank runs ``schedule[rank]``)
+        self.schedule: Schedule = add_communication(compute, self.num_stages, self._place)
+        validate(self.schedule, self.num_stages, n_microbatches, stage_to_rank=self._place)
+        self._incoming = self._incoming_messages()
+        self._specs_known = False
+
+    @property
+    def actions(self) -> list[Action]:
+        """This rank's lowered action list."""
+        return self.schedule[self._rank]
+
+    def _incoming_messages(self) -> dict[int, list[MessageKey]]:
+        """Per peer, the messages it sends to this rank, in its send order."""
+        incoming: dict[int, list[MessageKey]] = {}
+        for peer, actions in sorted(self.schedule.items()):
+            for a in actions:
+                if a.type is A.SEND_F and self._place(a.stage_index + 1) == self._rank:
+                    incoming.setdefault(peer, []).append(("F", a.stage_index, a.microbatch_index))
+                elif a.type is A.SEND_B and self._place(a.stage_index - 1) == self._rank:
+                    incoming.setdefault(peer, []).append(("B", a.stage_index, a.microbatch_index))
+        return incoming
+
+    def _message_spec(self, key: MessageKey) -> tuple[TensorSpec, ...]:
+        kind, stage, _ = key
+        spec = self._stages[stage + 1].input_spec if kind == "F" else self._stages[stage - 1].output_spec
+        assert spec is not None, "specs are inferred before the first message"
+        return spec
+
+    def _infer_specs(self, first: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        """The shapes crossing each stage boundary, from microbatch 0: every stage, in
+        stage order, runs its forward without recording and sends its output's specs,
+        then the output, to the next stage (which runs on it in turn). Pairs of ranks see
+        their messages in stage order, so no reordering is needed here."""
+        p = self.platform
+        works: list[Work] = []
+        local: tuple[Any, ...] = ()
+        for s in sorted(self._stages):
+            stage = self._stages[s]
+            args, kwargs = first if s == 0 else (local, {})
+            if s > 0 and self._place(s - 1) != self._rank:
+                meta = receive(p, [TensorSpec((META_LEN,), "int64")], self._place(s - 1), self.group)[0]
+                args = receive(p, decode_specs(p, meta), self._place(s - 1), self.group)
+            if s > 0:
+                stage.input_spec = spec_of(p, args, f"stage {s - 1} output")
+            with p.no_grad():
+                out = stage.submodule(*args, **kwargs)
+            if stage.is_last:
+                continue
+            outs = out if isinstance(out, tuple) else (out,)
+            stage.output_spec = spec_of(p, outs, f"stage {s} output")
+            if self._place(s + 1) == self._rank:
+                local = outs
+            else:
+                works += send(p, [encode_specs(p, stage.output_spec)], self._place(s + 1), self.group)
+                works += send(p, outs, self._place(s + 1), self.group)
+        for work in works:
+            work.wait()
+        self._specs_known = True
+
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        """Run one training step's forwards and backwards over ``n_microbatches``.
+
+        Args:
+            *args, **kwargs: stage 0's inputs for the whole batch, ``[batch, ...]``
+                tensors split along dim 0 (non-tensors go to every microbatch); used on
+                the rank running stage 0, ignored elsewhere.
+            target: ``[batch, ...]``, split like the inputs; required on the rank
+                running the last stage.
+            losses: if given, the last stage's rank appends each microbatch's loss
+                (detached scalar tensors, microbatch order, unscaled).
+
+        Returns:
+            On the rank running the last stage, its output for the whole batch (the
+            microbatch outputs concatenated along dim 0); ``None`` elsewhere. Gradients
+            are in each stage's ``param_grads()`` (and, on torch, ``param.grad``).
+
+        Raises:
+            ValueError: stage 0's rank got no inputs, the last stage's rank no target, or
+                a batch size not divisible by ``n_microbatches``.
+        """
+        p, n = self.platform, self.n_microbatches
+        last = self.num_stages - 1
+        microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        targets: list[Any] = []
+        if 0 in self._stages:
+            if not args and not kwargs:
+                raise ValueError(f"{type(self).__name__}.step: rank {self._rank} runs stage 0 and needs the batch "
+                                 "(step(x, ...))")
+            microbatches = split_microbatches(p, args, kwargs, n)
+        if last in self._stages:
+            if target is None:
+                raise ValueError(f"{type(self).__name__}.step: rank {self._rank} runs the last stage and needs "
+                                 "target= for loss_fn")
+            targets = [mb[0][0] for mb in split_microbatches(p, (target,), {}, n)]
+        if not self._specs_known:
+            self._infer_specs(microbatches[0] if microbatches else ((), {}))
+        for stage in self._stages.values():
+            stage._reset_grads()
+        run = _StepState(self, microbatches, targets)
+        for action in self.actions:
+            run.execute(action)
+        for work in run.sends:
+            work.wait()
+        if last not in self._stages:
+            return None
+        if losses is not None:
+            losses.extend(run.losses[m] for m in range(n))
+        return merge_microbatches(p, [run.outputs[m] for m in range(n)])
+
+
+class _StepState:
+    """What one step holds between actions, keyed by (stage, microbatch)."""
+
+    def __init__(self, schedule: PipelineSchedule, microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]],
+                 targets: list[Any]) -> None:
+        self.schedule = schedule
+        self.p = schedule.platform
+        self.microbatches = microbatches
+        self.targets = targets
+        self.mailbox = Mailbox(self.p, schedule.group, schedule._incoming, schedule._message_spec)
+        self.inputs: dict[tuple[int, int], tuple[Any, ...]] = {}  # F's inputs (received or handed over)
+        self.backward: dict[tuple[int, int], Callable[..., Any]] = {}  # vjp backward of each F
+        self.outputs_to_send: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.output_grads: dict[tuple[int, int], tuple[Any, ...]] = {}  # B's output gradients
+        self.input_grads_to_send: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.last_outputs: dict[int, tuple[Any, list[Any]]] = {}  # last stage: (loss, outputs) per microbatch
+        self.losses: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = {}
+        self.sends: list[Work] = []
+
+    def execute(self, action: Action) -> None:
+        s, m = action.stage_index, action.microbatch_index
+        sched, place = self.schedule, self.schedule._place
+        if action.type is A.F:
+            self.forward(s, m)
+        elif action.type is A.B:
+            self.backward_full(s, m)
+        elif action.type is A.RECV_F:
+            self.inputs[(s, m)] = self.mailbox.get(place(s - 1), ("F", s - 1, m))
+        elif action.type is A.SEND_F:
+            self.sends += send(self.p, self.outputs_to_send.pop((s, m)), place(s + 1), sched.group)
+        elif action.type is A.RECV_B:
+            self.output_grads[(s, m)] = self.mailbox.get(place(s + 1), ("B", s + 1, m))
+        elif action.type is A.SEND_B:
+            self.sends += send(self.p, self.input_grads_to_send.pop((s, m)), place(s - 1), sched.group)
+        else:
+            raise NotImplementedError(f"pipeline runtime: action {action} ({action.type.name}) is not run by "
+                                      f"{type(sched).__name__}")
+
+    def forward(self, s: int, m: int) -> None:
+        sched, p = self.schedule, self.p
+        stage = sched._stages[s]
+        args, kwargs = self.microbatches[m] if s == 0 else (self.inputs.pop((s, m)), {})
+        params = [param for _, param in stage.named_params]
+        if stage.is_last:
+            target = self.targets[m]
+
+            def fn(*xs: Any) -> Any:
+                out = stage.submodule(*xs, **kwargs)
+                return (sched.loss_fn(out, target),) + (out if isinstance(out, tuple) else (out,))
+
+            result, backward = p.vjp(fn, args, params)
+            outs = tuple(p.detach(t) for t in result)
+            self.losses[m] = outs[0]
+            self.outputs[m] = outs[1:] if len(outs) > 2 else outs[1]
+            self.last_outputs[m] = (outs[0], list(outs[1:]))
+        else:
+            result, backward = p.vjp(lambda *xs: stage.submodule(*xs, **kwargs), args, params)
+            outs = tuple(p.detach(t) for t in (result if isinstance(result, tuple) else (result,)))
+            if sched._place(s + 1) == sched._rank:
+                self.inputs[(s + 1, m)] = outs
+            else:
+                self.outputs_to_send[(s, m)] = outs
+        self.backward[(s, m)] = backward
+
+    def _grads_of_outputs(self, s: int, m: int) -> list[Any]:
+        p = self.p
+        if s == self.schedule.num_stages - 1:
+            loss, outs = self.last_outputs.pop(m)
+            scale = 1.0 / self.schedule.n_microbatches if self.schedule.scale_grads else 1.0
+            # the loss starts the backward; the outputs returned beside it take no gradient
+            return [p.full(tuple(loss.shape), scale, loss.dtype)] + [p.zeros(tuple(o.shape), o.dtype) for o in outs]
+        return list(self.output_grads.pop((s, m)))
+
+    def backward_full(self, s: int, m: int) -> None:
+        sched = self.schedule
+        input_grads, param_grads = self.backward.pop((s, m))(self._grads_of_outputs(s, m))
+        sched._stages[s]._accumulate(param_grads)
+        if s > 0:
+            grads = tuple(input_grads)
+            if sched._place(s - 1) == sched._rank:
+                self.output_grads[(s - 1, m)] = grads
+            else:
+                self.input_grads_to_send[(s, m)] = grads
+
+
+def _single_stage(name: str, stage: PipelineStage) -> list[PipelineStage]:
+    if not isinstance(stage, PipelineStage):
+        raise TypeError(f"{name}: stage is {type(stage).__name__}, not a PipelineStage (interleaved schedules take a "
+                        "list of stages)")
+    if stage.num_stages != stage.group_size:
+        raise ValueError(f"{name}: one stage per rank, but num_stages={stage.num_stages} on a pipeline group of "
+                         f"{stage.group_size}; use ScheduleInterleaved1F1B for several stages per rank")
+    return [stage]
+
+
+class ScheduleGPipe(PipelineSchedule):
+    """GPipe (Huang et al., 2019): all forwards, then all backwards; holds
+    ``n_microbatches`` microbatches of activations on every rank. One stage per rank."""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn, *,
+                 scale_grads: bool = True) -> None:
+        stages = _single_stage("ScheduleGPipe", stage)
+        super().__init__(stages, n_microbatches, loss_fn, gpipe(stage.group_size, n_microbatches),
+                         scale_grads=scale_grads)
+
+
+class Schedule1F1B(PipelineSchedule):
+    """1F1B (PipeDream-flush, Narayanan et al., 2021): warm-up forwards, then one forward
+    and one backward in turn; holds at most ``num_stages - rank`` microbatches of
+    activations. One stage per rank."""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn, *,
+                 scale_grads: bool = True) -> None:
+        stages = _single_stage("Schedule1F1B", stage)
+        super().__init__(stages, n_microbatches, loss_fn, one_f_one_b(stage.group_size, n_microbatches),
+                         scale_grads=scale_grads)
+
+
+class ScheduleInterleaved1F1B(PipelineSchedule):
+    """Interleaved 1F1B (Narayanan et al., 2021; Megatron-LM): ``v`` stages per rank
+    (stage ``s`` on rank ``s % group_size``), which divides the bubble by ``v``.
+
+    Args:
+        stages: this rank's stages, ``num_stages / group_size`` of them.
+
+    Raises:
+        ValueError: ``n_microbatches`` not a multiple of the group size; a wrong number
+            of stages for this rank.
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
+                 scale_grads: bool = True) -> None:
+        stages = list(stages)
+        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+            raise TypeError(f"ScheduleInterleaved1F1B: stages={stages!r} must be a non-empty list of PipelineStage")
+        size = stages[0].group_size
+        compute = interleaved_1f1b(size, stages[0].num_stages // size, n_microbatches)
+        super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads)

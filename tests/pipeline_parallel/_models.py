@@ -1,0 +1,67 @@
+"""A chain of ``tanh(linear)`` layers built natively in each framework (the framework
+branch lives here, in test support), its numpy-free reference loss, and a slicing of
+it into pipeline stages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+DIM = 6
+
+
+def layer_weights(n_layers: int, dim: int = DIM, seed: int = 3) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [((rng.standard_normal((dim, dim)) / np.sqrt(dim)).astype(np.float32),
+             (0.1 * rng.standard_normal(dim)).astype(np.float32)) for _ in range(n_layers)]
+
+
+def build_chain(p: Any, weights: list[tuple[np.ndarray, np.ndarray]]) -> Any:
+    """``x -> tanh(x @ W_i^T + b_i)`` for each layer, parameters ``layers.{i}.weight/bias``."""
+    if p.framework == "torch":
+        import torch
+
+        class Chain(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layers = torch.nn.ModuleList(torch.nn.Linear(w.shape[1], w.shape[0]) for w, _ in weights)
+                with torch.no_grad():
+                    for layer, (w, b) in zip(self.layers, weights):
+                        layer.weight.copy_(torch.from_numpy(w))
+                        layer.bias.copy_(torch.from_numpy(b))
+
+            def forward(self, x: Any) -> Any:
+                for layer in self.layers:
+                    x = torch.tanh(layer(x))
+                return x
+
+        return Chain()
+    import mindspore as ms
+
+    class Linear(ms.nn.Cell):
+        def __init__(self, w: np.ndarray, b: np.ndarray) -> None:
+            super().__init__()
+            self.weight = ms.Parameter(ms.Tensor(w), name="weight")
+            self.bias = ms.Parameter(ms.Tensor(b), name="bias")
+
+        def construct(self, x: Any) -> Any:
+            return ms.mint.matmul(x, self.weight.T) + self.bias
+
+    class MSChain(ms.nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = ms.nn.CellList([Linear(w, b) for w, b in weights])
+
+        def construct(self, x: Any) -> Any:
+            for layer in self.layers:
+                x = ms.ops.tanh(layer(x))
+            return x
+
+    return MSChain()
+
+
+def mse(output: Any, target: Any) -> Any:
+    """Mean squared error over all elements, with tensor methods only (both frameworks)."""
+    diff = output - target
+    return (diff * diff).mean()

@@ -1,0 +1,104 @@
+"""Pipeline runtime parity: GPipe, 1F1B and interleaved 1F1B (2 virtual stages per
+rank) on 2 and 4 ranks with 4 and 8 microbatches; every microbatch loss, the merged
+output and every parameter gradient against the unpipelined chain on the whole batch.
+
+float32: the pipelined gradient sums microbatch gradients where the reference sums over
+the whole batch at once, a different summation order: agreement to a few ulps
+(rtol/atol 1e-5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyper_parallel.core.pipeline_parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                   ScheduleInterleaved1F1B)
+from hyper_parallel.platform import get_platform
+from tests.pipeline_parallel._models import DIM, build_chain, layer_weights, mse
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+BATCH = 16
+
+
+def _reference(p, weights, x, y, n_microbatches):
+    model = build_chain(p, weights)
+    params = [param for _, param in p.named_parameters(model)]
+    out, backward = p.vjp(lambda t: mse(model(t), p.from_numpy(y)), [p.from_numpy(x)], params)
+    _, grads = backward([p.full((), 1.0, out.dtype)])
+    full = p.to_numpy(model(p.from_numpy(x)))
+    per = BATCH // n_microbatches
+    losses = [float(np.mean((full[i * per:(i + 1) * per] - y[i * per:(i + 1) * per]) ** 2))
+              for i in range(n_microbatches)]
+    return full, losses, [p.to_numpy(g) for g in grads]
+
+
+def check_schedules(layers_per_stage: int) -> None:
+    p = get_platform()
+    n, r = p.world_size(), p.rank()
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((BATCH, DIM)).astype(np.float32)
+    y = rng.standard_normal((BATCH, DIM)).astype(np.float32)
+    for kind in ("gpipe", "1f1b", "interleaved"):
+        virtual = 2 if kind == "interleaved" else 1
+        num_stages = n * virtual
+        weights = layer_weights(num_stages * layers_per_stage)
+        for n_microbatches in (4, 8):
+            full, ref_losses, ref_grads = _reference(p, weights, x, y, n_microbatches)
+            stages = [PipelineStage(build_chain(p, weights[s * layers_per_stage:(s + 1) * layers_per_stage]), s,
+                                    num_stages) for s in range(r, num_stages, n)]
+            if kind == "gpipe":
+                schedule = ScheduleGPipe(stages[0], n_microbatches, mse)
+            elif kind == "1f1b":
+                schedule = Schedule1F1B(stages[0], n_microbatches, mse)
+            else:
+                schedule = ScheduleInterleaved1F1B(stages, n_microbatches, mse)
+            what = f"{kind}, {num_stages} stages, {n_microbatches} microbatches, rank {r}"
+            # a second step (reusing the inferred shapes) for one configuration: CI time
+            for _ in range(2 if (kind, n_microbatches) == ("interleaved", 8) else 1):
+                losses: list = []
+                out = schedule.step(p.from_numpy(x), target=p.from_numpy(y), losses=losses)
+                if r == (num_stages - 1) % n:
+                    np.testing.assert_allclose(p.to_numpy(out), full, **TOL, err_msg=f"{what}: output")
+                    np.testing.assert_allclose([float(p.to_numpy(v)) for v in losses], ref_losses, **TOL,
+                                               err_msg=f"{what}: losses")
+                else:
+                    assert out is None and losses == [], what
+                for stage in stages:
+                    grads = stage.param_grads()
+                    for i in range(layers_per_stage):
+                        layer = stage.stage_index * layers_per_stage + i
+                        for j, leaf in enumerate(("weight", "bias")):
+                            np.testing.assert_allclose(p.to_numpy(grads[f"layers.{i}.{leaf}"]),
+                                                       ref_grads[2 * layer + j], **TOL,
+                                                       err_msg=f"{what}: gradient of layer {layer} {leaf}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_schedules_match_unpipelined(run_on_ranks, world_size: int) -> None:
+    run_on_ranks(check_schedules, 2 if world_size == 2 else 1, world_size=world_size, timeout_s=300)
+
+
+def check_bad_input() -> None:
+    p = get_platform()
+    chain = build_chain(p, layer_weights(1))
+    with pytest.raises(ValueError, match=r"stage_index=2 must be in \[0, num_stages=2\)"):
+        PipelineStage(chain, 2, 2)
+    stage = PipelineStage(chain, 0, 1)
+    with pytest.raises(ValueError, match="one stage per rank, but num_stages=2"):
+        ScheduleGPipe(PipelineStage(chain, 0, 2), 2, mse)
+    with pytest.raises(TypeError, match="loss_fn=None is not callable"):
+        Schedule1F1B(stage, 2, None)
+    with pytest.raises(ValueError, match="n_microbatches=0 must both be >= 1"):
+        Schedule1F1B(stage, 0, mse)
+    schedule = ScheduleGPipe(stage, 4, mse)
+    x = p.from_numpy(np.zeros((6, DIM), np.float32))
+    with pytest.raises(ValueError, match="batch size 6 \\(dim 0\\), not divisible by n_microbatches=4"):
+        schedule.step(x, target=x)
+    with pytest.raises(ValueError, match="runs the last stage and needs target="):
+        schedule.step(p.from_numpy(np.zeros((8, DIM), np.float32)))
+    with pytest.raises(ValueError, match="runs stage 0 and needs the batch"):
+        schedule.step(target=x)
+
+
+def test_bad_input(run_on_ranks) -> None:
+    run_on_ranks(check_bad_input, world_size=1)
