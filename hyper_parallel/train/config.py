@@ -85,7 +85,7 @@ class ModelConfig:
 #: ``--model`` presets. ``tiny`` is for tests (a few seconds per step on CPU); ``small`` is
 #: the default job (about 0.8 M parameters, learns byte-level Python in minutes on CPU).
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256),
+    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=64, max_seq_len=256),
     "small": ModelConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=352, max_seq_len=1024),
     "base": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1408, max_seq_len=2048),
 }
