@@ -1,0 +1,181 @@
+"""``hyper-parallel train``: the command line of the main job.
+
+Outside a launcher it validates the configuration (every error before any rank starts),
+starts the ranks through the framework's launcher (``launch.py``) and, with
+``--check-parity``, runs the single-process reference and compares the loss curves.
+Inside torchrun/msrun it runs this process's rank in place, so the same command scales to
+many machines::
+
+    hyper-parallel train                                  # small model, 4 CPU ranks, tp 4
+    hyper-parallel train --platform mindspore --tp 2 --steps 50
+    torchrun --nproc-per-node 8 -m hyper_parallel.train.cli train --tp 8 --nproc 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+from hyper_parallel.train.config import CP_MODES, PP_SCHEDULES, PRESETS, Layout, ModelConfig, TrainConfig
+from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
+
+#: The layout of a run without layout flags, on ``--nproc`` ranks. Tensor parallelism
+#: today; data-parallel sharding (``dp_shard = nproc``) once fully_shard lands.
+DEFAULT_LAYOUT_AXIS = "tp"
+LAYOUT_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
+
+
+def _default_platform() -> str:
+    chosen = os.environ.get("HYPER_PARALLEL_PLATFORM", "").strip()
+    if chosen:
+        return chosen
+    return "torch" if importlib.util.find_spec("torch") is not None else "mindspore"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line")
+    commands = parser.add_subparsers(dest="command", required=True)
+    t = commands.add_parser("train", help="train a Llama-style byte-level language model across N ranks",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--platform", default=None,
+                   help="torch or mindspore, or a backend name (torch-cuda, mindspore-ascend); default: "
+                        "$HYPER_PARALLEL_PLATFORM, else torch if installed, else mindspore")
+    t.add_argument("--nproc", type=int, default=None,
+                   help="ranks on this machine (default: the product of the layout degrees, or 4)")
+    lay = t.add_argument_group("layout (the product of the degrees is --nproc)")
+    lay.add_argument("--dp-replicate", type=int, default=None, help="replicated data-parallel degree (HSDP)")
+    lay.add_argument("--dp-shard", type=int, default=None, help="sharded data-parallel degree (fully_shard)")
+    lay.add_argument("--tp", type=int, default=None, help="tensor-parallel degree")
+    lay.add_argument("--cp", type=int, default=None, help="context-parallel degree")
+    lay.add_argument("--cp-mode", default="ulysses", help=f"context-parallel mode: {', '.join(CP_MODES)}")
+    lay.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
+    lay.add_argument("--pp-schedule", default="1f1b", help=f"pipeline schedule: {', '.join(PP_SCHEDULES)}")
+    lay.add_argument("--microbatches", type=int, default=1, help="microbatches per step (pipeline)")
+    mod = t.add_argument_group("model")
+    mod.add_argument("--model", default="small", help=f"preset: {', '.join(PRESETS)} (sizes below override it)")
+    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "hidden-dim"):
+        mod.add_argument(f"--{flag}", type=int, default=None)
+    mod.add_argument("--tie-embeddings", action="store_true", help="the output head reuses the embedding")
+    tr = t.add_argument_group("training")
+    tr.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
+    tr.add_argument("--batch-size", type=int, default=8, help="sequences per step over all data-parallel ranks")
+    tr.add_argument("--steps", type=int, default=150)
+    tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
+    tr.add_argument("--warmup-steps", type=int, default=10)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--eval-every", type=int, default=25, help="validation loss every K steps")
+    tr.add_argument("--data", nargs="+", default=[], metavar="PATH",
+                    help="text files or folders (default: the standard library's .py files)")
+    out = t.add_argument_group("output")
+    out.add_argument("--out", default="runs/latest", help="run folder: metrics.jsonl, loss.png, checkpoints/")
+    out.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
+    out.add_argument("--checkpoint-every", type=int, default=50, help="0: only at the end")
+    out.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    out.add_argument("--check-parity", action="store_true",
+                     help="also run a single-process reference and report the largest relative loss difference")
+    out.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is killed")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run's configuration (``ValueError`` for any invalid value or combination)."""
+    if args.model not in PRESETS:
+        raise ValueError(f"--model={args.model!r} is not a preset; use one of {', '.join(PRESETS)} "
+                         "(and --dim/--n-layers/... to change sizes)")
+    sizes = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim")
+             if getattr(args, name) is not None}
+    preset = PRESETS[args.model]
+    model = ModelConfig(**{**preset.__dict__, **sizes, "tie_embeddings": args.tie_embeddings,
+                           "max_seq_len": max(preset.max_seq_len, args.seq_len)})
+    degrees = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name) is not None}
+    if degrees:
+        nproc = args.nproc if args.nproc is not None else Layout(**degrees).world_size
+    else:
+        nproc = args.nproc if args.nproc is not None else 4
+        degrees = {DEFAULT_LAYOUT_AXIS: nproc}
+    layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=args.microbatches)
+    name = args.model if not sizes else f"{args.model}+custom"
+    return TrainConfig(platform=args.platform or _default_platform(), nproc=nproc, model=model, model_name=name,
+                       layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
+                       warmup_steps=args.warmup_steps, seed=args.seed, eval_every=args.eval_every,
+                       checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                       out=args.out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
+                       progress=not args.no_progress)
+
+
+def parity_report(run: list[dict], reference: list[dict]) -> dict:
+    """The largest relative difference ``|loss - ref| / |ref|`` over the steps both ran."""
+    ref_by_step = {row["step"]: row for row in reference}
+    worst = {"max_rel_diff": 0.0, "step": None, "steps_compared": 0}
+    for row in run:
+        ref = ref_by_step.get(row["step"])
+        if ref is None:
+            continue
+        worst["steps_compared"] += 1
+        diff = abs(row["loss"] - ref["loss"]) / abs(ref["loss"])
+        if diff >= worst["max_rel_diff"]:
+            worst.update(max_rel_diff=diff, step=row["step"], loss=row["loss"], reference_loss=ref["loss"])
+    return worst
+
+
+def run_train(cfg: TrainConfig) -> int:
+    from hyper_parallel.train.launch import launch
+    from hyper_parallel.train.rank import in_launcher, run_rank
+
+    if in_launcher():
+        run_rank(cfg)
+        return 0
+    launch(cfg)
+    rows = read_metrics(cfg.run_dir / METRICS_FILE)
+    if rows:
+        last = rows[-1]
+        first = rows[0]
+        print(f"done: step {last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}"
+              + (f", validation {last['val_loss']:.3f}" if "val_loss" in last else "")
+              + f"; metrics {cfg.run_dir / METRICS_FILE}, plot {cfg.run_dir / 'loss.png'}, "
+              f"checkpoints {cfg.checkpoint_path}")
+    if cfg.check_parity:
+        ref_dir = cfg.run_dir / "reference"
+        reference = cfg.replace(nproc=1, layout=Layout(), out=str(ref_dir), checkpoint_dir=str(ref_dir / "checkpoints"),
+                                resume=False, check_parity=False, checkpoint_every=0)
+        print("--check-parity: running the single-process reference")
+        launch(reference)
+        report = parity_report(rows, read_metrics(ref_dir / METRICS_FILE))
+        (cfg.run_dir / "parity.json").write_text(json.dumps(report, indent=1))
+        print(f"parity: largest relative loss difference {report['max_rel_diff']:.3e} at step {report['step']} "
+              f"over {report['steps_compared']} steps (reference in {ref_dir})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        cfg.refuse_unlanded()
+        from hyper_parallel.train.data import list_files
+        from hyper_parallel.train.rank import in_launcher
+
+        list_files(cfg.data)  # a missing --data path fails here, not on every rank
+
+        if cfg.check_parity and in_launcher():
+            raise ValueError("--check-parity starts its own single-process reference and is not available inside "
+                             "torchrun/msrun; run `hyper-parallel train --check-parity ...` from a shell")
+    except ValueError as err:
+        parser.exit(2, f"hyper-parallel train: error: {err}\n")
+    from hyper_parallel.train.launch import LaunchError
+
+    try:
+        return run_train(cfg)
+    except LaunchError as err:
+        print(f"hyper-parallel train: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

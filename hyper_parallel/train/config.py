@@ -1,0 +1,286 @@
+"""The configuration of a ``hyper-parallel train`` run: model sizes, parallel layout and
+training settings, as frozen dataclasses validated at construction, before any rank starts.
+
+Every invalid combination raises ``ValueError`` here, in the launching process, with the
+argument, the value, the rule and the fix, so that no rank is ever started for a layout
+that cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Byte-level tokens: one token per byte.
+VOCAB_SIZE = 256
+
+#: ``--cp-mode`` values (context parallelism: Ulysses all-to-all, ring attention,
+#: all-gathered key/value, and the 2-D Ulysses x ring hybrid).
+CP_MODES = ("ulysses", "ring", "allgather", "hybrid")
+
+#: ``--pp-schedule`` values, the generators of ``hyper_parallel.core.pipeline_parallel.schedules``.
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+#: Parallel features a layout may need, and whether they have landed in this package.
+#: A layout that needs a feature that has not landed is refused before any rank starts.
+LANDED_FEATURES: dict[str, bool] = {
+    "tensor parallel (--tp)": True,
+    "context parallel (--cp)": False,
+    "fully_shard (--dp-shard)": False,
+    "HSDP / replicated data parallel (--dp-replicate)": False,
+    "pipeline parallel (--pp)": False,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder (Touvron et al., *LLaMA*, 2023): RMSNorm, rotary position
+    embeddings, SwiGLU MLP, grouped-query attention, tied or untied output head.
+
+    Attributes:
+        dim: model width (features per token).
+        n_layers: decoder blocks.
+        n_heads: query heads; ``dim`` must be divisible by it.
+        n_kv_heads: key/value heads (grouped-query attention); divides ``n_heads``.
+        hidden_dim: SwiGLU inner width.
+        max_seq_len: longest sequence the rotary tables cover.
+        tie_embeddings: the output head reuses the token embedding matrix.
+        rope_theta: rotary base frequency.
+        norm_eps: RMSNorm epsilon.
+    """
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    max_seq_len: int = 1024
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    vocab_size: int = VOCAB_SIZE
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model: {name}={value!r} must be a positive integer")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model: dim={self.dim} must be divisible by n_heads={self.n_heads} "
+                             f"(head_dim = dim / n_heads); pick dim as a multiple of {self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"model: head_dim={self.dim // self.n_heads} (dim / n_heads) must be even for rotary "
+                             "embeddings, which rotate pairs of features; change dim or n_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model: n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads} "
+                             "(each key/value head serves n_heads / n_kv_heads query heads)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+#: ``--model`` presets. ``tiny`` is for tests (a few seconds per step on CPU); ``small`` is
+#: the default job (about 0.8 M parameters, learns byte-level Python in minutes on CPU).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=64, max_seq_len=256),
+    "small": ModelConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=352, max_seq_len=1024),
+    "base": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1408, max_seq_len=2048),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees. Their product is the number of ranks.
+
+    The mesh axes, outermost first, are ``pp, dp_replicate, dp_shard, cp, tp`` (tensor
+    parallelism innermost: its collectives are on the critical path of every layer, so
+    its ranks are the closest ones).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    cp_mode: str = "ulysses"
+    pp_schedule: str = "1f1b"
+    microbatches: int = 1
+
+    AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}={value!r} must be a positive integer (1 disables that parallelism)")
+        if self.cp_mode not in CP_MODES:
+            raise ValueError(f"--cp-mode={self.cp_mode!r} is not a context-parallel mode; use one of {', '.join(CP_MODES)}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"--pp-schedule={self.pp_schedule!r} is not a pipeline schedule; "
+                             f"use one of {', '.join(PP_SCHEDULES)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks that see different samples of a batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def degrees(self) -> dict[str, int]:
+        """``{axis: degree}`` in mesh order (outermost first)."""
+        return {axis: getattr(self, axis) for axis in self.AXES}
+
+    def describe(self) -> str:
+        parts = [f"{axis}={degree}" for axis, degree in self.degrees().items() if degree > 1]
+        return " x ".join(parts) if parts else "single rank"
+
+    def missing_features(self) -> list[str]:
+        """Features this layout needs that have not landed (see ``LANDED_FEATURES``)."""
+        needed = []
+        if self.tp > 1:
+            needed.append("tensor parallel (--tp)")
+        if self.cp > 1:
+            needed.append("context parallel (--cp)")
+        if self.dp_shard > 1:
+            needed.append("fully_shard (--dp-shard)")
+        if self.dp_replicate > 1:
+            needed.append("HSDP / replicated data parallel (--dp-replicate)")
+        if self.pp > 1:
+            needed.append("pipeline parallel (--pp)")
+        return [name for name in needed if not LANDED_FEATURES[name]]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    Attributes:
+        platform: ``"torch"`` or ``"mindspore"`` (or a full backend name, ``"torch-cuda"``).
+        nproc: ranks on this machine (``Layout.world_size`` must equal it).
+        model: the model sizes (a preset or explicit).
+        layout: the parallel degrees.
+        seq_len: tokens per sequence.
+        batch_size: sequences per optimizer step, over all data-parallel ranks together.
+        steps: optimizer steps to reach (a resumed run continues up to this step).
+        lr: peak learning rate (linear warmup over ``warmup_steps``, then cosine to 10%).
+        seed: seeds the initial weights (numpy) and the batch sampling.
+        eval_every: validation loss every this many steps (and at the last step).
+        eval_batches: batches averaged into one validation loss.
+        checkpoint_every: checkpoint every this many steps (0: only at the end).
+        checkpoint_dir: where checkpoints go (``None``: ``<out>/checkpoints``).
+        resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
+        out: the run folder (metrics, plot, logs).
+        data: files or folders of text (empty: the running interpreter's standard library).
+    """
+
+    platform: str = "torch"
+    nproc: int = 4
+    model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
+    model_name: str = "small"
+    layout: Layout = field(default_factory=lambda: Layout(tp=4))
+    seq_len: int = 128
+    batch_size: int = 8
+    steps: int = 150
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    seed: int = 0
+    eval_every: int = 25
+    eval_batches: int = 2
+    checkpoint_every: int = 50
+    checkpoint_dir: str | None = None
+    resume: bool = False
+    out: str = "runs/latest"
+    data: tuple[str, ...] = ()
+    check_parity: bool = False
+    timeout_s: float = 1800.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.platform.split("-")[0] not in ("torch", "mindspore"):
+            raise ValueError(f"--platform={self.platform!r} must be torch or mindspore (or a backend name such as "
+                             "torch-cuda, mindspore-ascend)")
+        for name in ("nproc", "seq_len", "batch_size", "steps", "eval_every", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
+        if self.checkpoint_every < 0 or self.warmup_steps < 0:
+            raise ValueError("--checkpoint-every and --warmup-steps must be >= 0")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr={self.lr!r} must be a positive number")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout={self.timeout_s!r} must be a positive number of seconds")
+        lay, mod = self.layout, self.model
+        if lay.world_size != self.nproc:
+            raise ValueError(
+                f"the layout {lay.describe()} needs {lay.world_size} ranks (dp_replicate {lay.dp_replicate} x dp_shard "
+                f"{lay.dp_shard} x tp {lay.tp} x cp {lay.cp} x pp {lay.pp}) but --nproc={self.nproc}; make the product "
+                f"of the degrees equal --nproc")
+        if mod.n_heads % lay.tp or mod.n_kv_heads % lay.tp:
+            raise ValueError(
+                f"--tp={lay.tp} must divide the query heads ({mod.n_heads}) and the key/value heads "
+                f"({mod.n_kv_heads}) of --model {self.model_name}: tensor parallelism gives each rank whole heads; "
+                f"use a --tp that divides {math.gcd(mod.n_heads, mod.n_kv_heads)}")
+        if mod.hidden_dim % lay.tp:
+            raise ValueError(f"--tp={lay.tp} must divide the MLP hidden size {mod.hidden_dim} of --model "
+                             f"{self.model_name}")
+        if lay.cp > 1:
+            # Ulysses trades sequence shards for head shards; the load-balanced ring splits each
+            # sequence into 2 * cp chunks.
+            if lay.cp_mode in ("ulysses", "hybrid") and (mod.n_heads // lay.tp) % lay.cp:
+                raise ValueError(f"--cp={lay.cp} with --cp-mode {lay.cp_mode} must divide the query heads per "
+                                 f"tensor-parallel rank ({mod.n_heads // lay.tp}); use --cp-mode ring or a smaller --cp")
+            if self.seq_len % (2 * lay.cp):
+                raise ValueError(f"--seq-len={self.seq_len} must be divisible by 2 x --cp = {2 * lay.cp} "
+                                 "(each context-parallel rank takes two load-balanced chunks of every sequence)")
+        if lay.pp > 1:
+            if lay.pp > mod.n_layers:
+                raise ValueError(f"--pp={lay.pp} exceeds the {mod.n_layers} layers of --model {self.model_name}; "
+                                 "each pipeline stage needs at least one layer")
+            if lay.microbatches < lay.pp:
+                raise ValueError(f"--microbatches={lay.microbatches} must be >= --pp={lay.pp} so every stage has work")
+        if self.batch_size % (lay.dp * lay.microbatches):
+            raise ValueError(
+                f"--batch-size={self.batch_size} must be divisible by the data-parallel degree ({lay.dp}) x "
+                f"--microbatches ({lay.microbatches}) = {lay.dp * lay.microbatches}: each data-parallel rank takes "
+                "an equal share of every batch")
+        if self.seq_len > mod.max_seq_len:
+            raise ValueError(f"--seq-len={self.seq_len} exceeds the rotary tables of --model {self.model_name} "
+                             f"(max_seq_len {mod.max_seq_len})")
+
+    def refuse_unlanded(self) -> None:
+        """Raise if the layout needs a parallel feature that is not in the package yet."""
+        missing = self.layout.missing_features()
+        if missing:
+            raise ValueError(
+                f"the layout {self.layout.describe()} needs {', '.join(missing)}, which has not landed in "
+                "hyper_parallel yet; layouts that run today: a single rank (--nproc 1 --tp 1) and tensor "
+                "parallelism (--tp N --nproc N)")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else self.run_dir / "checkpoints"
+
+    def replace(self, **changes: object) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> TrainConfig:
+        values = dict(values)
+        values["model"] = ModelConfig(**values["model"])  # type: ignore[arg-type]
+        values["layout"] = Layout(**values["layout"])  # type: ignore[arg-type]
+        values["data"] = tuple(values.get("data", ()))  # type: ignore[arg-type]
+        return cls(**values)  # type: ignore[arg-type]

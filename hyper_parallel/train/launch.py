@@ -1,0 +1,142 @@
+"""Starting the ranks of a run from a plain shell, through the framework's own launcher.
+
+torch: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+hyper_parallel.train.rank CONFIG.json`` (torchrun). MindSpore: one scheduler
+(``MS_ROLE=MS_SCHED``, ``hyper_parallel.platform.mindspore.run_scheduler()``) plus N workers
+(``MS_ROLE=MS_WORKER``, ``MS_NODE_ID``), all dialling ``MS_SCHED_HOST:MS_SCHED_PORT``, the
+environment launch msrun itself performs; the same command runs under ``msrun`` on many machines.
+
+Every process is started in its own session, so a kill reaches everything it started.
+A rank that fails, or a run past ``timeout_s``, kills the whole group; the error names the
+rank (from ``<out>/.ranks/rank_N.error``, which each rank writes on failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hyper_parallel.testing.ports import free_port
+from hyper_parallel.train.config import TrainConfig
+from hyper_parallel.train.rank import ERROR_DIR
+
+HOST = "127.0.0.1"
+#: seconds a MindSpore scheduler may outlive its workers before it is stopped
+SCHEDULER_GRACE_S = 10.0
+
+
+class LaunchError(RuntimeError):
+    """A rank failed or the run timed out; the message names the rank(s)."""
+
+
+def _base_env(cfg: TrainConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env["HYPER_PARALLEL_PLATFORM"] = cfg.platform
+    env["PYTHONUNBUFFERED"] = "1"
+    # N ranks on a few cores: one intra-op thread each (torchrun's default too); more
+    # threads only oversubscribe the cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # the package this process imported, first on the ranks' path
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (package_root, env.get("PYTHONPATH", "")) if x)
+    if cfg.platform.startswith("torch") and "GLOO_SOCKET_IFNAME" not in env:
+        names = [name for _, name in socket.if_nameindex()]
+        loopback = next((n for n in ("lo", "lo0") if n in names), None)
+        if loopback:  # every rank is on this host
+            env["GLOO_SOCKET_IFNAME"] = loopback
+    if cfg.platform.startswith("mindspore"):
+        env.setdefault("GLOG_v", "3")  # MindSpore logs each rendezvous retry as a warning
+        # a lost rank fails the cluster in seconds, not minutes
+        env.setdefault("MS_NODE_TIMEOUT", "10")
+        env.setdefault("MS_HEARTBEAT_RETRY_TIMEOUT", "10")
+    return env
+
+
+def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL)  # noqa: S603
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def _failed_ranks(cfg: TrainConfig) -> str:
+    folder = cfg.run_dir / ERROR_DIR
+    if not folder.is_dir():
+        return ""
+    parts = []
+    for path in sorted(folder.glob("rank_*.error"), key=lambda f: int(f.stem.split("_")[1])):
+        last = [line for line in path.read_text().strip().splitlines() if line.strip()]
+        parts.append(f"rank {path.stem.split('_')[1]} failed: {last[-1] if last else '?'} (traceback: {path})")
+    return "\n".join(parts)
+
+
+def _commands(cfg: TrainConfig, config_path: Path) -> list[tuple[str, list[str], dict[str, str]]]:
+    """``(label, argv, env)`` per process to start."""
+    env = _base_env(cfg)
+    rank_cmd = ["-m", "hyper_parallel.train.rank", str(config_path)]
+    if cfg.platform.startswith("torch"):
+        return [("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                              "--nproc-per-node", str(cfg.nproc), *rank_cmd], env)]
+    cluster = {**env, "MS_SCHED_HOST": HOST, "MS_SCHED_PORT": str(free_port(HOST)), "MS_WORKER_NUM": str(cfg.nproc)}
+    procs = [(f"rank {r}", [sys.executable, *rank_cmd],
+              {**cluster, "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(r), "LOCAL_RANK": str(r)})
+             for r in range(cfg.nproc)]
+    scheduler = "from hyper_parallel.platform.mindspore import run_scheduler; run_scheduler()"
+    procs.append(("the scheduler", [sys.executable, "-c", scheduler], {**cluster, "MS_ROLE": "MS_SCHED"}))
+    return procs
+
+
+def launch(cfg: TrainConfig) -> None:
+    """Run ``cfg`` on ``cfg.nproc`` local ranks and wait for them.
+
+    Raises:
+        LaunchError: a rank failed (named, with its last error line) or the run exceeded
+            ``cfg.timeout_s`` (every process is killed first).
+    """
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(cfg.run_dir / ERROR_DIR, ignore_errors=True)
+    config_path = cfg.run_dir / "config.json"
+    config_path.write_text(json.dumps(cfg.to_dict(), indent=1))
+    specs = _commands(cfg, config_path)
+    procs = [(label, _spawn(cmd, env)) for label, cmd, env in specs]
+    workers = [(label, proc) for label, proc in procs if label != "the scheduler"]
+    deadline = time.monotonic() + cfg.timeout_s
+    try:
+        while True:
+            codes = {label: proc.poll() for label, proc in workers}
+            failed = {label: code for label, code in codes.items() if code not in (None, 0)}
+            if failed:
+                time.sleep(1.0)  # let a failing rank finish writing its error file
+                names = ", ".join(f"{label} exited with code {code}" for label, code in failed.items())
+                detail = _failed_ranks(cfg)
+                raise LaunchError(f"the run failed: {names}" + (f"\n{detail}" if detail else ""))
+            if all(code == 0 for code in codes.values()):
+                return
+            if time.monotonic() > deadline:
+                running = [label for label, code in codes.items() if code is None]
+                raise LaunchError(f"the run exceeded --timeout {cfg.timeout_s:g} s; killed every process "
+                                  f"({', '.join(running)} still running)" +
+                                  (f"\n{_failed_ranks(cfg)}" if _failed_ranks(cfg) else ""))
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        raise LaunchError("interrupted; killed every process of the run") from None
+    finally:
+        scheduler = [proc for label, proc in procs if label == "the scheduler"]
+        for proc in scheduler:  # it returns once every worker has left; give it a moment
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=SCHEDULER_GRACE_S if all(p.poll() == 0 for _, p in workers) else 0.1)
+        for _, proc in procs:
+            _kill(proc)

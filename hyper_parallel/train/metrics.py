@@ -1,0 +1,92 @@
+"""What a run shows: per-step metrics as JSON lines, a progress bar, the loss-curve PNG.
+
+One line of ``metrics.jsonl`` per optimizer step::
+
+    {"step": 12, "loss": 3.91, "lr": 0.0024, "tokens_per_s": 5123.4, "step_time_s": 0.2,
+     "peak_memory_bytes": [r0, r1, ...], "val_loss": 3.95}      # val_loss every K steps
+
+``loss`` and ``val_loss`` are mean next-byte cross-entropies in nats; ``tokens_per_s``
+counts the tokens of the whole (global) batch; ``peak_memory_bytes`` holds each rank's
+``platform.max_memory_allocated()`` (device memory, or peak RSS on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (``[]`` if there is none)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsWriter:
+    """Appends rows to ``<out>/metrics.jsonl``. On resume from ``start_step`` the rows after
+    it (from the interrupted run) are dropped first, so the file reads as one run."""
+
+    def __init__(self, out: Path, start_step: int) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / METRICS_FILE
+        kept = [row for row in read_metrics(self.path) if row["step"] <= start_step] if start_step else []
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        self._file = self.path.open("a")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Progress:
+    """A tqdm bar over the steps showing the loss and tokens/s (no bar when disabled)."""
+
+    def __init__(self, total: int, start: int, enabled: bool, description: str) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, desc=description, unit="step", dynamic_ncols=True)
+
+    def update(self, row: dict[str, Any]) -> None:
+        if self._bar is None:
+            return
+        postfix = {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s']:.0f}"}
+        if "val_loss" in row:
+            postfix["val"] = f"{row['val_loss']:.3f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def plot_losses(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """The train and validation loss against the step, as a PNG (matplotlib, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", linewidth=1.2)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation", linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,274 @@
+"""The Llama-style decoder of ``hyper-parallel train``, built natively in torch and in
+MindSpore with the same architecture and parameter names, and initialised from one numpy
+generator so that both frameworks start from bit-identical weights.
+
+Architecture (Touvron et al., *LLaMA*, 2023; Ainslie et al., *GQA*, 2023): token embedding
+``[vocab, dim]``; ``n_layers`` blocks of pre-norm attention and pre-norm SwiGLU MLP
+(Shazeer, *GLU Variants Improve Transformer*, 2020) with residuals; RMSNorm (Zhang &
+Sennrich, 2019); rotary position embeddings (Su et al., *RoFormer*, 2021) in the
+rotate-half form; a final RMSNorm and an output head (or the embedding, tied).
+
+Parameter names (both frameworks)::
+
+    tok_embeddings.weight                       [vocab, dim]
+    layers.{i}.attention_norm.weight            [dim]
+    layers.{i}.attention.w{q,k,v,o}.weight      [heads*head_dim | kv_heads*head_dim | dim, ...]
+    layers.{i}.ffn_norm.weight                  [dim]
+    layers.{i}.feed_forward.w{1,3}.weight       [hidden, dim]
+    layers.{i}.feed_forward.w2.weight           [dim, hidden]
+    norm.weight                                 [dim]
+    output.weight                               [vocab, dim]   (absent when tied)
+
+The forward takes ``tokens`` ``[batch, seq]`` int, ``positions`` ``[batch, seq]`` int (the
+position of each token in its document, which indexes the rotary tables) and ``targets``
+``[batch, seq]`` int, and returns the mean next-byte cross-entropy, a float32 scalar in nats.
+Attention runs through ``platform.attention`` (plain ops on CPU, fused kernels on devices).
+Modules reshape by ``-1`` heads so tensor parallelism (which leaves ``heads / tp`` heads on
+each rank) needs no change here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.platform import Platform
+from hyper_parallel.train.config import ModelConfig
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter name and shape, in the fixed order initialisation draws them."""
+    hd = cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (cfg.vocab_size, cfg.dim)}
+    for i in range(cfg.n_layers):
+        pre = f"layers.{i}."
+        shapes[pre + "attention_norm.weight"] = (cfg.dim,)
+        shapes[pre + "attention.wq.weight"] = (cfg.n_heads * hd, cfg.dim)
+        shapes[pre + "attention.wk.weight"] = (cfg.n_kv_heads * hd, cfg.dim)
+        shapes[pre + "attention.wv.weight"] = (cfg.n_kv_heads * hd, cfg.dim)
+        shapes[pre + "attention.wo.weight"] = (cfg.dim, cfg.n_heads * hd)
+        shapes[pre + "ffn_norm.weight"] = (cfg.dim,)
+        shapes[pre + "feed_forward.w1.weight"] = (cfg.hidden_dim, cfg.dim)
+        shapes[pre + "feed_forward.w2.weight"] = (cfg.dim, cfg.hidden_dim)
+        shapes[pre + "feed_forward.w3.weight"] = (cfg.hidden_dim, cfg.dim)
+    shapes["norm.weight"] = (cfg.dim,)
+    if not cfg.tie_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, cfg.dim)
+    return shapes
+
+
+def initial_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """float32 initial values from ``numpy.random.default_rng(seed)``, drawn in
+    ``parameter_shapes`` order: norms 1; other matrices normal with std 0.02, the
+    residual-branch outputs (``wo``, ``w2``) scaled by ``1/sqrt(2 n_layers)`` (GPT-2's
+    scheme, which keeps the residual stream's variance from growing with depth)."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for name, shape in parameter_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            out[name] = np.ones(shape, np.float32)
+            continue
+        std = 0.02 / np.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+        out[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+    return out
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """``(cos, sin)``, each float32 ``[max_seq_len, head_dim / 2]``: angle ``pos * theta^(-2i/head_dim)``,
+    computed in float64 by numpy so both frameworks use identical tables."""
+    half = cfg.head_dim // 2
+    inv_freq = cfg.rope_theta ** (-np.arange(half, dtype=np.float64) * 2 / cfg.head_dim)
+    angles = np.arange(cfg.max_seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def build_model(p: Platform, cfg: ModelConfig, seed: int) -> Any:
+    """The decoder as a ``torch.nn.Module`` or ``mindspore.nn.Cell`` (``p.framework``),
+    holding ``initial_weights(cfg, seed)``."""
+    cos, sin = rope_tables(cfg)
+    model = _build_torch(p, cfg, cos, sin) if p.framework == "torch" else _build_mindspore(p, cfg, cos, sin)
+    for name, value in initial_weights(cfg, seed).items():
+        p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
+    names = [name for name, _ in p.named_parameters(model)]
+    if names != list(parameter_shapes(cfg)):
+        raise RuntimeError(f"build_model: parameter names {names} differ from the declared {list(parameter_shapes(cfg))}")
+    return model
+
+
+def _apply_rope(p: Platform, x: Any, cos: Any, sin: Any) -> Any:
+    """Rotate feature pairs ``(i, i + head_dim/2)`` of ``x`` ``[batch, seq, heads, head_dim]`` by
+    the angles whose cos/sin are ``[batch, seq, 1, head_dim/2]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return p.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _attention(p: Platform, m: Any, x: Any, cos: Any, sin: Any, head_dim: int) -> Any:
+    b, s = x.shape[0], x.shape[1]
+    q = _apply_rope(p, m.wq(x).reshape(b, s, -1, head_dim), cos, sin)
+    k = _apply_rope(p, m.wk(x).reshape(b, s, -1, head_dim), cos, sin)
+    v = m.wv(x).reshape(b, s, -1, head_dim)
+    out, _ = p.attention(q, k, v, causal=True)
+    return m.wo(out.reshape(b, s, -1))
+
+
+def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table: np.ndarray) -> Any:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class RMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(cfg.dim))
+
+        def forward(self, x: Any) -> Any:
+            return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * self.weight
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            hd = cfg.head_dim
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+            self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+            self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+            self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+
+        def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+            return _attention(p, self, x, cos, sin, cfg.head_dim)
+
+    class FeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+            self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+            self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+
+        def forward(self, x: Any) -> Any:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_norm = RMSNorm()
+            self.attention = Attention()
+            self.ffn_norm = RMSNorm()
+            self.feed_forward = FeedForward()
+
+        def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+            h = x + self.attention(self.attention_norm(x), cos, sin)
+            return h + self.feed_forward(self.ffn_norm(h))
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleList([Block() for _ in range(cfg.n_layers)])
+            self.norm = RMSNorm()
+            if not cfg.tie_embeddings:
+                self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            # constants, not parameters: no gradient, not in named_parameters or checkpoints
+            self.register_buffer("rope_cos", torch.from_numpy(cos_table), persistent=False)
+            self.register_buffer("rope_sin", torch.from_numpy(sin_table), persistent=False)
+
+        def forward(self, tokens: Any, positions: Any, targets: Any) -> Any:
+            b, s = tokens.shape
+            cos = self.rope_cos[positions].reshape(b, s, 1, -1)
+            sin = self.rope_sin[positions].reshape(b, s, 1, -1)
+            h = self.tok_embeddings(tokens)
+            for layer in self.layers:
+                h = layer(h, cos, sin)
+            h = self.norm(h)
+            head = self.tok_embeddings.weight if cfg.tie_embeddings else self.output.weight
+            logits = h @ head.t()
+            return F.cross_entropy(logits.reshape(b * s, -1).float(), targets.reshape(-1))
+
+    return Decoder()
+
+
+def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table: np.ndarray) -> Any:
+    import mindspore as ms
+    from mindspore import mint, nn
+
+    class RMSNorm(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = ms.Parameter(mint.ones(cfg.dim), name="weight")
+
+        def construct(self, x: Any) -> Any:
+            return x * mint.rsqrt(mint.mean(x * x, -1, True) + cfg.norm_eps) * self.weight
+
+    class Attention(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            hd = cfg.head_dim
+            self.wq = mint.nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+            self.wk = mint.nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+            self.wv = mint.nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+            self.wo = mint.nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+
+        def construct(self, x: Any, cos: Any, sin: Any) -> Any:
+            return _attention(p, self, x, cos, sin, cfg.head_dim)
+
+    class FeedForward(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = mint.nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+            self.w2 = mint.nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+            self.w3 = mint.nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+
+        def construct(self, x: Any) -> Any:
+            return self.w2(mint.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_norm = RMSNorm()
+            self.attention = Attention()
+            self.ffn_norm = RMSNorm()
+            self.feed_forward = FeedForward()
+
+        def construct(self, x: Any, cos: Any, sin: Any) -> Any:
+            h = x + self.attention(self.attention_norm(x), cos, sin)
+            return h + self.feed_forward(self.ffn_norm(h))
+
+    class Embedding(nn.Cell):
+        # MindSpore 2.10 has no CPU kernel for mint's Embedding; indexing the table is
+        # the same gather, with a scatter-add gradient.
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = ms.Parameter(mint.zeros((cfg.vocab_size, cfg.dim)), name="weight")
+
+        def construct(self, tokens: Any) -> Any:
+            return self.weight[tokens]
+
+    class Decoder(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = Embedding()
+            self.layers = nn.CellList([Block() for _ in range(cfg.n_layers)])
+            self.norm = RMSNorm()
+            if not cfg.tie_embeddings:
+                self.output = mint.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            self.rope_cos = ms.Tensor(cos_table)
+            self.rope_sin = ms.Tensor(sin_table)
+
+        def construct(self, tokens: Any, positions: Any, targets: Any) -> Any:
+            b, s = tokens.shape
+            cos = self.rope_cos[positions].reshape(b, s, 1, -1)
+            sin = self.rope_sin[positions].reshape(b, s, 1, -1)
+            h = self.tok_embeddings(tokens)
+            for layer in self.layers:
+                h = layer(h, cos, sin)
+            h = self.norm(h)
+            head = self.tok_embeddings.weight if cfg.tie_embeddings else self.output.weight
+            logits = mint.matmul(h, head.T).reshape(b * s, -1)
+            # cross-entropy by log-sum-exp: MindSpore 2.10 has no CPU kernel for log_softmax.
+            # The max is a constant shift (its gradient cancels), taken for range only.
+            shift = ms.ops.stop_gradient(logits.amax(-1, keepdims=True))
+            lse = mint.log(mint.sum(mint.exp(logits - shift), -1)) + shift.reshape(-1)
+            picked = mint.gather(logits, 1, targets.reshape(-1, 1)).reshape(-1)
+            return mint.mean(lse - picked)
+
+    return Decoder()

@@ -1,0 +1,76 @@
+"""The parallel layout of the decoder: one ``DeviceMesh`` for the run and an ordered chain
+of ``apply_*`` steps, each given its own submesh (torchtitan's ``parallelize_llama``).
+
+Order of the chain, and why:
+
+1. tensor parallelism (``mesh["tp"]``): it rewrites the linear layers' parameters into
+   shards, which every later step must see as they will be trained;
+2. context parallelism (``mesh["cp"]``): it wraps attention, which now runs on
+   ``heads / tp`` local heads;
+3. activation checkpointing: it wraps whole blocks, after the layers inside them are final;
+4. fully_shard (``mesh["dp_replicate", "dp_shard"]``, HSDP when both > 1): last, because
+   it shards whatever parameters the previous steps left, block by block.
+
+Steps 2-4 belong to features that have not landed yet; ``TrainConfig.refuse_unlanded``
+stops such layouts before any rank starts, so the chain below holds only what runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
+from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hyper_parallel.platform import Platform
+from hyper_parallel.train.config import Layout
+
+#: Megatron tensor parallelism of the decoder: q/k/v and the SwiGLU input projections split
+#: by output features (whole heads per rank), the output projections by input features,
+#: so each block needs one all-reduce in forward and one in backward per sublayer.
+#: Embedding, norms and the output head stay replicated.
+TP_PLAN = {
+    "layers.*.attention.w[qkv]": ColwiseParallel(),
+    "layers.*.attention.wo": RowwiseParallel(),
+    "layers.*.feed_forward.w[13]": ColwiseParallel(),
+    "layers.*.feed_forward.w2": RowwiseParallel(),
+}
+
+
+def build_mesh(p: Platform, layout: Layout) -> DeviceMesh | None:
+    """The run's mesh with axes ``pp, dp_replicate, dp_shard, cp, tp`` (``None`` for a
+    single-rank layout, which uses no collectives). Collective: creates one group per axis.
+
+    Raises:
+        ValueError: the world size is not the layout's.
+    """
+    if layout.world_size == 1:
+        return None
+    if p.world_size() != layout.world_size:
+        raise ValueError(f"the layout {layout.describe()} needs {layout.world_size} ranks but the world has "
+                         f"{p.world_size()}; launch as many ranks as the product of the degrees")
+    degrees = layout.degrees()
+    return init_device_mesh(p.device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
+
+
+def apply_tensor_parallel(model: Any, tp_mesh: DeviceMesh) -> None:
+    """Shard the decoder's linear layers over ``tp_mesh`` (1-D) with ``TP_PLAN``.
+    Collective: broadcasts each sharded parameter from the mesh's rank 0."""
+    parallelize_module(model, tp_mesh, TP_PLAN)
+
+
+def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout) -> Any:
+    """Apply the layout chain (see the module doc) to ``model`` in place and return it."""
+    if mesh is None:
+        return model
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    return model
+
+
+def data_parallel_coordinate(mesh: DeviceMesh | None) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: this rank's index among the ranks that take different
+    samples (``dp_replicate x dp_shard``), and their number."""
+    if mesh is None:
+        return 0, 1
+    replicate, shard = mesh.size("dp_replicate"), mesh.size("dp_shard")
+    return mesh.get_local_rank("dp_replicate") * shard + mesh.get_local_rank("dp_shard"), replicate * shard

@@ -1,0 +1,85 @@
+"""The process of one rank: ``python -m hyper_parallel.train.rank CONFIG.json``, started by
+the framework's launcher (torchrun, msrun, or ``launch.py``'s MindSpore scheduler+workers),
+or run in place by ``hyper-parallel train`` when it finds itself inside such a launcher.
+
+A rank that fails writes its traceback to ``<out>/.ranks/rank_N.error`` so the launching
+process can name it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.train.config import TrainConfig
+
+ERROR_DIR = ".ranks"
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as the launcher gave it, or ``None`` outside a launcher
+    (torchrun: ``RANK``; msrun / MindSpore env launch: ``MS_NODE_ID`` or ``RANK_ID`` with ``MS_ROLE``)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        for name in ("MS_NODE_ID", "RANK_ID"):
+            value = os.environ.get(name, "")
+            if value.isdigit():
+                return int(value)
+        return 0
+    return None
+
+
+def in_launcher() -> bool:
+    """True inside torchrun/msrun (or our own launch): the ranks already exist."""
+    return launcher_rank() is not None or os.environ.get("MS_ROLE") == "MS_SCHED"
+
+
+def error_path(cfg: TrainConfig, rank: int) -> Path:
+    return cfg.run_dir / ERROR_DIR / f"rank_{rank}.error"
+
+
+def run_rank(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Join the world the launcher set up, train, leave. Returns the metrics rows."""
+    import hyper_parallel as hp
+
+    if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun-style scheduler process
+        from hyper_parallel.platform.mindspore import run_scheduler
+
+        run_scheduler()
+        return []
+    p = hp.init(cfg.platform)
+    rank = launcher_rank() or 0
+    try:
+        if p.device_type != "cpu":
+            p.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        p.init_process_group()
+        if p.world_size() != cfg.nproc:
+            raise ValueError(f"the launcher started {p.world_size()} ranks but the layout {cfg.layout.describe()} "
+                             f"needs --nproc {cfg.nproc}; launch {cfg.nproc} ranks")
+        from hyper_parallel.train.loop import train
+
+        return train(cfg)
+    except BaseException:
+        path = error_path(cfg, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(traceback.format_exc())
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hyper_parallel.train.rank CONFIG.json", file=sys.stderr)
+        return 2
+    cfg = TrainConfig.from_dict(json.loads(Path(args[0]).read_text()))
+    run_rank(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
