@@ -30,6 +30,10 @@ __all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "P
            "Placement", "Platform", "PrepareModuleInput", "ReduceOp", "Replicate", "RowwiseParallel",
            "SequenceParallel", "Shard", "Work", "distribute_module", "distribute_parameter",
            "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
+from hyper_parallel.core.dtensor import OP_RULES, OpRule  # noqa: E402  (appended: DTensor ops)
+from hyper_parallel.core.dtensor import functional as dtensor_functional  # noqa: E402
+
+__all__ += ["OP_RULES", "OpRule", "dtensor_functional"]
 __version__ = "0.1.0"
 
 from hyper_parallel.core.pipeline_parallel import (  # noqa: E402  appended: pipeline parallelism

@@ -4,13 +4,18 @@ gradients), for input placements swept over Shard/Replicate/Partial on 1-D meshe
 2 and 4) and a 2x2 mesh, with even, uneven and empty shards; the placements chosen for
 the textbook cases; the fallback of an op without a rule.
 
-Float64 data; the tolerance (1e-9) absorbs the different summation orders of sharded
-reductions and Partial sums (the reference and the DTensor run the same framework
-kernels, so MindSpore's approximate exp is on both sides).
+Float64 data. On torch the tolerance (1e-9) absorbs the different summation orders of
+sharded reductions and Partial sums. MindSpore's CPU log_softmax (and cross-entropy) is
+approximate even in float64 (~3e-6 absolute against numpy) and its error depends on the
+shape it runs on, so a shard and the whole tensor differ by that much: 1e-5 there.
+
+The sweep is sampled (``per_case`` combinations per op), larger on torch: MindSpore's
+emulated CPU collectives and PyNative autograd cost ~0.2 s per case per rank.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -23,6 +28,8 @@ from tests.dtensor._op_cases import CASES, input_values, placement_combos, sampl
 from tests.dtensor._reference import expected_local, grad_local
 
 TOL = {"rtol": 1e-9, "atol": 1e-9}
+MINDSPORE_TOL = {"rtol": 1e-5, "atol": 1e-5}
+ON_MINDSPORE = os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore")
 
 
 def _tensor(p, value: np.ndarray):
@@ -32,6 +39,7 @@ def _tensor(p, value: np.ndarray):
 def check_rules(mesh_shape: tuple[int, ...], per_case: int, seed: int) -> int:
     """Each case with ``per_case`` placement combinations (all of them when fewer)."""
     p = get_platform()
+    tol = MINDSPORE_TOL if p.framework == "mindspore" else TOL
     mesh = init_device_mesh(p.device_type, mesh_shape)
     coordinate = mesh.get_coordinate()
     checked = 0
@@ -52,21 +60,22 @@ def check_rules(mesh_shape: tuple[int, ...], per_case: int, seed: int) -> int:
 
             locals_ = [_tensor(p, expected_local(v, pl, mesh_shape, coordinate)) for v, pl in zip(values, combo)]
             out, backward = p.vjp(fn, locals_)
-            np.testing.assert_allclose(p.to_numpy(out), ref, **TOL, err_msg=where)
+            np.testing.assert_allclose(p.to_numpy(out), ref, **tol, err_msg=where)
             grads = backward([_tensor(p, g)])[0]
             for i, (grad, ref_grad, pl) in enumerate(zip(grads, ref_grads, combo)):
                 if i in case.ints:
                     continue
                 np.testing.assert_allclose(p.to_numpy(grad), grad_local(ref_grad, pl, mesh_shape, coordinate),
-                                           **TOL, err_msg=f"{where}: gradient of input {i}")
+                                           **tol, err_msg=f"{where}: gradient of input {i}")
             checked += 1
     return checked
 
 
-@pytest.mark.parametrize("mesh_shape,per_case", [((2,), 40), ((4,), 10), ((2, 2), 14)],
+@pytest.mark.parametrize("mesh_shape,per_case", [((2,), (40, 6)), ((4,), (10, 3)), ((2, 2), (14, 3))],
                          ids=["world2", "world4", "mesh2x2"])
-def test_rules_against_single_process(run_on_ranks, mesh_shape: tuple[int, ...], per_case: int) -> None:
+def test_rules_against_single_process(run_on_ranks, mesh_shape: tuple[int, ...], per_case: tuple[int, int]) -> None:
     world = int(np.prod(mesh_shape))
+    per_case = per_case[1] if ON_MINDSPORE else per_case[0]
     counts = run_on_ranks(check_rules, mesh_shape, per_case, 7, world_size=world, timeout_s=600)
     assert counts[0] > len(CASES) and len(set(counts)) == 1
 

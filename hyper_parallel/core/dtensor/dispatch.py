@@ -15,12 +15,13 @@ Megatron "f" operator; torch's DTensor reaches the same through its backward rul
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec
+from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_shape
 from hyper_parallel.core.dtensor.op_rules import OP_RULES, Strategy, output_shape, strategies
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor.redistribute import gradient_placements
@@ -55,6 +56,14 @@ def choose(candidates: Sequence[Strategy], current: Sequence[Placement], shapes:
         return sum(transition_cost(src, dst, _numel(shape))
                    for src, dst, shape in zip(current, strategy.inputs, shapes))
     return min(candidates, key=cost)
+
+
+def _has_empty_piece(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> bool:
+    """Whether some mesh coordinate holds a zero-size piece of a non-empty tensor."""
+    if 0 in shape or not any(pl.is_shard() for pl in placements):
+        return False
+    return any(0 in local_shape(shape, placements, mesh_shape, coordinate)
+               for coordinate in itertools.product(*(range(size) for size in mesh_shape)))
 
 
 def _check_inputs(op: str, tensors: Sequence[Any]) -> list[DTensor]:
@@ -115,14 +124,23 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
         first = dtensors[0].placements
         params["nested"] = frozenset(d for d in range(len(shapes[0])) if first.count(Shard(d)) > 1)
     out_shape = output_shape(rule, shapes, params)
-    targets: list[list[Placement]] = [[] for _ in dtensors]
-    out_placements: list[Placement] = []
+    chosen = []
     for axis in range(mesh.ndim):
         current = [t.placements[axis] for t in dtensors]
-        best = choose(strategies(rule, shapes, params, mesh.shape[axis]), current, shapes)
-        for i, placement in enumerate(best.inputs):
-            targets[i].append(placement)
-        out_placements.append(best.output)
+        chosen.append(choose(strategies(rule, shapes, params, mesh.shape[axis]), current, shapes))
+    # [Note: no empty pieces] An op never runs on a zero-size piece of a non-empty input
+    # (an uneven shard such as 5 rows over 4 ranks leaves the last one none): MindSpore
+    # 2.10's CPU kernels return uninitialised memory for a matmul with an empty
+    # contracted dim and for the backward of a broadcast into an empty output. Axes
+    # whose strategy would leave a rank such a piece run replicated (inner axes first).
+    replicated = Strategy(tuple(Replicate() for _ in dtensors), Replicate())
+    for axis in reversed(range(mesh.ndim)):
+        if not any(_has_empty_piece(shape, [c.inputs[i] for c in chosen], mesh.shape)
+                   for i, shape in enumerate(shapes)):
+            break
+        chosen[axis] = replicated
+    targets = [[c.inputs[i] for c in chosen] for i in range(len(dtensors))]
+    out_placements = [c.output for c in chosen]
     locals_ = []
     for t, target in zip(dtensors, targets):
         moved = t if tuple(target) == t.placements else t.redistribute(mesh, target)
@@ -133,8 +151,8 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
             locals_.append(moved.to_local(grad_placements=grad))
         else:
             locals_.append(moved.to_local())
-    out = local_fn(*locals_)
     spec = DTensorSpec(mesh, tuple(out_placements), tuple(out_shape))
+    out = local_fn(*locals_)
     if tuple(int(s) for s in out.shape) != spec.local_shape():
         raise RuntimeError(f"{op}: the local result has shape {tuple(out.shape)}, but the rule's output "
                            f"{list(out_placements)} of global shape {out_shape} gives this rank {spec.local_shape()}; "
