@@ -31,3 +31,14 @@ __all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "P
            "SequenceParallel", "Shard", "Work", "distribute_module", "distribute_parameter",
            "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
 __version__ = "0.1.0"
+
+from hyper_parallel.core.context_parallel import (  # noqa: E402  (appended: context parallelism)
+    AsyncContextParallel,
+    ContextParallel,
+    context_parallel_shard,
+    context_parallel_unshard,
+    scaled_dot_product_attention,
+)
+
+__all__ += ["AsyncContextParallel", "ContextParallel", "context_parallel_shard", "context_parallel_unshard",
+            "scaled_dot_product_attention"]
