@@ -45,3 +45,14 @@ from hyper_parallel.core.pipeline_parallel import (  # noqa: E402  appended: pip
 )
 
 __all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]
+
+from hyper_parallel.core.context_parallel import (  # noqa: E402  (appended: context parallelism)
+    AsyncContextParallel,
+    ContextParallel,
+    context_parallel_shard,
+    context_parallel_unshard,
+    scaled_dot_product_attention,
+)
+
+__all__ += ["AsyncContextParallel", "ContextParallel", "context_parallel_shard", "context_parallel_unshard",
+            "scaled_dot_product_attention"]

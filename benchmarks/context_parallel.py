@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Forward + backward of causal attention under context parallelism, each mode of
+hyper_parallel beside torch's own ring attention, per sequence length, in one run.
+
+4 ranks on gloo (torch-cpu), ``[batch=1, seq, heads=8, head_dim=64]`` float32, causal.
+Per mode and sequence length: barrier, forward and backward (gradients of q, k, v
+materialized), timed on every rank; a repetition's time is the slowest rank's and the
+median over ``--iters`` repetitions after ``--warmup`` is reported. Memory is the bytes
+of activations saved for backward on one rank (``torch.autograd.graph.saved_tensors_hooks``,
+deduplicated by storage), which is what context parallelism divides by ``cp``; process RSS
+on a shared CPU host is too noisy to read. ``single device`` is the whole sequence on one
+rank (``platform.attention``), the memory reference.
+
+torch's ring attention: ``torch.distributed.tensor.experimental`` dispatches SDPA to its
+ring templates (``_templated_ring_attention`` and its backward) only for the CUDA kernels
+(flash, efficient, cuDNN). The shim here calls those same templates directly, with
+torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+backward) as the per-block op, inside a small ``autograd.Function``; rotation is set to
+``alltoall`` (a real ring: one ``permute_tensor`` per step) and load balance is torch's
+default (on), so its data is in the same head-tail layout as ours with
+``load_balance=True``.
+
+    python benchmarks/context_parallel.py [--seqs 512 1024 2048] [--iters 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as host_platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+HEADS, HEAD_DIM, BATCH = 8, 64, 1
+# name -> (ulysses_degree (None: all ranks), kv_exchange, load_balance)
+MODES = {
+    "ulysses": (None, "allgather", False),
+    "allgather": (1, "allgather", False),
+    "allgather+lb": (1, "allgather", True),
+    "ring": (1, "ring", False),
+    "ring+lb": (1, "ring", True),
+    "hybrid 2x2 ring": (2, "ring", False),
+}
+
+
+def _torch_ring(group):
+    """torch's ring templates on CPU (see the module doc): BNSD q/k/v -> out."""
+    import torch
+    from torch.distributed.tensor.experimental._context_parallel import _attention as tattn
+
+    aten = torch.ops.aten
+
+    def forward_op(query, key, value, *, is_causal, scale=None, **_):
+        return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal, scale=scale)
+
+    def backward_op(*, grad_out, query, key, value, out, logsumexp, is_causal, scale=None, **_):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
+                                                                          logsumexp, 0.0, is_causal, scale=scale)
+
+    class Ring(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = tattn._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True)[:2]
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, out, lse = ctx.saved_tensors
+            return tuple(tattn._templated_ring_attention_backward(group, 2, backward_op, grad.contiguous(), "grad_out",
+                                                                  q, k, v, out, lse, True)[:3])
+
+    tattn.set_rotate_method("alltoall")
+    return Ring.apply
+
+
+def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
+    """Runs on every rank: times every mode; returns this rank's seconds and saved bytes."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import hyper_parallel as hp
+
+    p = hp.get_platform()
+    n, r = p.world_size(), p.rank()
+    mesh = hp.init_device_mesh(p.device_type, (n,))
+    torch_ring = _torch_ring(dist.group.WORLD)
+    rows = []
+    for seq in seqs:
+        rng = np.random.default_rng(seq)
+        full = [torch.from_numpy(rng.standard_normal((BATCH, seq, HEADS, HEAD_DIM)).astype(np.float32))
+                for _ in range(4)]
+
+        def local(lb: bool) -> list:
+            return [t.contiguous() for t in hp.context_parallel_shard(full, [1] * 4, mesh, load_balance=lb)]
+
+        runs = {"single device": (lambda q, k, v: p.attention(q, k, v, causal=True)[0], full)}
+        for name, (ud, exchange, lb) in MODES.items():
+            module = _module()
+            hp.ContextParallel(ulysses_degree=ud, kv_exchange=exchange, load_balance=lb).apply(module, mesh)
+            runs[name] = (module, local(lb))
+        bnsd = [t.transpose(1, 2).contiguous() for t in local(True)]
+        runs["torch ring (lb)"] = (torch_ring, bnsd)
+
+        with torch.no_grad():  # both rings compute the same thing: a wrong shim would show here
+            ours = runs["ring+lb"][0](*runs["ring+lb"][1][:3])
+            theirs = torch_ring(*bnsd[:3]).transpose(1, 2)
+        max_diff = float((ours - theirs).abs().max())
+        for name, (fn, (q0, k0, v0, dout)) in runs.items():
+            times, saved = [], 0
+            for i in range(warmup + iters):
+                q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
+                storages: dict[int, int] = {}
+
+                def pack(t):
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    return t
+
+                dist.barrier()
+                start = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = fn(q, k, v)
+                out.backward(dout)
+                float(q.grad.reshape(-1)[0] + k.grad.reshape(-1)[0] + v.grad.reshape(-1)[0])
+                elapsed = time.perf_counter() - start
+                if i >= warmup:
+                    times.append(elapsed)
+                saved = sum(storages.values())
+            rows.append({"mode": name, "seq": seq, "seconds": times, "saved_bytes": saved, "rank": r,
+                         "max_diff_ours_vs_torch_ring": max_diff})
+    return rows
+
+
+def _module():
+    import torch
+
+    import hyper_parallel as hp
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return hp.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return Attn()
+
+
+def summarize(per_rank: list[list[dict]]) -> list[dict]:
+    """Slowest rank per repetition, median over repetitions; saved bytes of the largest rank."""
+    results = []
+    for i, row in enumerate(per_rank[0]):
+        slowest = [max(rank_rows[i]["seconds"][j] for rank_rows in per_rank) for j in range(len(row["seconds"]))]
+        results.append({"mode": row["mode"], "seq": row["seq"], "ms": statistics.median(slowest) * 1e3,
+                        "saved_mib": max(rank_rows[i]["saved_bytes"] for rank_rows in per_rank) / 2**20,
+                        "max_diff_ours_vs_torch_ring": max(rank_rows[i]["max_diff_ours_vs_torch_ring"]
+                                                           for rank_rows in per_rank)})
+    for entry in results:
+        single = next(e for e in results if e["seq"] == entry["seq"] and e["mode"] == "single device")
+        entry["memory_vs_single"] = entry["saved_mib"] / single["saved_mib"]
+    return results
+
+
+def markdown(results: list[dict], world: int) -> str:
+    lines = [
+        f"# Context parallelism: forward + backward of causal attention ({world} ranks, gloo, CPU)",
+        "",
+        f"`[batch={BATCH}, seq, heads={HEADS}, head_dim={HEAD_DIM}]` float32. ms: median of the slowest rank; "
+        "saved MiB: activations saved for backward on the largest rank; memory ratio: saved / single device "
+        f"(1/cp = {1 / world:.2f} is the ideal). Largest |ours ring+lb - torch ring| over the outputs: "
+        f"{max(e['max_diff_ours_vs_torch_ring'] for e in results):.1e}.",
+        "",
+        "| mode | seq | ms | saved MiB | memory ratio |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for e in results:
+        lines.append(f"| {e['mode']} | {e['seq']} | {e['ms']:.1f} | {e['saved_mib']:.1f} | "
+                     f"{e['memory_vs_single']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "context_parallel")
+    args = parser.parse_args()
+
+    from hyper_parallel.testing import run_on_ranks
+
+    # The ranks import the rank function by name, which __main__ cannot give them.
+    from benchmarks.context_parallel import bench_rank as rank_fn
+
+    per_rank = run_on_ranks(rank_fn, args.world_size, args.seqs, args.iters, args.warmup, platform="torch-cpu",
+                            timeout_s=3600)
+    results = summarize(per_rank)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"world_size": args.world_size, "backend": "torch-cpu (gloo)", "iters": args.iters,
+            "warmup": args.warmup, "shape": [BATCH, "seq", HEADS, HEAD_DIM], "causal": True,
+            "host": host_platform.platform(), "python": sys.version.split()[0]}
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    table = markdown(results, args.world_size)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""``AsyncContextParallel``: the Ulysses all-to-all overlapped with the q/k/v projections.
+
+[Note: async all-to-all slots]
+Forward: a forward hook on each projection (``q_proj``, ``k_proj``, ``v_proj``, output
+``[batch, seq/n, heads * head_dim]``) launches the sequence -> heads all-to-all of its
+output at once (``all_to_all_single(async_op=True)``), so the transfer of q overlaps the
+GEMMs of k and v. The attention module's pre-hook waits for each, inside autograd
+(``platform.differentiable_async_a2a_wait``), and hands the head-sharded tensors to the
+module in place of the q/k/v it was called with.
+Backward: the wait's backward launches the reverse all-to-all of the gradient
+asynchronously and appends its handle to the projection's slot list (the handle box); a
+gradient hook on the projection's output, which runs when that output's gradient is
+complete, i.e. just before the projection's own backward GEMM, waits for it and adds it
+to the incoming gradient (which is zero on that path). This is a tensor hook rather than
+a module backward pre-hook because torch applies a module's forward hooks before it
+wraps the output for its full backward hooks: the output the forward hook launched
+from, whose gradient carries the all-to-all, is not the one the module backward
+pre-hook watches. Every handle is consumed in the step that produced it: forward slots
+by the attention pre-hook, backward slots by the output's gradient hook, so nothing
+carries over to the next iteration (a projection that runs twice before the attention
+raises).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from hyper_parallel.core.context_parallel.context import Frame, Plan, drop_stale, push_frame
+from hyper_parallel.core.context_parallel.context_parallel import ContextParallel
+from hyper_parallel.core.context_parallel.ulysses import replicate_heads, seq_to_heads
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.platform import Work, get_platform
+from hyper_parallel.platform.tensor_layout import split_leading
+
+PROJECTIONS = ("q", "k", "v")
+
+
+class _Slots:
+    """The handles in flight for one hooked attention; see [Note: async all-to-all slots]."""
+
+    def __init__(self) -> None:
+        self.launched: dict[str, tuple[Any, Work]] = {}  # projection -> (its output, the a2a Work)
+        self.boxes: dict[str, list[tuple[Work, Any]]] = {name: [] for name in PROJECTIONS}  # backward handles
+
+
+class AsyncContextParallel(ContextParallel):
+    """``ContextParallel`` whose Ulysses all-to-all of q, k, v is launched right after each
+    projection and waited just before attention (backward: launched by autograd, waited
+    just before each projection's GEMM). Same arguments, same results as
+    ``ContextParallel``; see [Note: async all-to-all slots].
+
+    Projections must return ``[batch, seq, heads * head_dim]`` (heads major in the last
+    dim, as ``reshape(batch, seq, heads, head_dim)`` reads it). Falls back to synchronous
+    ``ContextParallel`` (with a warning) when a projection is not given or the mode has no
+    all-to-all (``ulysses_degree == 1``); k/v with fewer heads than the Ulysses degree
+    (GQA replication) take the synchronous path for k and v.
+    """
+
+    def apply(self, module: Any, device_mesh: DeviceMesh, q_proj: Any = None, k_proj: Any = None,
+              v_proj: Any = None) -> Any:
+        """Hook ``module`` (the core attention) and the three projections; returns ``module``."""
+        plan = self.resolve(device_mesh)
+        projections = dict(zip(PROJECTIONS, (q_proj, k_proj, v_proj)))
+        if plan.ulysses_size == 1 or any(proj is None for proj in projections.values()):
+            missing = [name for name, proj in projections.items() if proj is None]
+            warnings.warn("AsyncContextParallel: " + (f"no {'/'.join(missing)} projection given" if missing else
+                          "ulysses_degree == 1 has no all-to-all to overlap") + "; using synchronous ContextParallel",
+                          stacklevel=2)
+            return ContextParallel.apply(self, module, device_mesh)
+        p = get_platform()
+        slots = _Slots()
+        name = type(module).__name__
+        for proj_name, proj in projections.items():
+            p.register_forward_hook(proj, lambda m, args, out, pn=proj_name: self._launch(plan, slots, pn, out))
+        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook_async(plan, slots, name, args))
+        p.register_forward_hook(module, lambda m, args, out: self._post_hook(plan, name, out))
+        return module
+
+    def _launch(self, plan: Plan, slots: _Slots, proj_name: str, out: Any) -> None:
+        if proj_name in slots.launched:
+            raise RuntimeError(f"AsyncContextParallel: the {proj_name} projection ran twice before the attention "
+                               "consumed its all-to-all; each projection must feed the hooked attention once per step")
+        p, n = get_platform(), plan.ulysses_size
+        if out.shape[-1] % n:
+            raise ValueError(f"AsyncContextParallel: the {proj_name} projection's output has {out.shape[-1]} features, "
+                             f"not divisible by the Ulysses degree {n}; use ContextParallel")
+        send = split_leading(out, out.ndim - 1, n)  # [n, batch, seq/n, features/n]
+        slots.launched[proj_name] = (out, p.all_to_all_single(send, group=plan.ulysses_group, async_op=True))
+        if p.grad_enabled():
+            box = slots.boxes[proj_name]
+            p.register_tensor_hook(out, lambda grad: self._finish_grad(box, grad))
+
+    @staticmethod
+    def _finish_grad(box: list[tuple[Work, Any]], grad: Any) -> Any:
+        """The projection output's gradient plus the reverse all-to-all autograd launched
+        for it, if any (none on the synchronous k/v path)."""
+        if not box:
+            return None
+        work, _send = box.pop()
+        return grad + work.wait()
+
+    def _pre_hook_async(self, plan: Plan, slots: _Slots, name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        drop_stale(plan)
+        p, n, s, h = get_platform(), plan.ulysses_size, self.seq_dim, self.head_dim
+        q, k, v = self._qkv(name, args)
+        missing = [pn for pn in PROJECTIONS if pn not in slots.launched]
+        if missing:
+            raise RuntimeError(f"AsyncContextParallel on {name}: no all-to-all was launched by the {'/'.join(missing)} "
+                               "projection(s) this step; the attention's q, k, v must come from the hooked projections")
+        seq_len = self.check(plan, name, q, k, v)
+        sync_kv = int(k.shape[h]) % n != 0  # GQA replication: see the class doc
+        out = []
+        for proj_name, t in zip(PROJECTIONS, (q, k, v)):
+            x, work = slots.launched.pop(proj_name)
+            if proj_name != "q" and sync_kv:
+                work.wait()  # consumed, unused: these heads are replicated first
+                out.append(seq_to_heads(p, replicate_heads(p, t, h, n), s, h, plan.ulysses_group))
+                continue
+            grad_box = slots.boxes[proj_name] if p.grad_enabled() else None
+            y = p.differentiable_async_a2a_wait(x, work, None, plan.ulysses_group, n, x.ndim - 2, x.ndim - 1,
+                                                grad_box)  # [batch, seq, features / n]
+            bshd = y.reshape(y.shape[0], y.shape[1], int(t.shape[h]) // n, int(t.shape[3]))
+            out.append(bshd if (s, h) == (1, 2) else bshd.transpose(1, 2))
+        push_frame(Frame(name, plan, seq_len))
+        new = list(args)
+        for i, t in zip(self.qkv_indices, out):
+            new[i] = t
+        return tuple(new)

@@ -1,0 +1,115 @@
+"""``scaled_dot_product_attention``: local attention, or the distributed algorithm of the
+``ContextParallel`` module it runs in (see [Note: where the active context lives])."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.context_parallel.blocks import run_call
+from hyper_parallel.core.context_parallel.context import Frame, current_frame
+from hyper_parallel.core.context_parallel.masks import document_ids, plan_block, segments
+from hyper_parallel.core.context_parallel.ring import ring_attention
+from hyper_parallel.platform import get_platform
+
+LAYOUTS = ("BSHD", "BNSD")
+
+
+def _attend(p: Any, q: Any, k: Any, v: Any, q_pos: np.ndarray, k_pos: np.ndarray, causal: bool,
+            docs: np.ndarray | None, scale: float | None) -> Any:
+    """Attention of BSHD ``q`` at global positions ``q_pos`` over ``k``/``v`` at ``k_pos``:
+    one ``platform.attention`` call per query run ([Note: segments] in ``masks``)."""
+    calls = plan_block(q_pos, k_pos, causal, docs)
+    outs = []
+    for (_, length), call in zip(segments(q_pos), calls):
+        if call is None:  # sees no key: the contract's output for such a query is 0
+            outs.append(p.zeros((q.shape[0], length, q.shape[2], q.shape[3]), q.dtype))
+        else:
+            outs.append(run_call(p, q, k, v, call, scale)[0])
+    return outs[0] if len(outs) == 1 else p.cat(outs, 1)
+
+
+def _check(q: Any, k: Any, v: Any, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"scaled_dot_product_attention: layout={layout!r} is not supported; use 'BSHD' "
+                         "([batch, seq, heads, head_dim]) or 'BNSD' ([batch, heads, seq, head_dim])")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"scaled_dot_product_attention: q, k, v must be 4-D ({layout}); got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+
+
+def _distributed(p: Any, frame: Frame, q: Any, k: Any, v: Any, causal: bool, cu_seqlens: Any,
+                 scale: float | None) -> Any:
+    plan = frame.plan
+    expected = frame.seq_len // plan.kv_size
+    if q.shape[1] != expected or k.shape[1] != expected:
+        raise ValueError(f"scaled_dot_product_attention in {frame.module_name}: q/k sequence lengths "
+                         f"{q.shape[1]}/{k.shape[1]} differ from the {expected} this rank holds after the hooks; "
+                         "call it with the q, k, v the ContextParallel module received (self-attention)")
+    docs = None if cu_seqlens is None else document_ids(cu_seqlens, frame.seq_len)
+    if plan.kv_size == 1:  # pure Ulysses: whole sequences, in shard order
+        pos = plan.block_positions(frame.seq_len, 0)
+        return _attend(p, q, k, v, pos, pos, causal, docs, scale)
+    if plan.kv_exchange == "ring":
+        return ring_attention(p, q, k, v, plan, frame.seq_len, causal, docs, scale)
+    kv = p.differentiable_all_gather(p.stack([k, v], 0).contiguous(), 2, group=plan.kv_group)
+    k_pos = np.concatenate([plan.block_positions(frame.seq_len, j) for j in range(plan.kv_size)])
+    return _attend(p, q, kv[0], kv[1], plan.block_positions(frame.seq_len, plan.kv_index), k_pos, causal, docs,
+                   scale)
+
+
+def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False, scale: float | None = None,
+                                 cu_seqlens: Any = None, layout: str = "BSHD") -> Any:
+    """Softmax attention ``softmax(q k^T * scale + mask) v``, local or context-parallel.
+
+    Outside a module hooked by ``ContextParallel`` this is ``platform.attention`` (fused
+    kernels on CUDA/NPU/Ascend). Inside one, ``q``/``k``/``v`` are the tensors that module
+    received (sequence-sharded, or head-sharded after the Ulysses all-to-all of its
+    hooks) and the module's algorithm runs: all-gather of K/V (one
+    ``differentiable_all_gather`` over the exchange axis; backward reduce-scatter), ring
+    attention (``n - 1`` point-to-point shifts, see ``ring``), or local attention over
+    whole sequences (Ulysses). Masks follow the global positions each rank holds, so
+    causal offsets, load balance and documents are exact in every mode.
+
+    Args:
+        q: ``[batch, seq, heads, head_dim]`` (BSHD) or ``[batch, heads, seq, head_dim]``
+            (BNSD), any floating dtype.
+        k, v: like ``q`` with ``kv_heads`` heads, ``heads`` divisible by ``kv_heads``
+            (grouped-query attention).
+        is_causal: query at global position ``i`` sees keys at ``j <= i``.
+        scale: multiplies ``q k^T``; default ``head_dim ** -0.5``.
+        cu_seqlens: cumulative document lengths of the packed sequence
+            ``[0, l0, l0 + l1, ..., seq]`` (ints, numpy or a 1-D integer tensor), of the
+            whole sequence even when it is sharded: a query sees only keys of its own
+            document (and, with ``is_causal``, not after it). The same for every batch row.
+        layout: ``"BSHD"`` or ``"BNSD"``.
+
+    Returns:
+        The attention output, shaped and laid out like ``q``, in ``q``'s dtype (softmax
+        statistics and the merge of partial results in float32).
+
+    Raises:
+        ValueError: an unknown layout, non-4-D inputs, ``cu_seqlens`` that is not a valid
+            cumulative length list of the full sequence, or sequence lengths that do not
+            match what the hooks delivered (all raised before any communication).
+    """
+    _check(q, k, v, layout)
+    p = get_platform()
+    if layout == "BNSD":
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    frame = current_frame()
+    if frame is None:
+        if cu_seqlens is None:
+            out, _ = p.attention(q, k, v, scale=scale, causal=is_causal)
+        else:
+            if q.shape[1] != k.shape[1]:
+                raise ValueError(f"scaled_dot_product_attention: cu_seqlens needs equal q and k sequence lengths "
+                                 f"(self-attention over one packed sequence); got {q.shape[1]} and {k.shape[1]}")
+            docs = document_ids(cu_seqlens, q.shape[1])
+            pos = np.arange(q.shape[1], dtype=np.int64)
+            out = _attend(p, q, k, v, pos, pos, is_causal, docs, scale)
+    else:
+        frame.called = True
+        out = _distributed(p, frame, q, k, v, is_causal, cu_seqlens, scale)
+    return out.transpose(1, 2) if layout == "BNSD" else out

@@ -1,0 +1,206 @@
+"""``ContextParallel``: shard attention over the sequence of a context-parallel mesh.
+
+Applied to a core-attention module (one whose forward takes ``q``, ``k``, ``v`` and
+returns the attention output); composes in ``parallelize_module`` plans. The modes over a
+mesh of ``cp`` ranks:
+
+==========================  =====================================================
+``ulysses_degree == cp``    Ulysses: all-to-all sequence -> heads in the pre-hook,
+                            heads -> sequence in the post-hook; the module sees whole
+                            sequences (any attention implementation works).
+``ulysses_degree == 1``     ``kv_exchange="allgather"``: K/V all-gathered inside
+                            ``scaled_dot_product_attention``; ``"ring"``: K/V passed
+                            around the ring (``ring``).
+``1 < ulysses_degree < cp`` hybrid 2-D: all-to-all over the Ulysses axis, then the
+                            exchange over the other axis.
+==========================  =====================================================
+
+The hooks push a frame for the module's forward ([Note: where the active context
+lives] in ``context``); ``scaled_dot_product_attention`` finds it and runs the exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.context_parallel.context import Frame, Plan, drop_stale, find_frame, pop_frame, push_frame
+from hyper_parallel.core.context_parallel.load_balance import check_seq_len
+from hyper_parallel.core.context_parallel.ulysses import check_heads, heads_to_seq, replicate_heads, seq_to_heads
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.tensor_parallel.style import ParallelStyle
+from hyper_parallel.platform import get_platform
+
+KV_EXCHANGES = ("allgather", "ring")
+
+
+class ContextParallel(ParallelStyle):
+    """Context parallelism for one core-attention module.
+
+    Args:
+        seq_dim: the sequence dim of q, k, v and of the output (1 for BSHD, 2 for BNSD).
+        head_dim: their head dim (2 for BSHD, 1 for BNSD).
+        ulysses_degree: ranks of the all-to-all axis; ``None`` means all of ``cp``
+            (pure Ulysses). On a 2-D mesh it must equal the mesh's second axis.
+        kv_exchange: ``"allgather"`` or ``"ring"``: how K/V are exchanged when
+            ``ulysses_degree < cp``.
+        qkv_indices: positions of q, k, v in the module's positional arguments.
+        qkv_kwarg_names: must be empty: the platform's module hooks see positional
+            arguments only; pass q, k, v positionally.
+        load_balance: the head-tail sequence layout (``context_parallel_shard(...,
+            load_balance=True)``) that balances causal work for ``"ring"`` and
+            ``"allgather"``. Not for pure Ulysses, which is balanced already.
+
+    Inputs are sequence-sharded as ``context_parallel_shard`` does, over the mesh's ranks
+    in row-major order. A module whose forward does not call
+    ``hyper_parallel.scaled_dot_product_attention`` can use pure Ulysses only; in other
+    modes its forward raises ``RuntimeError``.
+
+    Raises:
+        ValueError: invalid arguments (at construction); a mesh or q/k/v shapes that do
+            not fit (at ``apply`` / in the pre-hook, before any collective).
+    """
+
+    def __init__(self, seq_dim: int = 1, head_dim: int = 2, ulysses_degree: int | None = None,
+                 kv_exchange: str = "allgather", qkv_indices: tuple[int, int, int] = (0, 1, 2),
+                 qkv_kwarg_names: tuple[str, ...] = (), load_balance: bool = False) -> None:
+        if kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"ContextParallel: kv_exchange={kv_exchange!r}; use 'allgather' or 'ring'")
+        if seq_dim == head_dim or not all(isinstance(d, int) and 0 <= d < 4 for d in (seq_dim, head_dim)):
+            raise ValueError(f"ContextParallel: seq_dim={seq_dim}, head_dim={head_dim} must be distinct dims of the "
+                             "4-D q/k/v (BSHD: seq_dim=1, head_dim=2; BNSD: seq_dim=2, head_dim=1)")
+        if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
+            raise ValueError(f"ContextParallel: ulysses_degree={ulysses_degree!r} must be a positive int or None")
+        if len(tuple(qkv_indices)) != 3 or len(set(qkv_indices)) != 3:
+            raise ValueError(f"ContextParallel: qkv_indices={qkv_indices!r} must be three distinct argument positions")
+        if tuple(qkv_kwarg_names):
+            raise ValueError(f"ContextParallel: qkv_kwarg_names={tuple(qkv_kwarg_names)!r} is not supported: the "
+                             "platform's forward pre-hooks see positional arguments only; pass q, k, v positionally "
+                             "and name their positions in qkv_indices")
+        self.seq_dim = seq_dim
+        self.head_dim = head_dim
+        self.ulysses_degree = ulysses_degree
+        self.kv_exchange = kv_exchange
+        self.qkv_indices: tuple[int, int, int] = tuple(qkv_indices)  # type: ignore[assignment]
+        self.load_balance = load_balance
+
+    # -- mesh -> plan ------------------------------------------------------------------
+    def resolve(self, device_mesh: DeviceMesh) -> Plan:
+        """The plan of this configuration on ``device_mesh`` (1-D, or 2-D ``(exchange,
+        ulysses)``). A 1-D mesh over the whole world is split into a 2-D mesh named
+        ``("cp_kv", "cp_ulysses")`` for hybrid mode (collective: creates groups).
+
+        Raises:
+            ValueError: the mesh does not fit the degrees (the message names both).
+        """
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"ContextParallel.apply: device_mesh must be a DeviceMesh, got "
+                            f"{type(device_mesh).__name__}")
+        cp = device_mesh.size()
+        if device_mesh.ndim == 2:
+            ud = device_mesh.shape[1]
+            if self.ulysses_degree not in (None, ud):
+                raise ValueError(f"ContextParallel: ulysses_degree={self.ulysses_degree} but the 2-D mesh "
+                                 f"{device_mesh.shape} has {ud} ranks on its Ulysses axis (the second); make them equal")
+            mesh2d = device_mesh
+        elif device_mesh.ndim == 1:
+            ud = cp if self.ulysses_degree is None else self.ulysses_degree
+            if cp % ud:
+                raise ValueError(f"ContextParallel: ulysses_degree={ud} does not divide the context-parallel size {cp}")
+            mesh2d = None
+            if 1 < ud < cp:
+                if cp != get_platform().world_size():
+                    raise ValueError(f"ContextParallel: hybrid mode on a 1-D mesh of {cp} ranks inside a world of "
+                                     f"{get_platform().world_size()}: pass a 2-D (exchange, ulysses) submesh, e.g. "
+                                     "init_device_mesh(..., mesh_dim_names=(..., 'cp_kv', 'cp_ulysses'))"
+                                     "['cp_kv', 'cp_ulysses']")
+                mesh2d = DeviceMesh(device_mesh.device_type, device_mesh.mesh.reshape(cp // ud, ud),
+                                    mesh_dim_names=("cp_kv", "cp_ulysses"))
+        else:
+            raise ValueError(f"ContextParallel: the mesh must be 1-D or 2-D (exchange, ulysses); got {device_mesh.ndim}-D")
+        if self.load_balance and ud == cp and cp > 1:
+            raise ValueError("ContextParallel: load_balance=True applies to the 'ring' and 'allgather' exchanges; "
+                             f"pure Ulysses (ulysses_degree={ud} == cp) attends over whole sequences and is balanced "
+                             "already: set load_balance=False (and shard the data without it)")
+        coordinate = device_mesh.get_coordinate()
+        if coordinate is None:
+            raise RuntimeError(f"ContextParallel.apply: rank {get_platform().rank()} is not in {device_mesh}")
+        cp_index = int(np.ravel_multi_index(coordinate, device_mesh.shape))
+        if mesh2d is not None:
+            return Plan(cp, cp_index, ud, mesh2d.get_group(1), cp // ud, mesh2d.get_local_rank(0),
+                        mesh2d.get_group(0), self.kv_exchange, self.load_balance)
+        if ud == cp:
+            return Plan(cp, cp_index, cp, device_mesh.get_group() if cp > 1 else None, 1, 0, None,
+                        self.kv_exchange, self.load_balance)
+        return Plan(cp, cp_index, 1, None, cp, cp_index, device_mesh.get_group(), self.kv_exchange, self.load_balance)
+
+    def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
+        """Register the hooks on ``module``; returns it. Collective only for a hybrid
+        split of a 1-D mesh (group creation)."""
+        plan = self.resolve(device_mesh)
+        p = get_platform()
+        name = type(module).__name__
+        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook(plan, name, args))
+        p.register_forward_hook(module, lambda m, args, out: self._post_hook(plan, name, out))
+        return module
+
+    # -- hooks -------------------------------------------------------------------------
+    def _qkv(self, name: str, args: tuple[Any, ...]) -> list[Any]:
+        p = get_platform()
+        if max(self.qkv_indices) >= len(args):
+            raise ValueError(f"ContextParallel on {name}: qkv_indices={self.qkv_indices} but forward got "
+                             f"{len(args)} positional arguments; pass q, k, v positionally")
+        qkv = [args[i] for i in self.qkv_indices]
+        for label, t in zip("qkv", qkv):
+            if not p.is_tensor(t) or t.ndim != 4:
+                raise ValueError(f"ContextParallel on {name}: {label} must be a 4-D tensor, got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")
+        return qkv
+
+    def check(self, plan: Plan, name: str, q: Any, k: Any, v: Any) -> int:
+        """Validate q/k/v for ``plan`` (every rank, before any collective); returns the
+        global sequence length."""
+        s, h = self.seq_dim, self.head_dim
+        if not q.shape[s] == k.shape[s] == v.shape[s]:
+            raise ValueError(f"ContextParallel on {name}: q, k, v sequence lengths {q.shape[s]}, {k.shape[s]}, "
+                             f"{v.shape[s]} differ; context parallelism shards self-attention")
+        seq_len = int(q.shape[s]) * plan.cp
+        check_seq_len(seq_len, plan.cp, plan.load_balance, f"ContextParallel on {name}")
+        if plan.ulysses_size > 1:
+            check_heads(int(q.shape[h]), int(k.shape[h]), plan.ulysses_size, f"ContextParallel on {name}")
+        return seq_len
+
+    def _pre_hook(self, plan: Plan, name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        drop_stale(plan)
+        q, k, v = self._qkv(name, args)
+        seq_len = self.check(plan, name, q, k, v)
+        if plan.ulysses_size > 1:
+            p = get_platform()
+            n, s, h = plan.ulysses_size, self.seq_dim, self.head_dim
+            k, v = replicate_heads(p, k, h, n), replicate_heads(p, v, h, n)
+            q, k, v = (seq_to_heads(p, t, s, h, plan.ulysses_group) for t in (q, k, v))
+        push_frame(Frame(name, plan, seq_len))
+        new = list(args)
+        for i, t in zip(self.qkv_indices, (q, k, v)):
+            new[i] = t
+        return tuple(new)
+
+    def _post_hook(self, plan: Plan, name: str, out: Any) -> Any:
+        frame = find_frame(plan)
+        if frame is None:
+            raise RuntimeError(f"ContextParallel on {name}: no running frame at the end of forward (were the hooks "
+                               "removed or called out of order?)")
+        pop_frame(frame)
+        if plan.kv_size > 1 and not frame.called:
+            raise RuntimeError(f"ContextParallel on {name}: the forward never called "
+                               "hyper_parallel.scaled_dot_product_attention, so K/V were never exchanged "
+                               f"(kv_exchange={plan.kv_exchange!r} over {plan.kv_size} ranks). Compute the attention "
+                               "with hyper_parallel.scaled_dot_product_attention(q, k, v, ...), or use pure Ulysses "
+                               "(ulysses_degree == cp), which works with any attention implementation")
+        if plan.ulysses_size > 1:
+            if not get_platform().is_tensor(out):
+                raise TypeError(f"ContextParallel on {name}: the forward must return the attention output tensor, "
+                                f"got {type(out).__name__}")
+            out = heads_to_seq(get_platform(), out, self.seq_dim, self.head_dim, plan.ulysses_group)
+        return out

@@ -1,0 +1,98 @@
+"""Modules for the context-parallel tests, built natively in each framework (the
+framework branch lives here, in test support)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hyper_parallel as hp
+
+
+def core_attention(p: Any, *, causal: bool, cu_seqlens: Any = None, layout: str = "BSHD",
+                   functional: bool = True) -> Any:
+    """A module ``(q, k, v) -> attention`` computed by ``hp.scaled_dot_product_attention``
+    (``functional``) or directly by ``platform.attention`` (an "other" implementation,
+    BSHD only)."""
+
+    def forward(q: Any, k: Any, v: Any) -> Any:
+        if functional:
+            return hp.scaled_dot_product_attention(q, k, v, is_causal=causal, cu_seqlens=cu_seqlens, layout=layout)
+        return p.attention(q, k, v, causal=causal)[0]
+
+    if p.framework == "torch":
+        import torch
+
+        class CoreAttention(torch.nn.Module):
+            def forward(self, q: Any, k: Any, v: Any) -> Any:
+                return forward(q, k, v)
+
+        return CoreAttention()
+    from mindspore import nn
+
+    class MSCoreAttention(nn.Cell):
+        def construct(self, q: Any, k: Any, v: Any) -> Any:
+            return forward(q, k, v)
+
+    return MSCoreAttention()
+
+
+def block_weights(dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int) -> dict[str, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+
+    return {"q_proj.weight": w(heads * head_dim, dim), "k_proj.weight": w(kv_heads * head_dim, dim),
+            "v_proj.weight": w(kv_heads * head_dim, dim), "o_proj.weight": w(dim, heads * head_dim),
+            "fc1.weight": w(hidden, dim), "fc1.bias": w(hidden), "fc2.weight": w(dim, hidden), "fc2.bias": w(dim)}
+
+
+def transformer_block(p: Any, values: dict[str, Any], *, heads: int, head_dim: int, cu_seqlens: Any = None) -> Any:
+    """``h = x + o_proj(attn(q_proj x, k_proj x, v_proj x)); out = h + fc2(relu(fc1(h)))``
+    with causal attention through ``hp.scaled_dot_product_attention`` in the submodule
+    ``attn`` (the one ContextParallel hooks)."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
+    shapes = {n: values[f"{n}.weight"].shape for n in names}
+
+    def forward(m: Any, x: Any, relu: Any) -> Any:
+        b, s = x.shape[0], x.shape[1]
+        q = m.q_proj(x).reshape(b, s, heads, head_dim)
+        k = m.k_proj(x).reshape(b, s, -1, head_dim)
+        v = m.v_proj(x).reshape(b, s, -1, head_dim)
+        h = x + m.o_proj(m.attn(q, k, v).reshape(b, s, heads * head_dim))
+        return h + m.fc2(relu(m.fc1(h)))
+
+    attn = core_attention(p, causal=True, cu_seqlens=cu_seqlens)
+    if p.framework == "torch":
+        import torch
+
+        class Block(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                for n in names:
+                    setattr(self, n, torch.nn.Linear(shapes[n][1], shapes[n][0], bias=n.startswith("fc")))
+                self.attn = attn
+
+            def forward(self, x: Any) -> Any:
+                return forward(self, x, torch.relu)
+
+        model = Block()
+    else:
+        from mindspore import mint, nn
+
+        class MSBlock(nn.Cell):
+            def __init__(self) -> None:
+                super().__init__()
+                for n in names:
+                    setattr(self, n, mint.nn.Linear(shapes[n][1], shapes[n][0], bias=n.startswith("fc")))
+                self.attn = attn
+
+            def construct(self, x: Any) -> Any:
+                return forward(self, x, mint.nn.functional.relu)
+
+        model = MSBlock()
+    for name, value in values.items():
+        p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
+    return model

@@ -1,0 +1,142 @@
+"""Context parallelism against single-device attention: outputs and the gradients of q, k
+and v, for every mode x causal x load balance x BSHD/BNSD x MHA/GQA/MQA x packed documents,
+on cp = 2 and 4 (hybrid 2 x 2). The configurations are swept inside one rank function per
+world size (MindSpore pays seconds per multi-rank call).
+
+Tolerance: the reference is ``platform.attention`` over the whole sequence; context
+parallelism computes the same float32 softmax over blocks and merges them by log-sum-exp
+(ring), or over a permuted key order (all-gather, Ulysses), so results differ by float32
+rounding of the reordered sums: a few ulps of O(1) values, 1e-5. MindSpore's CPU ``exp``
+is approximate (~2.7e-6 relative) and the merge applies it to re-weight whole blocks, so
+MindSpore gets 5e-5. A wrong mask or offset moves values by ~1e-1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hyper_parallel as hp
+from hyper_parallel.core.dtensor import init_device_mesh
+from hyper_parallel.platform import get_platform
+from tests.context_parallel._models import core_attention
+
+B, S, H, D = 2, 16, 4, 8
+DOCS = [0, 3, 9, 16]  # documents crossing shard boundaries for cp = 2 and 4, with and without load balance
+MODES = {  # name -> (ulysses_degree as a fraction of cp: None = all, kv_exchange)
+    "ulysses": ("all", "allgather"), "allgather": (1, "allgather"), "ring": (1, "ring"),
+    "hybrid_allgather": (2, "allgather"), "hybrid_ring": (2, "ring"),
+}
+
+
+def _tol(p) -> dict:
+    return dict(rtol=5e-5, atol=5e-5) if p.framework == "mindspore" else dict(rtol=1e-5, atol=1e-5)
+
+
+def positions(seq: int, cp: int, rank: int, load_balance: bool) -> np.ndarray:
+    """Test-side statement of the layout: chunk ``rank`` of ``cp``, or head-tail chunks
+    ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
+    if not load_balance:
+        return np.array_split(np.arange(seq), cp)[rank]
+    chunks = np.array_split(np.arange(seq), 2 * cp)
+    return np.concatenate([chunks[rank], chunks[2 * cp - 1 - rank]])
+
+
+def reference_mask(seq: int, causal: bool, docs: list[int] | None) -> np.ndarray:
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    allowed = (j <= i) if causal else np.ones((seq, seq), bool)
+    if docs is not None:
+        doc = np.repeat(np.arange(len(docs) - 1), np.diff(docs))
+        allowed = allowed & (doc[i] == doc[j])
+    return allowed
+
+
+#: (causal, load_balance, packed documents): every pair of the three, and all three
+#: together, per mode (the full product costs MindSpore minutes; see the module doc).
+COMBOS = ((False, False, False), (True, False, False), (True, True, True), (False, True, True), (True, True, False))
+ULYSSES_COMBOS = ((False, False, True), (True, False, False), (True, False, True))
+
+
+def cases(cp: int) -> list[tuple]:
+    """(mode, causal, load_balance, docs, layout, kv_heads): layouts alternate and head
+    counts cycle MHA/GQA/MQA so every mode meets each."""
+    out = []
+    for mode in MODES:
+        if mode.startswith("hybrid") and cp < 4:
+            continue
+        for causal, lb, docs in ULYSSES_COMBOS if mode == "ulysses" else COMBOS:
+            i = len(out)
+            out.append((mode, causal, lb, docs, ("BSHD", "BNSD")[i % 2], (H, 2, 1)[i % 3]))
+    return out
+
+
+def _vjp_many(p, fns: list, inputs: list[list]) -> tuple[list, list]:
+    """Run every ``fns[i](*inputs[i])`` inside one ``vjp`` and return (outputs, backward)."""
+    flat = [t for group in inputs for t in group]
+
+    def run(*args):
+        outs, at = [], 0
+        for fn, group in zip(fns, inputs):
+            outs.append(fn(*args[at:at + len(group)]))
+            at += len(group)
+        return tuple(outs)
+
+    return p.vjp(run, flat)
+
+
+def check_modes(only: tuple[str, ...] = ()) -> int:
+    """Every case of ``cases(world)`` (of the modes in ``only``, when given): forward,
+    unshard and q/k/v gradients vs the reference. All cases share one ``vjp`` for the
+    reference and one for context parallelism: MindSpore pays ~0.5 s per ``vjp``."""
+    p = get_platform()
+    cp, r = p.world_size(), p.rank()
+    mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
+    rng = np.random.default_rng(7)
+    todo = [c for c in cases(cp) if not only or c[0] in only]
+    labels, refs, ref_fns, ref_inputs, douts, modules, cp_inputs, cp_douts, checks = [], [], [], [], [], [], [], [], []
+    for mode, causal, lb, docs, layout, kv_heads in todo:
+        label = f"{mode} causal={causal} load_balance={lb} docs={docs} {layout} kv_heads={kv_heads} cp={cp}"
+        cu = DOCS if docs else None
+        q = rng.standard_normal((B, S, H, D)).astype(np.float32)
+        k = rng.standard_normal((B, S, kv_heads, D)).astype(np.float32)
+        v = rng.standard_normal((B, S, kv_heads, D)).astype(np.float32)
+        dout = rng.standard_normal((B, S, H, D)).astype(np.float32)
+        mask = p.from_numpy(reference_mask(S, causal, cu))
+        ref_fns.append(lambda a, b, c, mask=mask: p.attention(a, b, c, mask=mask)[0])
+        ref_inputs.append([p.from_numpy(q), p.from_numpy(k), p.from_numpy(v)])
+        douts.append(p.from_numpy(dout))
+
+        seq_dim, head_dim = (1, 2) if layout == "BSHD" else (2, 1)
+        lay = (lambda a: a) if layout == "BSHD" else (lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
+        ud_frac, exchange = MODES[mode]
+        ud = cp if ud_frac == "all" else ud_frac
+        style = hp.ContextParallel(seq_dim=seq_dim, head_dim=head_dim, ulysses_degree=ud, kv_exchange=exchange,
+                                   load_balance=lb)
+        modules.append(style.apply(core_attention(p, causal=causal, cu_seqlens=cu, layout=layout), mesh))
+        full = [p.from_numpy(lay(a)) for a in (q, k, v, dout)]
+        shards = hp.context_parallel_shard(full, [seq_dim] * 4, mesh, load_balance=lb)
+        pos = positions(S, cp, r, lb)
+        for got, want in zip(shards, (q, k, v, dout)):
+            np.testing.assert_array_equal(p.to_numpy(got), lay(want[:, pos]), err_msg=f"shard: {label}")
+        cp_inputs.append([p.from_numpy(p.to_numpy(t)) for t in shards[:3]])
+        cp_douts.append(shards[3])
+        labels.append(label)
+        checks.append((seq_dim, lay, pos, lb))
+
+    ref_outs, ref_back = _vjp_many(p, ref_fns, ref_inputs)
+    ref_grads, _ = ref_back(douts)
+    cp_outs, cp_back = _vjp_many(p, modules, cp_inputs)
+    cp_grads, _ = cp_back(cp_douts)
+    for i, (label, (seq_dim, lay, pos, lb)) in enumerate(zip(labels, checks)):
+        ref = [p.to_numpy(ref_outs[i])] + [p.to_numpy(g) for g in ref_grads[3 * i:3 * i + 3]]
+        got = [cp_outs[i], *cp_grads[3 * i:3 * i + 3]]
+        for name, value, want in zip(("out", "dq", "dk", "dv"), got, ref):
+            np.testing.assert_allclose(p.to_numpy(value), lay(want[:, pos]), **_tol(p), err_msg=f"{name}: {label}")
+        gathered, = hp.context_parallel_unshard([cp_outs[i]], [seq_dim], mesh, load_balance=lb)
+        np.testing.assert_allclose(p.to_numpy(gathered), lay(ref[0]), **_tol(p), err_msg=f"unshard: {label}")
+    return len(todo)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_modes_match_single_device(run_on_ranks, world_size: int) -> None:
+    assert run_on_ranks(check_modes, world_size=world_size) == [len(cases(world_size))] * world_size

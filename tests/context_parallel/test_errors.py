@@ -1,0 +1,93 @@
+"""Bad input raises a clear error on every rank before any collective; a module that
+computes attention on its own works under pure Ulysses and is refused elsewhere."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hyper_parallel as hp
+from hyper_parallel.core.dtensor import init_device_mesh
+from hyper_parallel.platform import get_platform
+from tests.context_parallel._models import core_attention
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def check_errors() -> dict[str, str]:
+    p = get_platform()
+    cp = p.world_size()
+    mesh = init_device_mesh(p.device_type, (cp,))
+    rng = np.random.default_rng(0)
+
+    def t(*shape: int):
+        return p.from_numpy(rng.standard_normal(shape).astype(np.float32))
+
+    def run(style, q, k, v, functional=True, **kw):
+        return style.apply(core_attention(p, causal=True, functional=functional, **kw), mesh)(q, k, v)
+
+    out = {
+        "exchange": _message(lambda: hp.ContextParallel(kv_exchange="p2p")),
+        "kwargs": _message(lambda: hp.ContextParallel(qkv_kwarg_names=("query",))),
+        "ulysses_lb": _message(lambda: hp.ContextParallel(load_balance=True).apply(core_attention(p, causal=True),
+                                                                                     mesh)),
+        "heads": _message(lambda: run(hp.ContextParallel(), t(1, 4, 3, 2), t(1, 4, 3, 2), t(1, 4, 3, 2))),
+        "kv_heads": _message(lambda: run(hp.ContextParallel(), t(1, 4, 6, 2), t(1, 4, 3, 2), t(1, 4, 3, 2))),
+        "odd_lb": _message(lambda: run(hp.ContextParallel(ulysses_degree=1, load_balance=True), t(1, 3, 2, 2),
+                                       t(1, 3, 2, 2), t(1, 3, 2, 2))),
+        "cu_seqlens": _message(lambda: run(hp.ContextParallel(ulysses_degree=1), t(1, 4, 2, 2), t(1, 4, 2, 2),
+                                           t(1, 4, 2, 2), cu_seqlens=[0, 5, 3])),
+        "not_functional": _message(lambda: run(hp.ContextParallel(ulysses_degree=1, kv_exchange="ring"),
+                                               t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2), functional=False)),
+        "shard": _message(lambda: hp.context_parallel_shard([t(1, 6, 2)], [1], mesh, load_balance=True)),
+        "layout": _message(lambda: hp.scaled_dot_product_attention(t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2),
+                                                                   layout="SBHD")),
+    }
+    # A module computing attention by itself sees whole sequences under pure Ulysses.
+    q, k, v = (rng.standard_normal((2, 4 * cp, 2 * cp, 4)).astype(np.float32) for _ in range(3))
+    ref = p.to_numpy(p.attention(p.from_numpy(q), p.from_numpy(k), p.from_numpy(v), causal=True)[0])
+    local = hp.context_parallel_shard([p.from_numpy(a) for a in (q, k, v)], [1, 1, 1], mesh)
+    got = run(hp.ContextParallel(), *local, functional=False)
+    np.testing.assert_allclose(p.to_numpy(got), np.array_split(ref, cp, axis=1)[p.rank()], rtol=1e-5, atol=1e-5)
+    return out
+
+
+EXPECTED = {
+    "exchange": "ValueError: ContextParallel: kv_exchange='p2p'; use 'allgather' or 'ring'",
+    "kwargs": "positional arguments only; pass q, k, v positionally",
+    "ulysses_lb": "pure Ulysses (ulysses_degree=2 == cp) attends over whole sequences and is balanced already",
+    "heads": "q has 3 heads, not divisible by the Ulysses degree 2",
+    "kv_heads": "k/v have 3 heads and the Ulysses degree is 2; one must divide the other",
+    "odd_lb": "sequence length 6 does not split into 2 * cp = 4 chunks (load_balance=True); pad the sequence",
+    "cu_seqlens": "cu_seqlens=[0, 5, 3] must be integers starting at 0, strictly increasing and ending at the full "
+                  "sequence length 8",
+    "not_functional": "CoreAttention: the forward never called hyper_parallel.scaled_dot_product_attention, so "
+                      "K/V were never exchanged (kv_exchange='ring' over 2 ranks)",
+    "shard": "context_parallel_shard: sequence length 6 does not split into 2 * cp = 4 chunks",
+    "layout": "layout='SBHD' is not supported",
+}
+
+
+def test_errors(run_on_ranks) -> None:
+    results = run_on_ranks(check_errors, world_size=2)
+    for rank, messages in enumerate(results):
+        for key, expected in EXPECTED.items():
+            assert expected in messages[key], (rank, key, messages[key])
+
+
+def test_async_falls_back_without_projections(run_on_ranks) -> None:
+    assert run_on_ranks(check_async_fallback, world_size=2) == ["ContextParallel"] * 2
+
+
+def check_async_fallback() -> str:
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (p.world_size(),))
+    with pytest.warns(UserWarning, match="no q/k/v projection given; using synchronous ContextParallel"):
+        hp.AsyncContextParallel().apply(core_attention(p, causal=True), mesh)
+    return "ContextParallel"
