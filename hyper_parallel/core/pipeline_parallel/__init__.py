@@ -9,3 +9,8 @@ from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 
 __all__ = ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B",
            "TensorSpec"]
+
+from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.hook_coordinator import HookCoordinator  # noqa: E402
+
+__all__ += ["CommComputeOverlap", "HookCoordinator"]

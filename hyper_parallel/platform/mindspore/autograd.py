@@ -45,6 +45,8 @@ class _Recording:
 
     def __init__(self) -> None:
         self.recomputed = False  # its backward ran on a second recording; the first stays on MindSpore's stack
+        self.recording = True  # its forward is being recorded
+        self.tainted = False  # another thread's backward ran while it recorded: recompute it
 
 
 class MindSporeAutograd(AutogradSection):
@@ -58,6 +60,7 @@ class MindSporeAutograd(AutogradSection):
     _mint: Any
     _native_functions: dict[type, type]
     _vjp_live: list[weakref.ref]  # MindSpore's stack of recordings not yet backwarded, oldest first
+    _vjp_backwards_running: int  # backwards in progress (on any thread)
 
     def apply_function(self, function: type[CustomFunction], *args: Any) -> Any:
         """``<native _Function subclass>.apply(*args)``; the subclass is built on first use
@@ -115,11 +118,17 @@ class MindSporeAutograd(AutogradSection):
             return fn(*args)
 
         tensors = tuple(inputs[i] for i in positions)
-        outputs, native_backward = self._ms.vjp(call, *tensors, weights=params)
+        # On MindSpore's stack from the moment recording starts (another thread's
+        # backward must not take it for the top while it records).
+        token = _Recording()  # held by ``backward`` only: its entry dies with it
+        token.tainted = self._vjp_backwards_running > 0
+        self._vjp_live.append(weakref.ref(token))
+        try:
+            outputs, native_backward = self._ms.vjp(call, *tensors, weights=params)
+        finally:
+            token.recording = False
         flat = (outputs,) if isinstance(outputs, self._ms.Tensor) else tuple(outputs)
         state = {"ran": False}
-        token = _Recording()  # held by ``backward`` only: its entry dies with it
-        self._vjp_live.append(weakref.ref(token))
 
         def backward(grad_outputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             if state["ran"]:
@@ -133,7 +142,14 @@ class MindSporeAutograd(AutogradSection):
             sens = [self._mint.zeros(tuple(out.shape), dtype=out.dtype) if grad is None else grad
                     for grad, out in zip(grads, flat)]
             run = native_backward
-            if self._vjp_live and self._vjp_live[-1]() is token:
+            # Two threads (comm/compute overlap): a backward that runs while another
+            # thread records leaves MindSpore's stack in an order we cannot follow, so
+            # that recording recomputes too.
+            for ref in self._vjp_live:
+                other = ref()
+                if other is not None and other.recording:
+                    other.tainted = True
+            if self._vjp_live and self._vjp_live[-1]() is token and not token.tainted:
                 self._vjp_live.pop()
             else:  # see [Note: out-of-order backwards]
                 # A new function object: MindSpore caches a recording by its function and
@@ -142,7 +158,11 @@ class MindSporeAutograd(AutogradSection):
                 token.recomputed = True
             while self._vjp_live and (self._vjp_live[0]() is None or self._vjp_live[0]().recomputed):
                 self._vjp_live.pop(0)  # stale, and nothing older is live: it decides nothing
-            input_grads, param_grads = run(sens[0] if isinstance(outputs, self._ms.Tensor) else tuple(sens))
+            self._vjp_backwards_running += 1
+            try:
+                input_grads, param_grads = run(sens[0] if isinstance(outputs, self._ms.Tensor) else tuple(sens))
+            finally:
+                self._vjp_backwards_running -= 1
             input_grads = (input_grads,) if isinstance(input_grads, self._ms.Tensor) else tuple(input_grads)
             per_input: list[Any] = [None] * len(inputs)
             for position, grad in zip(positions, input_grads):

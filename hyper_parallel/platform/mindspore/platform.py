@@ -75,6 +75,7 @@ class MindSporePlatform(
         self._group_ranks: dict[str, tuple[int, ...]] = {}  # group name -> sorted global ranks
         self._native_functions: dict[type, type] = {}  # CustomFunction subclass -> _Function subclass
         self._vjp_live: list = []  # live vjp recordings, oldest first (see MindSporeAutograd.vjp)
+        self._vjp_backwards_running = 0
         self._recv_channels: RecvChannels = RecvChannels()  # CPU receives not yet posted
 
     # -- types ---------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""Rendezvous of a forward thread and a backward thread around MoE dispatch and combine.
+
+[Note: A/B/C/D rendezvous]
+An MoE layer's forward runs ``A -> dispatch (comm) -> B -> experts (compute) -> C ->
+combine (comm) -> D``, each letter a ``platform.differentiable_sync_hook``. Its backward
+meets the same hooks in reverse: after ``D`` comes the combine's backward (comm), after
+``C`` the experts' backward (compute), after ``B`` the dispatch's backward (comm), after
+``A`` the backward of what precedes the layer (compute). Two microbatches, one running
+forward and one running backward through the same layers (DualPipe, Liu et al. 2024,
+DeepSeek-V3; torchtitan's DualPipeV overlap), pair up hook by hook: forward ``A`` with
+backward ``C``, ``B`` with ``B``, ``C`` with ``A``, ``D`` with ``D``, so that at every
+rendezvous exactly one thread's next segment communicates and the other's computes. The
+backward's first hook (the last layer's ``D``, named ``D_LAST``) has no partner and the
+forward's ``D_LAST`` ends its part: each side has ``4 * layers - 1`` rendezvous.
+
+At each rendezvous both threads arrive; the communicating thread goes on at once and the
+computing thread waits until the communicating one reaches its next hook, i.e. until
+its communication has been issued, so a communication kernel is always issued before the
+compute it is paired with (on an accelerator the issue is asynchronous and the compute
+then runs under it). A side that finishes (or fails) stops coordinating: the other's
+hooks return at once, so no thread is ever left waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+
+FORWARD, BACKWARD = "forward", "backward"
+#: hooks after which a side's next segment communicates (see [Note: A/B/C/D rendezvous])
+_COMM_NEXT = {FORWARD: frozenset({"A", "C"}), BACKWARD: frozenset({"B", "D"})}
+HOOK_NAMES = frozenset({"A", "B", "C", "D", "D_LAST"})
+
+
+class HookCoordinator:
+    """The rendezvous of one forward thread and one backward thread.
+
+    ``platform.differentiable_sync_hook(x, name, coordinator)`` calls ``forward_hook(name)``
+    in its forward and ``backward_hook(name)`` in its backward; a hook coordinates only
+    when called on the thread registered for its direction (``begin``): a forward
+    re-run on the backward thread (MindSpore's recompute of an out-of-order backward)
+    passes through.
+
+    Args:
+        timeout_s: the longest a thread waits for its partner; past it the waiting
+            thread raises ``RuntimeError`` (a partner stuck in a collective, say).
+    """
+
+    def __init__(self, timeout_s: float = 300.0) -> None:
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._threads: dict[str, int | None] = {FORWARD: None, BACKWARD: None}  # thread ident per side
+        self._arrived: dict[str, int] = {FORWARD: 0, BACKWARD: 0}  # rendezvous reached per side
+        self._names: dict[str, list[str]] = {FORWARD: [], BACKWARD: []}  # hook name of each rendezvous
+        self._done: dict[str, bool] = {FORWARD: True, BACKWARD: True}  # side no longer coordinating
+
+    def begin(self, forward_thread: int, backward_thread: int) -> None:
+        """Start a pairing: hooks on ``forward_thread`` (a thread ident) are the forward
+        side, hooks' backwards on ``backward_thread`` the backward side.
+
+        Raises:
+            RuntimeError: a pairing is still running.
+        """
+        with self._cond:
+            if not (self._done[FORWARD] and self._done[BACKWARD]):
+                raise RuntimeError("HookCoordinator.begin: the previous forward/backward pairing has not finished; "
+                                   "one CommComputeOverlap.run at a time per coordinator")
+            self._threads = {FORWARD: forward_thread, BACKWARD: backward_thread}
+            self._arrived = {FORWARD: 0, BACKWARD: 0}
+            self._names = {FORWARD: [], BACKWARD: []}
+            self._done = {FORWARD: False, BACKWARD: False}
+
+    def finish(self, side: str) -> None:
+        """``side`` stops coordinating (it returned, raised, or passed its ``D_LAST``);
+        the other side's hooks stop waiting for it."""
+        with self._cond:
+            self._done[side] = True
+            self._cond.notify_all()
+
+    def wait_backward_started(self) -> None:
+        """Block the forward side until the backward side reached its first rendezvous
+        (its first communication is then issued) or finished: the forward's first
+        compute pairs with the backward's first communication, and the backward has
+        started before the forward records anything (MindSpore can run the backward of
+        only the newest recording natively; see its ``vjp``)."""
+        with self._cond:
+            self._wait(lambda: self._done[BACKWARD] or self._arrived[BACKWARD] >= 1, FORWARD,
+                       "the backward thread to start")
+
+    def forward_hook(self, name: str) -> None:
+        """Called by a sync hook's forward."""
+        self._hook(FORWARD, name)
+
+    def backward_hook(self, name: str) -> None:
+        """Called by a sync hook's backward."""
+        self._hook(BACKWARD, name)
+
+    def _hook(self, side: str, name: str) -> None:
+        if name not in HOOK_NAMES:
+            raise ValueError(f"HookCoordinator: hook name {name!r} is not one of {sorted(HOOK_NAMES)}")
+        if threading.get_ident() != self._threads[side] or self._done[side]:
+            return
+        if name == "D_LAST":
+            if side == FORWARD:
+                self.finish(FORWARD)
+            return  # the backward's first hook: nothing precedes it to pair with
+        self._rendezvous(side, name)
+
+    def _wait(self, ready: object, side: str, what: str) -> None:
+        if not self._cond.wait_for(ready, timeout=self.timeout_s):  # type: ignore[arg-type]
+            self._done[side] = True
+            self._cond.notify_all()
+            raise RuntimeError(f"HookCoordinator: the {side} thread waited {self.timeout_s} s for {what}; the other "
+                               "thread is stuck (a collective that never completes?)")
+
+    def _rendezvous(self, side: str, name: str) -> None:
+        other = BACKWARD if side == FORWARD else FORWARD
+        with self._cond:
+            self._arrived[side] += 1  # also: this side's previous segment has been issued
+            k = self._arrived[side]
+            self._names[side].append(name)
+            self._cond.notify_all()
+            self._wait(lambda: self._done[other] or self._arrived[other] >= k, side, f"rendezvous {k}")
+            if self._done[other] and self._arrived[other] < k:
+                return
+            mine, theirs = name in _COMM_NEXT[side], self._names[other][k - 1] in _COMM_NEXT[other]
+            if mine == theirs:
+                self._done[side] = True
+                self._cond.notify_all()
+                raise RuntimeError(f"HookCoordinator: rendezvous {k} pairs {side} hook {name} with {other} hook "
+                                   f"{self._names[other][k - 1]}: both next segments "
+                                   f"{'communicate' if mine else 'compute'}; the two microbatches must run the same "
+                                   "MoE layers, wrapped by wrap_dispatch/wrap_combine (the last with is_last_layer)")
+            if mine:
+                return
+            self._wait(lambda: self._done[other] or self._arrived[other] > k, side,
+                       f"the {other} thread to issue its communication after rendezvous {k}")

@@ -1,0 +1,103 @@
+"""Comm/compute overlap: one microbatch's forward and another's backward on two threads,
+paired at the A/B/C/D hooks around all-to-all dispatch and combine, give exactly the
+values and gradients of running them one after the other; an exception on either thread
+surfaces on the caller's thread without leaving the other waiting."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from hyper_parallel.core.pipeline_parallel import CommComputeOverlap, HookCoordinator
+from hyper_parallel.platform import get_platform
+
+DIM, TOKENS, LAYERS = 4, 8, 3
+
+
+class _Events(HookCoordinator):
+    """Records (thread side, hook) in order, to check the pairing."""
+
+    def __init__(self) -> None:
+        super().__init__(timeout_s=60.0)
+        self.log: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def forward_hook(self, name: str) -> None:
+        super().forward_hook(name)
+        with self._lock:
+            self.log.append(("F", name))
+
+    def backward_hook(self, name: str) -> None:
+        super().backward_hook(name)
+        with self._lock:
+            self.log.append(("B", name))
+
+
+def _model(p, overlap):
+    rng = np.random.default_rng(1)
+    weights = [p.make_parameter(p.from_numpy((rng.standard_normal((DIM, DIM)) / 2).astype(np.float32)))
+               for _ in range(2 * LAYERS)]
+    dispatch = lambda t: p.differentiable_all_to_all(t, 0, 0)  # noqa: E731  tokens to their experts' ranks
+    combine = lambda t: p.differentiable_all_to_all(t, 0, 0)  # noqa: E731  and back
+    if overlap is not None:
+        dispatches = [overlap.wrap_dispatch(dispatch) for _ in range(LAYERS)]
+        combines = [overlap.wrap_combine(combine, is_last_layer=layer == LAYERS - 1) for layer in range(LAYERS)]
+    else:
+        dispatches, combines = [dispatch] * LAYERS, [combine] * LAYERS
+
+    def forward(x):
+        for layer in range(LAYERS):
+            routed = dispatches[layer](x @ weights[2 * layer])
+            expert = routed @ weights[2 * layer + 1] * 0.5 + routed * routed * 0.1
+            x = x + combines[layer](expert)
+        return x
+
+    return forward, weights
+
+
+def check_overlap(inject: str) -> None:
+    p = get_platform()
+    r = p.rank()
+    rng = np.random.default_rng(10 + r)
+    xs = [p.from_numpy(rng.standard_normal((TOKENS, DIM)).astype(np.float32)) for _ in range(2)]
+    gs = [p.from_numpy(rng.standard_normal((TOKENS, DIM)).astype(np.float32)) for _ in range(2)]
+    forward, weights = _model(p, None)
+    expected = []
+    for x, g in zip(xs, gs):
+        out, backward = p.vjp(forward, [x], weights)
+        expected.append((p.to_numpy(out), [p.to_numpy(t) for t in backward([g])[1]]))
+
+    coordinator = _Events()
+    overlap = CommComputeOverlap(coordinator, timeout_s=60.0)
+    forward, weights = _model(p, overlap)
+    out0, backward0 = p.vjp(forward, [xs[0]], weights)  # microbatch 0's forward, before the pair
+    np.testing.assert_array_equal(p.to_numpy(out0), expected[0][0])
+    coordinator.log.clear()
+    if inject == "backward":
+        def bwd():
+            raise RuntimeError("injected on the backward thread")
+    else:
+        bwd = lambda: backward0([gs[0]])  # noqa: E731
+    fwd = lambda: p.vjp(forward, [xs[1]], weights)  # noqa: E731
+    if inject == "backward":
+        with pytest.raises(RuntimeError, match="injected on the backward thread"):
+            overlap.run(fwd, bwd)
+        return
+    (out1, backward1), (_, grads0) = overlap.run(fwd, bwd)
+    np.testing.assert_array_equal(p.to_numpy(out1), expected[1][0], err_msg="forward under overlap")
+    for i, grad in enumerate(grads0):
+        np.testing.assert_array_equal(p.to_numpy(grad), expected[0][1][i], err_msg=f"gradient {i} under overlap")
+    # The pairing: forward A..C of each layer against backward C..A, D_LAST unpaired.
+    hooks = {side: [name for s, name in coordinator.log if s == side] for side in "FB"}
+    assert hooks["F"] == ["A", "B", "C", "D"] * (LAYERS - 1) + ["A", "B", "C", "D_LAST"], hooks
+    assert hooks["B"] == ["D_LAST", "C", "B", "A"] + ["D", "C", "B", "A"] * (LAYERS - 1), hooks
+    grads1 = backward1([gs[1]])[1]
+    for i, grad in enumerate(grads1):
+        np.testing.assert_array_equal(p.to_numpy(grad), expected[1][1][i], err_msg=f"gradient {i} after overlap")
+
+
+@pytest.mark.parametrize("inject", ["none", "backward"])
+def test_overlap_matches_sequential(run_on_ranks, inject: str) -> None:
+    run_on_ranks(check_overlap, inject, world_size=2)
