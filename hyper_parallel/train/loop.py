@@ -128,7 +128,8 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group)
 
 
-def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True) -> list[dict[str, Any]]:
+def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
+          run: _Run | None = None) -> list[dict[str, Any]]:
     """Run ``cfg`` on this rank and return the metrics rows of the steps it ran (the same
     list on every rank).
 
@@ -136,8 +137,9 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True)
     plots ``<out>/loss.png`` when ``write_outputs``; every rank writes its checkpoint shard.
     With ``cfg.resume`` the run continues from the newest complete checkpoint, bit-identical
     to a run that was never interrupted (see ``data``'s note on deterministic batches).
+    ``run``: what ``setup(cfg, reference)`` returned, if the caller already built it.
     """
-    run = setup(cfg, reference)
+    run = setup(cfg, reference) if run is None else run
     p = run.p
     start = 0
     ckpt_root = cfg.checkpoint_path

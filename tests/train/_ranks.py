@@ -12,7 +12,7 @@ import numpy as np
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import PRESETS, Layout, TrainConfig
-from hyper_parallel.train.loop import train
+from hyper_parallel.train.loop import setup, train
 from hyper_parallel.train.model import parameter_shapes
 
 
@@ -45,16 +45,14 @@ def check_layout_parity(out: str) -> list[float]:
     p = get_platform()
     n, r = p.world_size(), p.rank()
     cfg = tiny_config(f"{out}/tp{n}", tp=n)
-    run_rows = train(cfg, write_outputs=False)
+    run = setup(cfg)
     # the run really is sharded: wq holds n_heads / tp heads on this rank
-    from hyper_parallel.train.loop import setup
-
-    model = setup(cfg).model
     shapes = dict(parameter_shapes(cfg.model))
-    local = {name: tuple(param.shape) for name, param in p.named_parameters(model)}
+    local = {name: tuple(param.shape) for name, param in p.named_parameters(run.model)}
     np.testing.assert_equal(local["layers.0.attention.wq.weight"][0], shapes["layers.0.attention.wq.weight"][0] // n)
     np.testing.assert_equal(local["layers.0.feed_forward.w2.weight"][1],
                             shapes["layers.0.feed_forward.w2.weight"][1] // n)
+    run_rows = train(cfg, write_outputs=False, run=run)
     got = losses(run_rows)
     assert len(got) == cfg.steps and np.all(np.isfinite(got)), got
     if r == 0:
@@ -73,23 +71,23 @@ def check_resume(out: str) -> None:
     (and a crashed save's leftover temporary folder) is skipped for the previous one."""
     p = get_platform()
     n, r = p.world_size(), p.rank()
-    cfg = tiny_config(out, tp=n, steps=6, checkpoint_every=3)
+    cfg = tiny_config(out, tp=n, steps=4, checkpoint_every=2)
     full = losses(train(cfg))
     ckpt = cfg.checkpoint_path
-    assert sorted(x.name for x in ckpt.iterdir()) == ["step_00000003", "step_00000006"], list(ckpt.iterdir())
+    assert sorted(x.name for x in ckpt.iterdir()) == ["step_00000002", "step_00000004"], list(ckpt.iterdir())
 
-    # interrupted after step 3's checkpoint: step 6's never happened
+    # interrupted after step 2's checkpoint: step 4's never happened
     p.barrier().wait() if n > 1 else None
     if r == 0:
-        shutil.rmtree(ckpt / "step_00000006")
+        shutil.rmtree(ckpt / "step_00000004")
     p.barrier().wait() if n > 1 else None
     resumed = losses(train(cfg.replace(resume=True)))
-    np.testing.assert_array_equal(resumed, full[3:], err_msg="resumed from step 3")
+    np.testing.assert_array_equal(resumed, full[2:], err_msg="resumed from step 2")
 
-    # step 6's checkpoint exists again; cut one shard off mid-write, and leave a crashed save behind
+    # step 4's checkpoint exists again; cut one shard off mid-write, and leave a crashed save behind
     p.barrier().wait() if n > 1 else None
     if r == 0:
-        shard = ckpt / "step_00000006" / f"rank_{n - 1:05d}.npz"
+        shard = ckpt / "step_00000004" / f"rank_{n - 1:05d}.npz"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         (ckpt / ".step_00000009.tmp").mkdir()
         (ckpt / ".step_00000009.tmp" / "rank_00000.npz").write_bytes(b"partial")
@@ -98,13 +96,13 @@ def check_resume(out: str) -> None:
         warnings.simplefilter("always")
         fallback = losses(train(cfg.replace(resume=True)))
     messages = [str(w.message) for w in caught if "unusable" in str(w.message)]
-    assert len(messages) == 1 and "step_00000006" in messages[0] and "cut off" in messages[0], messages
-    np.testing.assert_array_equal(fallback, full[3:], err_msg="fell back to step 3")
+    assert len(messages) == 1 and "step_00000004" in messages[0] and "cut off" in messages[0], messages
+    np.testing.assert_array_equal(fallback, full[2:], err_msg="fell back to step 2")
     if r == 0:
         from hyper_parallel.train.metrics import read_metrics
 
         rows = read_metrics(Path(out) / "metrics.jsonl")
-        assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6], rows
+        assert [row["step"] for row in rows] == [1, 2, 3, 4], rows
         np.testing.assert_array_equal(losses(rows), full)
         assert (Path(out) / "loss.png").stat().st_size > 1000
 

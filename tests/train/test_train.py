@@ -117,19 +117,19 @@ def test_command_line_run(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "hyper_parallel.train.cli", "train", "--platform", platform, "--tp", "2",
-           "--model", "tiny", "--steps", "8", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2",
-           "--warmup-steps", "2", "--eval-every", "4", "--checkpoint-every", "4", "--out", str(out), "--no-progress",
+           "--model", "tiny", "--steps", "6", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2",
+           "--warmup-steps", "2", "--eval-every", "3", "--checkpoint-every", "3", "--out", str(out), "--no-progress",
            "--data", *TEST_DATA]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert [row["step"] for row in rows] == list(range(1, 7))
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, rows
     assert all(len(row["peak_memory_bytes"]) == 2 and min(row["peak_memory_bytes"]) > 0 for row in rows)
-    assert "val_loss" in rows[3] and "val_loss" in rows[7] and rows[0]["tokens_per_s"] > 0
+    assert "val_loss" in rows[2] and "val_loss" in rows[5] and rows[0]["tokens_per_s"] > 0
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     steps = sorted(path.name for path in (out / "checkpoints").iterdir())
-    assert steps == ["step_00000004", "step_00000008"]
-    manifest = json.loads((out / "checkpoints" / "step_00000008" / "manifest.json").read_text())
+    assert steps == ["step_00000003", "step_00000006"]
+    manifest = json.loads((out / "checkpoints" / "step_00000006" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and sorted(manifest["shards"]) == ["rank_00000.npz", "rank_00001.npz"]
-    assert "done: step 8" in done.stdout
+    assert "done: step 6" in done.stdout
