@@ -1,6 +1,7 @@
 """Op cases for the DTensor sharding-rule tests: each op of ``OP_RULES`` (and the
-functional wrappers built on them) with input shapes that exercise broadcasting,
-uneven shards (7 rows over 2 and 4 ranks) and empty ones (3 rows over 4 ranks)."""
+functional wrappers built on them) with input shapes that exercise broadcasting, even
+shards (the ``_even`` cases, sizes 4 and 8), uneven ones (7 rows over 2 and 4 ranks) and
+empty ones (3 rows over 4 ranks)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class OpCase:
 
 CASES: tuple[OpCase, ...] = (
     OpCase("add", lambda a, b: a + b, ((7, 5), (7, 5))),
+    OpCase("mul_even", lambda a, b: a * b, ((8, 4), (8, 4))),
     OpCase("add_broadcast", lambda a, b: F.add(a, b), ((7, 1, 5), (3, 1))),
     OpCase("add_scalar", lambda a: 1.5 + a, ((7, 5),)),
     OpCase("sub", lambda a, b: a - b, ((7, 5), (5,))),
@@ -44,10 +46,12 @@ CASES: tuple[OpCase, ...] = (
     OpCase("rsqrt_sqrt", lambda a: F.rsqrt(a) * F.sqrt(a + 1.0), ((7, 5),), positive=True),
     OpCase("activations", lambda a: F.silu(a) + F.gelu(a) + F.relu(a) + F.sigmoid(a) + F.tanh(a), ((7, 5),)),
     OpCase("matmul", lambda a, b: a @ b, ((7, 5), (5, 6))),
+    OpCase("matmul_even", lambda a, b: a @ b, ((8, 4), (4, 8))),
     OpCase("matmul_batched", lambda a, b: F.matmul(a, b), ((3, 7, 5), (5, 6))),
     OpCase("bmm", lambda a, b: F.bmm(a, b), ((3, 7, 5), (3, 5, 6))),
     OpCase("linear", lambda x, w, b: F.linear(x, w, b), ((3, 7, 5), (6, 5), (6,))),
     OpCase("linear_no_bias", lambda x, w: F.linear(x, w), ((7, 5), (6, 5))),
+    OpCase("linear_even", lambda x, w, b: F.linear(x, w, b), ((2, 4, 8), (4, 8), (4,))),
     OpCase("embedding", lambda i, w: F.embedding(i, w), ((3, 7), (9, 5)), ints=(0,)),
     OpCase("sum_all", lambda a: a.sum(), ((7, 5),)),
     OpCase("sum_dim", lambda a: F.sum(a, 1), ((3, 7, 5),)),
@@ -56,6 +60,7 @@ CASES: tuple[OpCase, ...] = (
     OpCase("mean_all", lambda a: a.mean(), ((7, 5),)),
     OpCase("amax", lambda a: a.amax(1), ((7, 5),)),
     OpCase("softmax", lambda a: F.softmax(a, -1), ((3, 7, 5),)),
+    OpCase("softmax_even", lambda a: F.softmax(a, 0), ((4, 8),)),
     OpCase("log_softmax", lambda a: F.log_softmax(a, 0), ((7, 5),)),
     OpCase("cross_entropy_mean", lambda x, t: F.cross_entropy(x, t), ((7, 5), (7,)), ints=(1,), high=5),
     OpCase("cross_entropy_sum", lambda x, t: F.cross_entropy(x, t, "sum"), ((7, 5), (7,)), ints=(1,), high=5),

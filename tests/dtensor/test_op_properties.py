@@ -77,44 +77,21 @@ def cases(draw):
     return mesh_shape, batch
 
 
-def _reference(op: str, values: list[np.ndarray], params: dict) -> np.ndarray:
-    if op == "add":
-        return values[0] + values[1]
-    if op == "mul":
-        return values[0] * values[1]
-    if op == "matmul":
-        return values[0] @ values[1]
-    if op == "linear":
-        return values[0] @ values[1].T + values[2]
-    if op == "sum":
-        return values[0].sum(params["dim"], keepdims=params["keepdim"])
-    if op == "mean":
-        return values[0].mean(params["dim"], keepdims=params["keepdim"])
-    if op == "softmax":
-        return _softmax(values[0], params["dim"])
-    if op == "transpose":
-        return np.swapaxes(values[0], *params["dims"])
-    return values[0].reshape(params["shape"])
-
-
-def _run(op: str, dts: list, params: dict):
-    if op == "add":
-        return dts[0] + dts[1]
-    if op == "mul":
-        return dts[0] * dts[1]
-    if op == "matmul":
-        return dts[0] @ dts[1]
-    if op == "linear":
-        return F.linear(*dts)
-    if op == "sum":
-        return dts[0].sum(params["dim"], keepdim=params["keepdim"])
-    if op == "mean":
-        return dts[0].mean(params["dim"], keepdim=params["keepdim"])
-    if op == "softmax":
-        return F.softmax(dts[0], params["dim"])
-    if op == "transpose":
-        return dts[0].transpose(*params["dims"])
-    return dts[0].reshape(*params["shape"])
+#: op -> (numpy on the whole arrays, the op on DTensors), both taking (inputs, params)
+IMPLEMENTATIONS = {
+    "add": (lambda v, _: v[0] + v[1], lambda d, _: d[0] + d[1]),
+    "mul": (lambda v, _: v[0] * v[1], lambda d, _: d[0] * d[1]),
+    "matmul": (lambda v, _: v[0] @ v[1], lambda d, _: d[0] @ d[1]),
+    "linear": (lambda v, _: v[0] @ v[1].T + v[2], lambda d, _: F.linear(*d)),
+    "sum": (lambda v, a: v[0].sum(a["dim"], keepdims=a["keepdim"]),
+            lambda d, a: d[0].sum(a["dim"], keepdim=a["keepdim"])),
+    "mean": (lambda v, a: v[0].mean(a["dim"], keepdims=a["keepdim"]),
+             lambda d, a: d[0].mean(a["dim"], keepdim=a["keepdim"])),
+    "softmax": (lambda v, a: _softmax(v[0], a["dim"]), lambda d, a: F.softmax(d[0], a["dim"])),
+    "transpose": (lambda v, a: np.swapaxes(v[0], *a["dims"]), lambda d, a: d[0].transpose(*a["dims"])),
+    "reshape": (lambda v, a: v[0].reshape(a["shape"]), lambda d, a: d[0].reshape(*a["shape"])),
+}
+assert set(IMPLEMENTATIONS) == set(OPS)
 
 
 def check_batch(mesh_shape, batch) -> None:
@@ -128,8 +105,9 @@ def check_batch(mesh_shape, batch) -> None:
         values = [rng.standard_normal(shape) for shape in shapes]
         dts = [DTensor.from_local(p.from_numpy(expected_local(v, pl, mesh_shape, mesh.get_coordinate())), mesh, pl,
                                   shape=v.shape) for v, pl in zip(values, placements)]
-        out = _run(op, dts, params)
-        np.testing.assert_allclose(p.to_numpy(out.full_tensor()), _reference(op, values, params), rtol=tol, atol=tol,
+        reference, on_dtensors = IMPLEMENTATIONS[op]
+        out = on_dtensors(dts, params)
+        np.testing.assert_allclose(p.to_numpy(out.full_tensor()), reference(values, params), rtol=tol, atol=tol,
                                    err_msg=f"{op} {params} of {shapes} placed {placements} on {mesh_shape}")
 
 

@@ -71,7 +71,7 @@ def check_rules(mesh_shape: tuple[int, ...], per_case: int, seed: int) -> int:
     return checked
 
 
-@pytest.mark.parametrize("mesh_shape,per_case", [((2,), (40, 6)), ((4,), (10, 3)), ((2, 2), (14, 3))],
+@pytest.mark.parametrize("mesh_shape,per_case", [((2,), (24, 5)), ((4,), (8, 3)), ((2, 2), (12, 3))],
                          ids=["world2", "world4", "mesh2x2"])
 def test_rules_against_single_process(run_on_ranks, mesh_shape: tuple[int, ...], per_case: tuple[int, int]) -> None:
     world = int(np.prod(mesh_shape))

@@ -22,7 +22,7 @@ from typing import Any
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_shape
-from hyper_parallel.core.dtensor.op_rules import OP_RULES, Strategy, output_shape, strategies
+from hyper_parallel.core.dtensor.op_rules import OP_RULES, Strategy, output_shape, strategies, view_keeps_dim
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor.redistribute import gradient_placements
 from hyper_parallel.platform import get_platform
@@ -128,12 +128,19 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
     for axis in range(mesh.ndim):
         current = [t.placements[axis] for t in dtensors]
         chosen.append(choose(strategies(rule, shapes, params, mesh.shape[axis]), current, shapes))
+    replicated = Strategy(tuple(Replicate() for _ in dtensors), Replicate())
+    if rule.family == "view":
+        # a split or merge keeps a shard only when one mesh axis shards that dim
+        for axis in range(1, mesh.ndim):
+            pl = chosen[axis].inputs[0]
+            if (pl.is_shard() and any(chosen[a].inputs[0] == pl for a in range(axis))
+                    and not view_keeps_dim(shapes[0], out_shape, pl.dim)):
+                chosen[axis] = replicated
     # [Note: no empty pieces] An op never runs on a zero-size piece of a non-empty input
     # (an uneven shard such as 5 rows over 4 ranks leaves the last one none): MindSpore
     # 2.10's CPU kernels return uninitialised memory for a matmul with an empty
     # contracted dim and for the backward of a broadcast into an empty output. Axes
     # whose strategy would leave a rank such a piece run replicated (inner axes first).
-    replicated = Strategy(tuple(Replicate() for _ in dtensors), Replicate())
     for axis in reversed(range(mesh.ndim)):
         if not any(_has_empty_piece(shape, [c.inputs[i] for c in chosen], mesh.shape)
                    for i, shape in enumerate(shapes)):

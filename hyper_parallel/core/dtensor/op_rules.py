@@ -270,6 +270,12 @@ def strategies(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[str
     return found
 
 
+def view_keeps_dim(src: Sequence[int], dst: Sequence[int], dim: int) -> bool:
+    """Whether input dim ``dim`` of a reshape ``src -> dst`` becomes one output dim of
+    the same size (then nested shards of it stay aligned)."""
+    return any(ins == [dim] and len(outs) == 1 for ins, outs in view_groups(src, dst))
+
+
 def _view_strategies(src: tuple[int, ...], dst: tuple[int, ...], nested: frozenset[int], num: int, add: Any) -> None:
     if 0 in src:
         return
