@@ -31,3 +31,7 @@ __all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "P
            "SequenceParallel", "Shard", "Work", "distribute_module", "distribute_parameter",
            "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
 __version__ = "0.1.0"
+
+from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402  (issue 5)
+
+__all__ += ["MixedPrecisionPolicy", "fully_shard"]
