@@ -18,6 +18,7 @@ from hyper_parallel.core.dtensor import DTensor, Shard, init_device_mesh
 from hyper_parallel.core.fully_shard import (MixedPrecisionPolicy, full_state_dict, fully_shard, hsdp_state,
                                              load_full_state_dict, load_sharded_state_dict, save_sharded_state_dict,
                                              sharded_state_dict)
+from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_parallel
 from hyper_parallel.platform import get_platform
 from tests.fully_shard._models import Trainer, build, weights
 
@@ -51,6 +52,8 @@ def _tol(p, config: dict) -> dict:
 
 
 def _shard_model(p, model, mesh, config: dict):
+    if "isp" in config:
+        return weight_parallel(model, mesh, prefetch_blocks=config["isp"], ignored_params=[model.gain])
     reshard = config.get("reshard", True)
     if config.get("nested", True):
         for block in model.blocks:
@@ -66,8 +69,21 @@ def _shard_model(p, model, mesh, config: dict):
 
 
 def _units(model, config: dict) -> list:
+    if "isp" in config:  # one unit per linear of each block
+        return [hsdp_state(m) for block in model.blocks for m in (block.fc1, block.fc2)] + [hsdp_state(model)]
     blocks = list(model.blocks) if config.get("nested", True) else []
     return [hsdp_state(m) for m in blocks + [model]]
+
+
+def _local_batch(step: int, n: int, r: int, config: dict) -> np.ndarray:
+    """Data parallel: this rank's rows of the batch. Weight-parallel (ISP): this rank's
+    slice of the sequence of ``[2, seq 4, 5]`` (the token-wise model sees every token once)."""
+    if "isp" in config:
+        x = _data(step).reshape(2, BATCH // 2, 5)
+        per = BATCH // 2 // n
+        return np.ascontiguousarray(x[:, r * per:(r + 1) * per])
+    per = BATCH // n
+    return _data(step)[r * per:(r + 1) * per]
 
 
 def reference() -> tuple[list[float], dict[str, np.ndarray]]:
@@ -90,10 +106,9 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
     model = _shard_model(p, build(p, weights()), mesh, config)
     trainer = Trainer(p, model)  # after fully_shard: the optimizer binds the shards
     _check_memory_model(p, model, config)
-    per = BATCH // n
     accum = config.get("accum", 1)
     for step in range(STEPS):
-        local = _data(step)[r * per:(r + 1) * per]
+        local = _local_batch(step, n, r, config)
         loss = 0.0
         for i, x in enumerate(np.split(local, accum)):
             for state in _units(model, config):
@@ -113,6 +128,14 @@ def _check_memory_model(p, model, config: dict) -> None:
     """What each rank holds after a forward: nothing gathered (True), the full
     parameters (False), or a block of k shards (int k); and nothing after reshard()."""
     reshard = config.get("reshard", True)
+    n = p.world_size()
+    if "isp" in config:
+        assert [id(b) for b in find_blocks(model)] == [id(b) for b in model.blocks], "blocks not found"
+        # Outside the gathered window each rank holds 1/N of every weight (plus padding).
+        params = [hp for state in _units(model, config) for hp in state.params]
+        local = sum(int(np.prod(hp.sharded.shape)) for hp in params)
+        expected = sum(-(-hp.shape[hp.dim] // n) * int(np.prod(hp.shape)) // hp.shape[hp.dim] for hp in params)
+        assert local == expected, (local, expected)
     model(p.from_numpy(_data(0)[:2]))
     for state in _units(model, config):
         for hp in state.params:
@@ -138,7 +161,8 @@ def check_training(configs: list[dict]) -> None:
 # Each configuration costs ten steps; MindSpore pays ~30 s per configuration on 4 ranks
 # of this 2-core machine, so options are combined rather than crossed. Every
 # configuration has nested units, the tied weight and the ignored parameter.
-WORLD_2 = [{"reshard": True, "prefetch": True}, {"reshard": False, "nested": False, "accum": 2}, {"mp": "low"}]
+WORLD_2 = [{"reshard": True, "prefetch": True}, {"reshard": False, "nested": False, "accum": 2}, {"mp": "low"},
+           {"isp": 1}]
 WORLD_4 = [{"reshard": 2, "accum": 2}, {"mesh": (2, 2), "prefetch": True}]
 
 

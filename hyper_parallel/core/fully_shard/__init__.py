@@ -7,7 +7,8 @@ from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.state_dict import (full_state_dict, load_full_state_dict,
                                                         load_sharded_state_dict, save_sharded_state_dict,
                                                         sharded_state_dict)
+from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_parallel
 
 __all__ = ["HSDPParam", "HSDPState", "MixedPrecisionPolicy", "TrainingState", "full_state_dict", "fully_shard",
            "hsdp_state", "load_full_state_dict", "load_sharded_state_dict", "save_sharded_state_dict",
-           "sharded_state_dict"]
+           "sharded_state_dict", "find_blocks", "weight_parallel"]
