@@ -125,7 +125,7 @@ class Trainer:
 
             self.opt = nn.AdamWeightDecay(self.params, learning_rate=lr, weight_decay=weight_decay)
             self.grad_fn = ms.value_and_grad(self._loss, None, weights=self.params)
-        self.grads: Any = None
+        self.grads: Any = None  # MindSpore: the summed gradients of the backwards since the last step
 
     def _loss(self, x: Any, scale: float) -> Any:
         z = self.model(x)
@@ -141,6 +141,12 @@ class Trainer:
         loss, grads = self.grad_fn(p.from_numpy(x), scale)
         self.grads = grads if self.grads is None else tuple(a + b for a, b in zip(self.grads, grads))
         return float(loss.asnumpy())
+
+    def grad_arrays(self) -> list[np.ndarray]:
+        """The gradients the optimizer is about to apply, one per parameter (``self.params`` order)."""
+        if self.p.framework == "torch":
+            return [self.p.to_numpy(param.grad) for param in self.params]
+        return [self.p.to_numpy(g) for g in self.grads]
 
     def step(self) -> None:
         if self.p.framework == "torch":

@@ -20,6 +20,7 @@ from hyper_parallel.core.fully_shard import (MixedPrecisionPolicy, full_state_di
                                              sharded_state_dict)
 from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_parallel
 from hyper_parallel.platform import get_platform
+from tests.dtensor._reference import chunk
 from tests.fully_shard._models import Trainer, build, weights
 
 TOL = dict(rtol=2e-4, atol=2e-5)
@@ -94,8 +95,11 @@ def reference() -> tuple[list[float], dict[str, np.ndarray]]:
     losses = []
     for step in range(STEPS):
         losses.append(trainer.backward(_data(step)))
+        if step == 0:
+            names = [name for name, _ in p.named_parameters(ref) if name != "gain"]
+            grads = {f"grad:{name}": g for name, g in zip(names, trainer.grad_arrays())}
         trainer.step()
-    return losses, {name: p.to_numpy(param) for name, param in p.named_parameters(ref)}
+    return losses, {**grads, **{name: p.to_numpy(param) for name, param in p.named_parameters(ref)}}
 
 
 def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.ndarray]) -> None:
@@ -114,6 +118,8 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
             for state in _units(model, config):
                 state.set_requires_gradient_sync(i == accum - 1)
             loss += trainer.backward(x, 1.0 / accum)
+        if step == 0:
+            _check_grads(p, model, trainer, ref_params, config)
         trainer.step()
         total = float(p.to_numpy(p.all_reduce(p.from_numpy(np.array([loss], np.float32))).wait())[0]) / n
         np.testing.assert_allclose(total, ref_losses[step], **_tol(p, config), err_msg=f"{config}: loss of step {step}")
@@ -122,6 +128,23 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
         np.testing.assert_allclose(full, ref_params[fqn], **_tol(p, config), err_msg=f"{config}: {fqn} after training")
     for state in _units(model, config):
         assert all(hp.unsharded is None and hp.pending is None for hp in state.params), f"{config}: not resharded"
+
+
+def _check_grads(p, model, trainer, ref: dict, config: dict) -> None:
+    """The first step's sharded gradients against the reference's (padded chunks). Checked
+    directly because AdamW is invariant to a gradient's scale: a wrong average would
+    leave the trained parameters right."""
+    managed = {id(hp.sharded): hp for state in _units(model, config) for hp in state.params}
+    names = [name for name, _ in p.named_parameters(model) if name != "gain"]
+    for name, param, grad in zip(names, trainer.params, trainer.grad_arrays()):
+        expected = ref[f"grad:{name}"]
+        hp = managed[id(param)]
+        start, length = chunk(hp.shape[hp.dim], hp.shard_size, hp.shard_rank)
+        expected = np.take(expected, range(start, start + length), axis=hp.dim)
+        pad = [(0, 0)] * expected.ndim
+        pad[hp.dim] = (0, hp.chunk - length)
+        np.testing.assert_allclose(grad, np.pad(expected, pad), **_tol(p, config),
+                                   err_msg=f"{config}: gradient of {name} at step 0")
 
 
 def _check_memory_model(p, model, config: dict) -> None:

@@ -11,6 +11,15 @@ backward calls ``_reload``, which all-gathers again (the backward pre-hook has u
 prefetched it). A saved use that the backend cannot match to its source (a copy made
 before saving) is kept as is: the gradient stays exact, only that memory is held.
 
+[Note: collectives and overlap]
+All-gathers are issued with ``async_op=True`` by ``unshard(async_op=True)`` (explicit
+forward prefetch, implicit or explicit backward prefetch) and waited for at the first
+use (``_wait_unshard``, ``_reload``): on NCCL/HCCL ``Work.wait()`` makes the current
+stream wait for the collective's stream, so the gather of the next unit overlaps this
+unit's compute; on gloo the host thread overlaps. The reduce-scatter is waited for at
+once because autograd takes the sharded gradient as ``GatherParam.backward``'s output;
+on accelerators that wait is again a stream dependency, not a host block.
+
 [Note: parameter substitution]
 During the forward a module reads ``module.<name>``; the sharded parameter stays
 registered (the optimizer and ``named_parameters`` see shards) and the gathered tensor
