@@ -183,9 +183,9 @@ def check_training(configs: list[dict]) -> None:
 
 # Each configuration costs ten steps; MindSpore pays ~30 s per configuration on 4 ranks
 # of this 2-core machine, so options are combined rather than crossed. Every
-# configuration has nested units, the tied weight and the ignored parameter.
-WORLD_2 = [{"reshard": True, "prefetch": True}, {"reshard": False, "nested": False, "accum": 2}, {"mp": "low"},
-           {"isp": 1}]
+# configuration has the tied weight and the ignored parameter; reshard_after_forward=True
+# with explicit prefetch is the HSDP run and the weight-parallel run (one unit per linear).
+WORLD_2 = [{"reshard": False, "nested": False, "accum": 2}, {"mp": "low"}, {"isp": 1}]
 WORLD_4 = [{"reshard": 2, "accum": 2}, {"mesh": (2, 2), "prefetch": True}]
 
 
@@ -278,6 +278,8 @@ def check_bad_input() -> None:
         (lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=lambda _: Shard(3)), ValueError, "out of range"),
         (lambda m: hsdp_state(fully_shard(m.blocks[0], mesh=mesh)).set_modules_to_forward_prefetch([m.blocks[1]]),
          ValueError, "was not passed to fully_shard"),
+        (lambda m: weight_parallel(m, mesh, prefetch_blocks=-1), ValueError, "prefetch_blocks=-1 must be an int"),
+        (lambda m: find_blocks(m.blocks[0]), ValueError, "has no repeated blocks"),
         (lambda m: fully_shard(m, mesh=mesh), ValueError, "doesn't support scalar parameters. Change gain"),
     ]
     for index, (call, error, message) in enumerate(cases):
