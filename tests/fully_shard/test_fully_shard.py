@@ -280,6 +280,8 @@ def check_bad_input() -> None:
          ValueError, "was not passed to fully_shard"),
         (lambda m: weight_parallel(m, mesh, prefetch_blocks=-1), ValueError, "prefetch_blocks=-1 must be an int"),
         (lambda m: find_blocks(m.blocks[0]), ValueError, "has no repeated blocks"),
+        (lambda m: fully_shard(fully_shard(m.inp, mesh=mesh) and m, mesh=mesh, ignored_params=[m.gain]),
+         ValueError, "tied.weight is a parameter of an inner fully_shard unit but is also read outside it"),
         (lambda m: fully_shard(m, mesh=mesh), ValueError, "doesn't support scalar parameters. Change gain"),
     ]
     for index, (call, error, message) in enumerate(cases):

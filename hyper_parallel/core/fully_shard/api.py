@@ -37,8 +37,14 @@ def _direct_params(module: Any) -> list[tuple[str, Any]]:
     return [(name, param) for name, param in p.named_parameters(module) if "." not in name]
 
 
-def _validate(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_policy: Any,
-              ignored: set[int]) -> list[tuple[str, Any]]:
+def _check_options(reshard_after_forward: Any, mp_policy: Any) -> None:
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+
+
+def _check_mesh(mesh: Any, reshard_after_forward: bool | int) -> None:
     p = get_platform()
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
@@ -48,16 +54,16 @@ def _validate(module: Any, mesh: DeviceMesh, reshard_after_forward: Any, mp_poli
     if mesh.size() != p.world_size():
         raise ValueError(f"fully_shard: mesh {mesh.shape} covers {mesh.size()} ranks but the world has "
                          f"{p.world_size()}; build the mesh over every rank (init_device_mesh(device, (world,)))")
-    if not isinstance(reshard_after_forward, (bool, int)):
-        raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
     shard_size = mesh.shape[-1]
     if not isinstance(reshard_after_forward, bool) and (
             reshard_after_forward < 1 or shard_size % reshard_after_forward):
         raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward} must divide the shard axis "
                          f"size {shard_size} (it is the size of the smaller group parameters are resharded to "
                          "after the forward); pass a divisor, True or False")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+
+
+def _managed_params(module: Any, ignored: set[int]) -> list[tuple[str, Any]]:
+    p = get_platform()
     managed = []
     for fqn, param in p.named_parameters(module):
         if id(param) in ignored:
@@ -118,10 +124,9 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
                         shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, ignored_params=ignored_params)
         return module
     p = get_platform()
-    if mesh is None:
-        mesh = init_device_mesh(p.device_type, (p.world_size(),))
     if STATE_ATTR in vars(module):
         raise ValueError(f"fully_shard: {type(module).__name__} is already fully sharded")
+    _check_options(reshard_after_forward, mp_policy)
     ignored = {id(param) for param in (ignored_params or ())}
     # Parameters already managed by units below, and the submodules those units own.
     children: list[HSDPState] = []
@@ -129,8 +134,21 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         state = vars(sub).get(STATE_ATTR)
         if state is not None:
             children.append(state)
-            ignored.update(id(hp.sharded) for hp in state.params)
-    managed = _validate(module, mesh, reshard_after_forward, mp_policy, ignored)
+    in_children = {id(hp.sharded) for child in children for hp in child.params}
+    replaced = {hp.source_id for child in children for hp in child.params}
+    managed = _managed_params(module, ignored | in_children)
+    inside_children = {id(sub) for child in children for _, sub in p.named_modules(child.module)}
+    for name, sub in p.named_modules(module):
+        if id(sub) in inside_children:
+            continue
+        for attr, param in _direct_params(sub):
+            if id(param) in in_children or id(param) in replaced:
+                raise ValueError(f"fully_shard: {name + '.' if name else ''}{attr} is a parameter of an inner "
+                                 "fully_shard unit but is also read outside it (a weight tied across units); "
+                                 "apply fully_shard to a module that holds every use (e.g. the root only)")
+    if mesh is None:  # after the checks: building a mesh creates groups (a collective)
+        mesh = init_device_mesh(p.device_type, (p.world_size(),))
+    _check_mesh(mesh, reshard_after_forward)
     placements = []
     for fqn, param in managed:
         placement = shard_placement_fn(param) if shard_placement_fn is not None else None
@@ -142,7 +160,6 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         placements.append(placement)
     # Every (module, attribute) that holds a managed parameter: tied weights have several.
     uses: dict[int, list[tuple[Any, str]]] = {id(param): [] for _, param in managed}
-    inside_children = {id(sub) for child in children for _, sub in p.named_modules(child.module)}
     for _, sub in p.named_modules(module):
         if id(sub) in inside_children:
             continue

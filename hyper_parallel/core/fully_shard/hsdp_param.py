@@ -39,6 +39,9 @@ class HSDPParam:
         self.fqn: str = fqn
         self.uses: list[tuple[Any, str]] = uses
         self.mesh: DeviceMesh = mesh
+        # id of the parameter this one replaced: a module outside the unit that still
+        # holds that object shares the weight with the unit (tied across units).
+        self.source_id: int = id(param)
         self.shape: tuple[int, ...] = tuple(int(s) for s in param.shape)
         self.dim: int = placement.dim % len(self.shape)
         self.placement: Shard = Shard(self.dim)
