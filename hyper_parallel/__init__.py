@@ -56,3 +56,8 @@ from hyper_parallel.core.context_parallel import (  # noqa: E402  (appended: con
 
 __all__ += ["AsyncContextParallel", "ContextParallel", "context_parallel_shard", "context_parallel_unshard",
             "scaled_dot_product_attention"]
+
+
+from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402  (issue 5)
+
+__all__ += ["MixedPrecisionPolicy", "fully_shard"]

@@ -157,3 +157,47 @@ def check_vjp_backwards_out_of_order() -> None:
 
 def test_vjp_backwards_out_of_order(run_on_ranks) -> None:
     run_on_ranks(check_vjp_backwards_out_of_order, world_size=1)
+
+
+class _Identity(CustomFunction):
+    """Hands out a copy of a tensor made outside the recording, as fully_shard's gather does."""
+
+    @staticmethod
+    def forward(ctx, x, source):
+        return get_platform().clone(source)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def check_release_saved_tensors() -> None:
+    """A weight saved for backward by a matrix product inside ``release_saved_tensors``
+    is not kept: the backward reads what ``reload`` returns (here twice the forward's
+    values, so a kept tensor would show)."""
+    p = get_platform()
+    w0, x0 = rank_data(1, (4, 3)), rank_data(2, (2, 4))
+    reloads: list[int] = []
+
+    def reload(index: int):
+        reloads.append(index)
+        return p.from_numpy(w0 * 2.0)
+
+    def fn(x, leaf):
+        with p.no_grad():
+            source = p.from_numpy(w0)
+        w = p.apply_function(_Identity, leaf, source)
+        with p.release_saved_tensors([w], reload):
+            out = x @ w
+        return out
+
+    x, leaf = p.from_numpy(x0), p.from_numpy(w0)
+    _, backward = p.vjp(fn, [x, leaf])
+    (dx, dleaf), _ = backward([p.from_numpy(np.ones((2, 3), np.float32))])
+    close(p.to_numpy(dx), np.ones((2, 3), np.float32) @ (w0 * 2.0).T, "input gradient read from the reloaded weight")
+    close(p.to_numpy(dleaf), x0.T @ np.ones((2, 3), np.float32), "weight gradient")
+    assert reloads and set(reloads) == {0}, reloads
+
+
+def test_release_saved_tensors(run_on_ranks) -> None:
+    run_on_ranks(check_release_saved_tensors, world_size=1)

@@ -48,3 +48,21 @@ class AutogradSection(ABC):
         pipeline's 1F1B runs them oldest first); a backend that can only run the newest
         one recomputes the forward for the others, so ``fn`` must be deterministic.
         """
+
+    @abstractmethod
+    def release_saved_tensors(self, sources: Sequence[Any],
+                              reload: Callable[[int], Any]) -> AbstractContextManager[None]:
+        """A context in which autograd does not keep ``sources`` alive for backward.
+
+        ``sources`` are tensors produced by an operation (not wrapped from outside:
+        MindSpore saves a copy of such a tensor, which is not matched). Any tensor
+        saved for backward inside the context that shares memory with ``sources[i]``
+        (the tensor itself, or on torch a view of it such as the transpose a linear
+        layer saves) is stored as a small token instead; when the backward needs
+        it, ``reload(i)`` is called and must return a tensor with ``sources[i]``'s shape,
+        dtype and values, from which the same view is rebuilt. Once the caller drops its
+        own references, the memory of ``sources`` is released after the forward
+        (torch ``autograd.graph.saved_tensors_hooks``, MindSpore ``saved_tensors_hooks``).
+        fully_shard uses it to free gathered parameters after the forward and re-gather
+        them in the backward. ``reload`` runs inside the backward, once per saved use.
+        """

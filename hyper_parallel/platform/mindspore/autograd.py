@@ -49,6 +49,16 @@ class _Recording:
         self.tainted = False  # another thread's backward ran while it recorded: recompute it
 
 
+class _SavedToken:
+    """What ``release_saved_tensors`` stores for a released tensor: source index and shape."""
+
+    __slots__ = ("index", "shape")
+
+    def __init__(self, index: int, shape: tuple[int, ...]) -> None:
+        self.index = index
+        self.shape = shape
+
+
 class MindSporeAutograd(AutogradSection):
     """Autograd members of ``MindSporePlatform``.
 
@@ -84,6 +94,38 @@ class MindSporeAutograd(AutogradSection):
         from mindspore.graph.api import _pynative_executor
 
         return bool(_pynative_executor.enable_grad())
+
+    def release_saved_tensors(self, sources: Sequence[Any],
+                              reload: Callable[[int], Any]) -> AbstractContextManager[None]:
+        """``mindspore.saved_tensors_hooks``. MindSpore hands the pack hook a new Python
+        object for a saved tensor, so a saved tensor is matched to a source by its
+        ``data_ptr()`` (read after draining PyNative's queue); the token keeps its shape (a same-memory reshape is rebuilt
+        with ``reshape``; MindSpore's transposes are copies and are kept as they are)."""
+        from mindspore.graph.api import _pynative_executor
+
+        # PyNative queues kernels: a tensor's data_ptr() is its memory only once the
+        # kernel that produces it has run, so drain the queue before reading them.
+        _pynative_executor.sync()
+        keys = {src.data_ptr(): i for i, src in enumerate(sources) if int(src.numel()) > 0}
+        sizes = [int(src.numel()) for src in sources]
+        candidate_sizes = set(sizes)
+
+        def pack(tensor: Any) -> Any:
+            numel = int(tensor.numel())
+            if numel == 0 or numel not in candidate_sizes:
+                return tensor
+            _pynative_executor.sync()  # only for tensors of a source's size: see above
+            index = keys.get(tensor.data_ptr())
+            if index is None or numel != sizes[index]:
+                return tensor
+            return _SavedToken(index, tuple(tensor.shape))
+
+        def unpack(packed: Any) -> Any:
+            if not isinstance(packed, _SavedToken):
+                return packed
+            return reload(packed.index).reshape(packed.shape)
+
+        return self._ms.saved_tensors_hooks(pack, unpack)
 
     def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
         """``mindspore.vjp(fn, *tensor_inputs, weights=params)``.

@@ -56,6 +56,17 @@ def _resolve_device(device: str | None) -> str:
     return device
 
 
+class _SavedToken:
+    """What ``release_saved_tensors`` stores for a released tensor: the source index and
+    the view geometry (shape, stride, storage offset)."""
+
+    __slots__ = ("index", "view")
+
+    def __init__(self, index: int, view: tuple[Any, ...]) -> None:
+        self.index = index
+        self.view = view
+
+
 class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     """torch backend. ``device``: ``"cpu"``, ``"cuda"``, ``"npu"``, or ``None`` for CUDA
     if available, else NPU if torch_npu imports, else CPU.
@@ -172,6 +183,25 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
+
+    def release_saved_tensors(self, sources: Sequence[Any],
+                              reload: Callable[[int], Any]) -> AbstractContextManager[None]:
+        # A saved tensor is matched to a source by its storage (views share it); the
+        # token keeps the view's geometry, so ``as_strided`` rebuilds the same view.
+        keys = {src.untyped_storage().data_ptr(): i for i, src in enumerate(sources) if src.numel() > 0}
+
+        def pack(tensor: Any) -> Any:
+            index = keys.get(tensor.untyped_storage().data_ptr()) if tensor.numel() > 0 else None
+            if index is None:
+                return tensor
+            return _SavedToken(index, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
+
+        def unpack(packed: Any) -> Any:
+            if not isinstance(packed, _SavedToken):
+                return packed
+            return reload(packed.index).as_strided(*packed.view)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
         leaves = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x

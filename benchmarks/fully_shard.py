@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Training step time and peak memory per rank: hyper_parallel's ``fully_shard`` beside
+torch's FSDP2 (``torch.distributed.fsdp.fully_shard``) on the same model, in the same run.
+
+Model: ``--blocks`` (default 8) residual MLP blocks ``x + W2 relu(W1 x)`` of width
+``--dim`` and hidden ``4 * dim``, float32, each block a fully_shard unit, then the root;
+AdamW; input ``[batch, seq, dim]`` per rank. gloo ranks on CPU (torch-cpu). Each
+configuration runs in a fresh pool of rank processes, so the peak resident set size
+(``max_memory_allocated``: the process peak RSS on CPU) belongs to that run alone; the
+table gives the peak minus the RSS before the model was built (the model, its
+gradients, optimizer state and activations). Step time: barrier, step, slowest rank,
+median over ``--iters`` after ``--warmup``. Writes JSON and a markdown table.
+
+    python benchmarks/fully_shard.py [--world-size 4] [--dim 512] [--iters 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as host_platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def bench_rank(impl: str, blocks: int, dim: int, batch: int, seq: int, iters: int, warmup: int) -> dict:
+    """Runs on every rank: build, shard with ``impl``, train; this rank's numbers."""
+    import numpy as np
+    import torch
+
+    import hyper_parallel as hp
+
+    p = hp.get_platform()
+    n, r = p.world_size(), p.rank()
+    torch.manual_seed(0)
+    base = p.memory_allocated()
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = torch.nn.Linear(dim, 4 * dim)
+            self.w2 = torch.nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            return x + self.w2(torch.relu(self.w1(x)))
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(blocks)])
+            self.head = torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    model = Model()
+    if impl == "hyper_parallel":
+        mesh = hp.init_device_mesh(p.device_type, (n,))
+        for block in model.blocks:
+            hp.fully_shard(block, mesh=mesh)
+        hp.fully_shard(model, mesh=mesh)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (n,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.from_numpy(np.random.default_rng(r).standard_normal((batch, seq, dim)).astype(np.float32))
+    seconds = []
+    for step in range(warmup + iters):
+        p.barrier().wait()
+        start = time.perf_counter()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        elapsed = time.perf_counter() - start
+        if step >= warmup:
+            seconds.append(elapsed)
+    return {"seconds": seconds, "peak_bytes": p.max_memory_allocated() - base,
+            "params": sum(int(t.numel()) for t in model.parameters())}
+
+
+def run(impl: str, world: int, args: argparse.Namespace) -> dict:
+    from hyper_parallel.testing import run_on_ranks
+
+    from benchmarks.fully_shard import bench_rank as rank_fn  # importable by name on the ranks
+
+    per_rank = run_on_ranks(rank_fn, world, impl, args.blocks, args.dim, args.batch, args.seq, args.iters,
+                            args.warmup, platform="torch-cpu", timeout_s=1800)
+    slowest = [max(rank["seconds"][i] for rank in per_rank) for i in range(args.iters)]
+    return {"impl": impl, "world_size": world, "step_ms": statistics.median(slowest) * 1e3,
+            "peak_mib": max(rank["peak_bytes"] for rank in per_rank) / 2**20,
+            "local_params": per_rank[0]["params"]}
+
+
+def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+    by = {(row["impl"], row["world_size"]): row for row in rows}
+    lines = [f"# fully_shard: hyper_parallel vs torch FSDP2 ({args.blocks} blocks, dim {args.dim}, "
+             f"batch {args.batch}x{args.seq} per rank, gloo, CPU)", "",
+             "Step: median over iterations of the slowest rank. Peak: the largest rank's peak RSS minus its RSS "
+             "before the model was built. ratio = hyper_parallel / torch (below 1: faster / smaller).", "",
+             "| world | hyper_parallel step ms | torch step ms | ratio | hyper_parallel peak MiB | torch peak MiB "
+             "| ratio | params on rank 0 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for world in args.worlds:
+        ours, theirs = by[("hyper_parallel", world)], by[("torch", world)]
+        lines.append(f"| {world} | {ours['step_ms']:.1f} | {theirs['step_ms']:.1f} | "
+                     f"{ours['step_ms'] / theirs['step_ms']:.2f} | {ours['peak_mib']:.1f} | {theirs['peak_mib']:.1f} | "
+                     f"{ours['peak_mib'] / max(theirs['peak_mib'], 1e-9):.2f} | {ours['local_params']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fully_shard")
+    args = parser.parse_args()
+    rows = [run(impl, world, args) for world in args.worlds for impl in ("hyper_parallel", "torch")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"blocks": args.blocks, "dim": args.dim, "batch": args.batch, "seq": args.seq, "iters": args.iters,
+            "warmup": args.warmup, "backend": "torch-cpu (gloo)", "host": host_platform.platform(),
+            "python": sys.version.split()[0]}
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    table = markdown(rows, args)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

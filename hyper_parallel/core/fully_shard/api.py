@@ -1,0 +1,182 @@
+"""``fully_shard``: FSDP2-style per-parameter sharding, HSDP on a 2-D mesh.
+
+Apply bottom-up (each block, then the root), then build the optimizer (and on
+MindSpore the ``value_and_grad`` function) from the module's parameters: fully_shard
+replaces each managed parameter by a new framework parameter holding this rank's
+shard, and both torch optimizers and MindSpore's ``value_and_grad`` bind parameter
+objects when they are built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
+from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPContext, HSDPState
+from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
+from hyper_parallel.platform import get_platform
+
+def hsdp_state(module: Any) -> HSDPState:
+    """The fully_shard state of ``module``: ``unshard()``, ``reshard()``,
+    ``set_requires_gradient_sync(bool)``, ``forward_prefetch``/``backward_prefetch``.
+
+    Raises:
+        ValueError: ``module`` was not passed to ``fully_shard``.
+    """
+    state = vars(module).get(STATE_ATTR)
+    if state is None:
+        raise ValueError(f"hsdp_state: {type(module).__name__} was not passed to fully_shard; call fully_shard on it")
+    return state
+
+
+def _direct_params(module: Any) -> list[tuple[str, Any]]:
+    p = get_platform()
+    return [(name, param) for name, param in p.named_parameters(module) if "." not in name]
+
+
+def _check_options(reshard_after_forward: Any, mp_policy: Any) -> None:
+    if not isinstance(reshard_after_forward, (bool, int)):
+        raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+
+
+def _check_mesh(mesh: Any, reshard_after_forward: bool | int) -> None:
+    p = get_platform()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard: mesh has {mesh.ndim} axes {mesh.shape}; pass a 1-D (shard) mesh or a 2-D "
+                         "(replicate, shard) mesh for HSDP")
+    if mesh.size() != p.world_size():
+        raise ValueError(f"fully_shard: mesh {mesh.shape} covers {mesh.size()} ranks but the world has "
+                         f"{p.world_size()}; build the mesh over every rank (init_device_mesh(device, (world,)))")
+    shard_size = mesh.shape[-1]
+    if not isinstance(reshard_after_forward, bool) and (
+            reshard_after_forward < 1 or shard_size % reshard_after_forward):
+        raise ValueError(f"fully_shard: reshard_after_forward={reshard_after_forward} must divide the shard axis "
+                         f"size {shard_size} (it is the size of the smaller group parameters are resharded to "
+                         "after the forward); pass a divisor, True or False")
+
+
+def _managed_params(module: Any, ignored: set[int]) -> list[tuple[str, Any]]:
+    p = get_platform()
+    managed = []
+    for fqn, param in p.named_parameters(module):
+        if id(param) in ignored:
+            continue
+        if len(tuple(param.shape)) == 0:
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1-D tensor with "
+                             "numel equal to 1, or pass it in ignored_params")
+        managed.append((fqn, param))
+    return managed
+
+
+def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int = True,
+                shard_placement_fn: Callable[[Any], Shard | None] | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                ignored_params: Iterable[Any] | None = None) -> Any:
+    """Shard ``module``'s parameters over ``mesh`` and gather them around its forward
+    and backward (PyTorch FSDP2 semantics; SimpleFSDP's differentiable gather, arXiv
+    2411.00284).
+
+    Each parameter of ``module`` not managed by an earlier fully_shard call on a
+    submodule (apply bottom-up) and not in ``ignored_params`` is replaced by a
+    framework parameter holding this rank's chunk along ``Shard(0)`` (or what
+    ``shard_placement_fn(param)`` returns), padded to ``ceil(size / N)`` rows
+    (see ``hsdp_param``); the module must hold the same values on every rank.
+
+    Per step: forward pre-hook **all-gathers** the unit's parameters over the shard
+    axis; forward post-hook drops them (``reshard_after_forward=True``), keeps them
+    until their gradients are done (``False``), or keeps a ``k / N`` block (int ``k``); backward all-gathers again where
+    needed (prefetching the previous unit), then **reduce-scatters** each full
+    gradient to its shard and, on a 2-D mesh ``(replicate, shard)`` (HSDP),
+    **all-reduces** it over the replicate axis; gradients are divided by the
+    data-parallel size (the mean over the global batch when each rank's loss is a
+    mean over its equal share).
+
+    Args:
+        module: a torch ``nn.Module`` / MindSpore ``Cell``, or a list of them (one unit each).
+        mesh: default: a 1-D mesh over the world.
+        reshard_after_forward: ``True``; ``False``; or an int ``k`` dividing the shard
+            axis size: after the forward each rank keeps the ``k`` shards of its block
+            of ``k`` consecutive shard ranks (``k / N`` of each parameter) and the
+            backward all-gathers over the ``N / k`` ranks of its block position.
+        shard_placement_fn: ``param -> Shard(dim) | None`` (``None``: ``Shard(0)``).
+        mp_policy: ``MixedPrecisionPolicy``.
+        ignored_params: parameters left as they are (not sharded, not reduced).
+
+    Returns:
+        ``module`` (its state is ``hsdp_state(module)``).
+
+    Raises:
+        TypeError / ValueError: a mesh that is not a DeviceMesh, not 1-D/2-D, or not
+            covering the world; a scalar parameter; a bad policy; a placement that is
+            not ``Shard``. All are raised on every rank before any collective.
+    """
+    if isinstance(module, (list, tuple)):
+        for m in module:
+            fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, ignored_params=ignored_params)
+        return module
+    p = get_platform()
+    if STATE_ATTR in vars(module):
+        raise ValueError(f"fully_shard: {type(module).__name__} is already fully sharded")
+    _check_options(reshard_after_forward, mp_policy)
+    ignored = {id(param) for param in (ignored_params or ())}
+    # Parameters already managed by units below, and the submodules those units own.
+    children: list[HSDPState] = []
+    for _, sub in p.named_modules(module):
+        state = vars(sub).get(STATE_ATTR)
+        if state is not None:
+            children.append(state)
+    in_children = {id(hp.sharded) for child in children for hp in child.params}
+    replaced = {hp.source_id for child in children for hp in child.params}
+    managed = _managed_params(module, ignored | in_children)
+    inside_children = {id(sub) for child in children for _, sub in p.named_modules(child.module)}
+    for name, sub in p.named_modules(module):
+        if id(sub) in inside_children:
+            continue
+        for attr, param in _direct_params(sub):
+            if id(param) in in_children or id(param) in replaced:
+                raise ValueError(f"fully_shard: {name + '.' if name else ''}{attr} is a parameter of an inner "
+                                 "fully_shard unit but is also read outside it (a weight tied across units); "
+                                 "apply fully_shard to a module that holds every use (e.g. the root only)")
+    if mesh is None:  # after the checks: building a mesh creates groups (a collective)
+        mesh = init_device_mesh(p.device_type, (p.world_size(),))
+    _check_mesh(mesh, reshard_after_forward)
+    placements = []
+    for fqn, param in managed:
+        placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+        placement = Shard(0) if placement is None else placement
+        if not isinstance(placement, Shard):
+            raise ValueError(f"fully_shard: shard_placement_fn returned {placement!r} for {fqn}; return Shard(dim)")
+        if not -len(param.shape) <= placement.dim < len(param.shape):
+            raise ValueError(f"fully_shard: {placement!r} for {fqn} of shape {tuple(param.shape)} is out of range")
+        placements.append(placement)
+    # Every (module, attribute) that holds a managed parameter: tied weights have several.
+    uses: dict[int, list[tuple[Any, str]]] = {id(param): [] for _, param in managed}
+    for _, sub in p.named_modules(module):
+        if id(sub) in inside_children:
+            continue
+        for name, param in _direct_params(sub):
+            if id(param) in uses:
+                uses[id(param)].append((sub, name))
+    params = []
+    for (fqn, param), placement in zip(managed, placements):
+        hp = HSDPParam(fqn, param, uses[id(param)], mesh, placement)
+        for owner, name in hp.uses:
+            p.set_parameter(owner, name, hp.sharded)
+        params.append(hp)
+    state = HSDPState(module, params, reshard_after_forward, mp_policy, mesh)
+    context = HSDPContext()
+    for child in children:
+        child.is_root = False
+        child.context = context
+    state.context = context
+    vars(module)[STATE_ATTR] = state
+    return module

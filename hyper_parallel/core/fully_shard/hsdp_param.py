@@ -1,0 +1,159 @@
+"""One parameter under fully_shard: its shard, its gather, its gradient reduction.
+
+Layout (PyTorch FSDP2's ``FSDPParam``, with chunk semantics): a parameter of global
+shape ``[d0, d1, ...]`` placed ``Shard(dim)`` on the shard axis of ``Ns`` ranks is
+split into ``Ns`` chunks of ``chunk = ceil(d_dim / Ns)`` rows along ``dim``; the last
+chunks may be short or empty. Each rank keeps its chunk **padded with zeros to
+``chunk`` rows** as a framework parameter (so every rank's shard has the same shape
+and the all-gather needs no per-rank sizes); the DTensor view (``to_dtensor``) is the
+unpadded chunk. The padding rows have zero gradient, so an element-wise optimizer
+(AdamW) keeps them at zero. On an HSDP mesh ``(replicate, shard)`` the shard is the
+same on every rank of a replicate group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, chunk_bounds
+from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.base import CustomFunction
+
+
+class HSDPParam:
+    """A sharded parameter and the collectives that gather it and reduce its gradient.
+
+    Args:
+        fqn: dotted name from the fully_shard root (``"layers.0.weight"``).
+        param: the module's framework parameter (full values, same on every rank).
+        uses: every ``(module, attribute)`` that reads the parameter (tied weights have several).
+        mesh: 1-D ``(shard,)`` or 2-D ``(replicate, shard)`` mesh.
+        placement: ``Shard(dim)`` on the shard axis.
+    """
+
+    def __init__(self, fqn: str, param: Any, uses: list[tuple[Any, str]], mesh: DeviceMesh,
+                 placement: Shard) -> None:
+        p = get_platform()
+        self.fqn: str = fqn
+        self.uses: list[tuple[Any, str]] = uses
+        self.mesh: DeviceMesh = mesh
+        # id of the parameter this one replaced: a module outside the unit that still
+        # holds that object shares the weight with the unit (tied across units).
+        self.source_id: int = id(param)
+        self.shape: tuple[int, ...] = tuple(int(s) for s in param.shape)
+        self.dim: int = placement.dim % len(self.shape)
+        self.placement: Shard = Shard(self.dim)
+        self.shard_group: Any = mesh.get_group(mesh.ndim - 1)
+        self.shard_size: int = mesh.size(mesh.ndim - 1)
+        self.shard_rank: int = mesh.get_local_rank(mesh.ndim - 1)
+        self.replicate_group: Any = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.replicate_size: int = mesh.size(0) if mesh.ndim == 2 else 1
+        self.chunk: int = -(-self.shape[self.dim] // self.shard_size)  # rows per padded shard
+        with p.no_grad():
+            start, length = chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_rank)
+            local = p.narrow(p.detach(param), self.dim, start, length)
+            local = p.pad(local, self.dim, 0, self.chunk - length)
+            self.sharded: Any = p.make_parameter(p.clone(local), requires_grad=True)  # [.., chunk, ..] padded
+        self.unsharded: Any = None  # the gathered full tensor while unsharded, else None
+        self.pending: Any = None  # a Work of an all-gather in flight (prefetch)
+        self.grad_accum: Any = None  # the full gradient summed over micro-steps without sync
+        # reshard_after_forward=int k: after the forward this rank keeps the k shards of
+        # its block of k consecutive shard ranks, [k * chunk, ...] with dim moved first.
+        self.block: Any = None
+        self.inter_group: Any = None  # ranks holding the same block position (set by the unit)
+
+    # -- views ---------------------------------------------------------------------------
+    def local_length(self) -> int:
+        """Rows of this rank's unpadded chunk along ``dim``."""
+        return chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_rank)[1]
+
+    def local_tensor(self) -> Any:
+        """This rank's unpadded chunk (a view of the sharded parameter)."""
+        return get_platform().narrow(self.sharded, self.dim, 0, self.local_length())
+
+    def to_dtensor(self) -> DTensor:
+        """The sharded parameter as a DTensor: ``Shard(dim)`` on the shard axis
+        (``Replicate()`` first on an HSDP mesh), global shape ``self.shape``."""
+        placements = [Replicate(), self.placement] if self.mesh.ndim == 2 else [self.placement]
+        return DTensor.from_local(self.local_tensor(), self.mesh, placements, shape=self.shape)
+
+    # -- collectives ---------------------------------------------------------------------
+    def keep_block(self, full: Any, k: int) -> None:
+        """After the forward with ``reshard_after_forward=k``: keep this rank's block of
+        ``k`` shards, sliced from the gathered ``full`` (no communication)."""
+        p = get_platform()
+        with p.no_grad():
+            front = p.detach(full).transpose(0, self.dim) if self.dim else p.detach(full)
+            front = p.pad(front, 0, 0, self.chunk * self.shard_size - self.shape[self.dim])
+            block = self.shard_rank // k
+            self.block = p.clone(p.narrow(front, 0, block * k * self.chunk, k * self.chunk).contiguous())
+
+    def start_gather(self, dtype: Any) -> None:
+        """Issue the **all-gather** of the padded shards over the shard axis (async),
+        cast to ``dtype`` first so the collective moves the compute dtype. After a
+        forward with ``reshard_after_forward=k`` the kept blocks are all-gathered over
+        the ``shard_size / k`` ranks of the same block position instead."""
+        p = get_platform()
+        with p.no_grad():
+            if self.block is not None:
+                self.pending = p.all_gather_into_tensor(self.block, group=self.inter_group, async_op=True)
+                return
+            shard = p.to_dtype(p.detach(self.sharded), dtype)
+            front = shard.transpose(0, self.dim).contiguous() if self.dim else shard  # gloo: contiguous buffers
+            self.pending = p.all_gather_into_tensor(front, group=self.shard_group, async_op=True)
+
+    def finish_gather(self) -> Any:
+        """Wait for the all-gather; drop the padding; set and return ``self.unsharded``."""
+        p = get_platform()
+        with p.no_grad():
+            gathered = self.pending.wait()  # [Ns * chunk, ...] with dim moved to the front
+            self.pending = None
+            full = p.narrow(gathered, 0, 0, self.shape[self.dim])
+            if self.dim:
+                full = full.transpose(0, self.dim)
+            self.unsharded = full.contiguous()
+        return self.unsharded
+
+    def reduce_grad(self, grad: Any, reduce_dtype: Any) -> Any:
+        """The sharded gradient of the full gradient ``grad``: **reduce-scatter** (sum)
+        over the shard axis, **all-reduce** (sum) over the replicate axis (HSDP), divided
+        by the data-parallel size (each rank's loss is a mean over its own batch)."""
+        p = get_platform()
+        with p.no_grad():
+            g = p.to_dtype(grad, reduce_dtype)
+            if self.dim:
+                g = g.transpose(0, self.dim)
+            g = p.pad(g, 0, 0, self.chunk * self.shard_size - self.shape[self.dim]).contiguous()
+            g = p.reduce_scatter_tensor(g, group=self.shard_group).wait()
+            if self.replicate_group is not None:
+                g = p.all_reduce(g, group=self.replicate_group).wait()
+            g = g * (1.0 / (self.shard_size * self.replicate_size))
+            if self.dim:
+                g = g.transpose(0, self.dim).contiguous()
+            return p.to_dtype(g, self.sharded.dtype)
+
+
+class GatherParam(CustomFunction):
+    """``full = GatherParam(sharded, hsdp_param, state)``: hands the module the gathered
+    parameter (all-gathered beforehand by the unit's unshard) while recording the
+    sharded parameter as its source. Backward: the full gradient goes to
+    ``state.on_grad``, which reduce-scatters it to the shard (or accumulates it when
+    gradient sync is off). Nothing is saved here (SimpleFSDP, arXiv 2411.00284)."""
+
+    @staticmethod
+    def forward(ctx: Any, sharded: Any, hsdp_param: HSDPParam, state: Any) -> Any:
+        ctx.hsdp_param = hsdp_param
+        ctx.state = state
+        if not state.reshard_after_forward:
+            return hsdp_param.unsharded
+        # [Note: gathered parameters and autograd] (hsdp_state): the output must be a
+        # tensor made here. MindSpore saves a copy of a custom function's output that
+        # is an outside tensor, and a copy is not matched to its source; the unit drops
+        # ``unsharded`` right after, so only one full copy lives.
+        return get_platform().clone(hsdp_param.unsharded)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return ctx.state.on_grad(ctx.hsdp_param, grad), None, None

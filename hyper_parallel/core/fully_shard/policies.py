@@ -1,0 +1,37 @@
+"""fully_shard configuration: mixed precision (FSDP2's ``MixedPrecisionPolicy``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes of a fully_shard unit (PyTorch FSDP2 semantics), given as dtype names.
+
+    Attributes:
+        param_dtype: dtype of the gathered (unsharded) parameters the forward and
+            backward compute with; the sharded parameters and the optimizer stay in
+            their own dtype. ``None``: the parameters' dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter / all-reduce. ``None``:
+            ``param_dtype`` (or the parameters' dtype).
+        output_dtype: floating outputs of the unit's forward are cast to it. ``None``: no cast.
+        cast_forward_inputs: cast floating positional inputs to ``param_dtype``.
+
+    Raises:
+        ValueError: a dtype name outside ``float16``, ``bfloat16``, ``float32``, ``float64``.
+    """
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(f"MixedPrecisionPolicy: {field}={value!r} is not a floating dtype name; "
+                                 f"use one of {_FLOAT_DTYPES} or None")
