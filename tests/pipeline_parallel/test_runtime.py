@@ -13,6 +13,7 @@ import pytest
 
 from hyper_parallel.core.pipeline_parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                    ScheduleInterleaved1F1B)
+from hyper_parallel.core.pipeline_parallel.schedules import simulate
 from hyper_parallel.platform import get_platform
 from tests.pipeline_parallel._models import DIM, build_chain, layer_weights, mse
 
@@ -63,6 +64,8 @@ def check_schedules(layers_per_stage: int) -> None:
                                                err_msg=f"{what}: losses")
                 else:
                     assert out is None and losses == [], what
+                predicted = simulate(schedule.schedule, num_stages).peak_activations[r]
+                assert schedule.peak_activations == predicted, (what, schedule.peak_activations, predicted)
                 for stage in stages:
                     grads = stage.param_grads()
                     for i in range(layers_per_stage):

@@ -90,6 +90,9 @@ class PipelineSchedule:
                              "CommComputeOverlap() (the one whose wrap_dispatch/wrap_combine the model uses)")
         self._incoming = self._incoming_messages()
         self._specs_known = False
+        #: after a step: the most (stage, microbatch) forwards this rank held for their
+        #: backward at once, the runtime's count of what the simulator calls peak activations
+        self.peak_activations = 0
 
     @property
     def actions(self) -> list[Action]:
@@ -184,8 +187,10 @@ class PipelineSchedule:
         for stage in self._stages.values():
             stage._reset_grads()
         run = _StepState(self, microbatches, targets)
+        self.peak_activations = 0
         for action in self.actions:
             run.execute(action)
+            self.peak_activations = max(self.peak_activations, len(run.backward))
         for work in run.sends:
             work.wait()
         if last not in self._stages:
