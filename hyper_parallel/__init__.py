@@ -32,7 +32,10 @@ __all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "P
            "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
 __version__ = "0.1.0"
 
+from hyper_parallel.core.expert_parallel import MoE  # noqa: E402  appended: expert parallelism
 from hyper_parallel.core.pipeline_parallel import (  # noqa: E402  appended: pipeline parallelism
+    CommComputeOverlap,
+    HookCoordinator,
     PipelineSchedule,
     PipelineStage,
     Schedule1F1B,
@@ -40,4 +43,5 @@ from hyper_parallel.core.pipeline_parallel import (  # noqa: E402  appended: pip
     ScheduleInterleaved1F1B,
 )
 
-__all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]
+__all__ += ["CommComputeOverlap", "HookCoordinator", "MoE", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
+            "ScheduleGPipe", "ScheduleInterleaved1F1B"]

@@ -157,3 +157,21 @@ def check_vjp_backwards_out_of_order() -> None:
 
 def test_vjp_backwards_out_of_order(run_on_ranks) -> None:
     run_on_ranks(check_vjp_backwards_out_of_order, world_size=1)
+
+
+def check_getitem_with_index_tensor() -> None:
+    """``t[index]`` with an int64 index tensor picks rows of dim 0 (repeats allowed) and
+    its gradient adds each output row's gradient into its source row (MoE dispatch)."""
+    p = get_platform()
+    x, g = rank_data(0, (4, 3)), rank_data(1, (5, 3))
+    index = np.array([2, 0, 2, 3, 1], np.int64)
+    out, backward = p.vjp(lambda t: t[p.from_numpy(index)], [p.from_numpy(x)])
+    close(p.to_numpy(out), x[index], "rows picked by an index tensor")
+    (gx,), _ = backward([p.from_numpy(g)])
+    expected = np.zeros_like(x)
+    np.add.at(expected, index, g)
+    close(p.to_numpy(gx), expected, "gradient of the picked rows")
+
+
+def test_getitem_with_index_tensor(run_on_ranks) -> None:
+    run_on_ranks(check_getitem_with_index_tensor, world_size=1)
