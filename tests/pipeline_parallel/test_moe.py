@@ -142,3 +142,50 @@ def check_moe_overlap() -> None:
 
 def test_moe_overlap_matches_sequential(run_on_ranks) -> None:
     run_on_ranks(check_moe_overlap, world_size=2)
+
+
+def check_pipeline_overlap_on_moe() -> None:
+    """4 ranks: 2 pipelines of 2 ranks (interleaved, 4 MoE-block stages) whose stages'
+    experts are sharded over the 2 pipelines. OVERLAP_B_F pairs run a forward and a
+    backward on two threads meeting at the blocks' dispatch/combine hooks; losses and
+    every gradient equal the same schedule without the overlap, exactly."""
+    from hyper_parallel.core.pipeline_parallel import PipelineStage, ScheduleInterleaved1F1B
+    from tests.pipeline_parallel._models import build_moe_block, mse
+
+    p = get_platform()
+    r = p.rank()
+    pp = p.split_group([[0, 1], [2, 3]])
+    ep = p.split_group([[0, 2], [1, 3]])
+    pp_rank, ep_rank = p.rank(pp), p.rank(ep)
+    rng = np.random.default_rng(30 + ep_rank)  # each pipeline its own batch
+    x = p.from_numpy(rng.standard_normal((8, DIM)).astype(np.float32))
+    y = p.from_numpy(rng.standard_normal((8, DIM)).astype(np.float32))
+    results = {}
+    for overlap_b_f in (False, True):
+        overlap = CommComputeOverlap(timeout_s=120.0)
+        stages = []
+        for s in (pp_rank, pp_rank + 2):
+            moe = MoE(4, 2, group=ep)
+            w = np.random.default_rng(100 + s)
+            weights = {"pre": (w.standard_normal((DIM, DIM)) / 2).astype(np.float32),
+                       "router": w.standard_normal((4, DIM)).astype(np.float32)}
+            experts = {f"{k}_{e}": (w.standard_normal(shape) / 2).astype(np.float32)
+                       for e in range(4) for k, shape in (("w1", (DIM, HIDDEN)), ("w2", (HIDDEN, DIM)))}
+            for l, e in enumerate(moe.expert_range):
+                weights[f"w1_{l}"], weights[f"w2_{l}"] = experts[f"w1_{e}"], experts[f"w2_{e}"]
+            dispatch = overlap.wrap_dispatch(moe.dispatch) if overlap_b_f else moe.dispatch
+            combine = overlap.wrap_combine(moe.combine, is_last_layer=True) if overlap_b_f else moe.combine
+            stages.append(PipelineStage(build_moe_block(p, moe, weights, dispatch, combine), s, 4, group=pp))
+        schedule = ScheduleInterleaved1F1B(stages, 4, mse, overlap_b_f=overlap_b_f, overlap=overlap)
+        assert overlap_b_f == any(a.type.name == "OVERLAP_B_F" for a in schedule.actions), schedule.actions
+        losses: list = []
+        schedule.step(x, target=y, losses=losses)
+        results[overlap_b_f] = ([float(p.to_numpy(v)) for v in losses],
+                                {(s.stage_index, k): p.to_numpy(v) for s in stages for k, v in s.param_grads().items()})
+    assert results[True][0] == results[False][0], (r, results)
+    for key, grad in results[False][1].items():
+        np.testing.assert_array_equal(results[True][1][key], grad, err_msg=f"rank {r} gradient {key}")
+
+
+def test_pipeline_overlap_on_moe(run_on_ranks) -> None:
+    run_on_ranks(check_pipeline_overlap_on_moe, world_size=4, timeout_s=300)
