@@ -36,7 +36,10 @@ from hyper_parallel.core.dtensor import functional as dtensor_functional  # noqa
 __all__ += ["OP_RULES", "OpRule", "dtensor_functional"]
 __version__ = "0.1.0"
 
+from hyper_parallel.core.expert_parallel import MoE  # noqa: E402  appended: expert parallelism
 from hyper_parallel.core.pipeline_parallel import (  # noqa: E402  appended: pipeline parallelism
+    CommComputeOverlap,
+    HookCoordinator,
     PipelineSchedule,
     PipelineStage,
     Schedule1F1B,
@@ -61,3 +64,7 @@ __all__ += ["AsyncContextParallel", "ContextParallel", "context_parallel_shard",
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402  (issue 5)
 
 __all__ += ["MixedPrecisionPolicy", "fully_shard"]
+
+
+__all__ += ["CommComputeOverlap", "HookCoordinator", "MoE", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
+            "ScheduleGPipe", "ScheduleInterleaved1F1B"]

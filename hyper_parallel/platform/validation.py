@@ -92,3 +92,15 @@ def check_local_op(name: str, table: dict[str, Callable[..., Any]]) -> Callable[
         raise ValueError(f"local_op: unknown op {name!r}; the contract provides {list(LOCAL_OPS)} "
                          "(compose others from these and the tensor methods of TENSOR_METHODS)")
     return table[name]
+
+
+def check_vjp_part(part: str, ran: list[str]) -> None:
+    """Check a ``vjp`` backward call's ``part`` against the parts already run (``ran``,
+    appended to): ``"all"`` once, or ``"input"`` then ``"weight"`` once each."""
+    if part not in ("all", "input", "weight"):
+        raise ValueError(f"vjp backward: part={part!r} must be 'all', 'input' or 'weight'")
+    allowed = {"all": [], "input": [], "weight": ["input"]}[part]
+    if ran != allowed:
+        raise RuntimeError(f"vjp backward: part={part!r} after {ran or 'nothing'}; a backward runs once as 'all', "
+                           "or as 'input' then 'weight'")
+    ran.append(part)

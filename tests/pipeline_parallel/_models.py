@@ -65,3 +65,42 @@ def mse(output: Any, target: Any) -> Any:
     """Mean squared error over all elements, with tensor methods only (both frameworks)."""
     diff = output - target
     return (diff * diff).mean()
+
+
+def build_moe_block(p: Any, moe: Any, weights: dict[str, Any], dispatch: Any, combine: Any) -> Any:
+    """``x -> x + moe(x @ pre)``: a framework module holding ``pre``, ``router`` and this
+    rank's experts' ``w1.{l}``/``w2.{l}`` (numpy values in ``weights``), whose forward
+    calls the core ``MoE`` with the given ``dispatch``/``combine`` (wrapped for overlap)."""
+    n_local = moe.local_experts
+
+    def forward(self: Any, x: Any) -> Any:
+        w1 = [getattr(self, f"w1_{l}") for l in range(n_local)]
+        w2 = [getattr(self, f"w2_{l}") for l in range(n_local)]
+
+        def expert(l: int, t: Any) -> Any:
+            h = t @ w1[l]
+            return (h + h * h * 0.1) @ w2[l]
+
+        return x + moe.forward(x @ self.pre, self.router, expert, dispatch=dispatch, combine=combine)
+
+    if p.framework == "torch":
+        import torch
+
+        class Block(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                for name, value in weights.items():
+                    setattr(self, name, torch.nn.Parameter(torch.from_numpy(value.copy())))
+
+        Block.forward = forward
+        return Block()
+    import mindspore as ms
+
+    class MSBlock(ms.nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            for name, value in weights.items():
+                setattr(self, name, ms.Parameter(ms.Tensor(value.copy()), name=name))
+
+    MSBlock.construct = forward
+    return MSBlock()

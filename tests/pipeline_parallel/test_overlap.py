@@ -19,10 +19,16 @@ DIM, TOKENS, LAYERS = 4, 8, 3
 class _Events(HookCoordinator):
     """Records (thread side, hook) in order, to check the pairing."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_at: str | None = None) -> None:
         super().__init__(timeout_s=60.0)
         self.log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        self.fail_at = fail_at  # a backward hook that raises on the backward thread (mid-backward)
+        self.backward_thread: int | None = None
+
+    def begin(self, forward_thread: int, backward_thread: int) -> None:
+        super().begin(forward_thread, backward_thread)
+        self.backward_thread = backward_thread
 
     def forward_hook(self, name: str) -> None:
         super().forward_hook(name)
@@ -30,6 +36,8 @@ class _Events(HookCoordinator):
             self.log.append(("F", name))
 
     def backward_hook(self, name: str) -> None:
+        if name == self.fail_at and threading.get_ident() == self.backward_thread:
+            raise RuntimeError(f"injected on the backward thread at {name}")
         super().backward_hook(name)
         with self._lock:
             self.log.append(("B", name))
@@ -69,7 +77,7 @@ def check_overlap(inject: str) -> None:
         out, backward = p.vjp(forward, [x], weights)
         expected.append((p.to_numpy(out), [p.to_numpy(t) for t in backward([g])[1]]))
 
-    coordinator = _Events()
+    coordinator = _Events(fail_at="B" if inject == "backward_hook" else None)
     overlap = CommComputeOverlap(coordinator, timeout_s=60.0)
     forward, weights = _model(p, overlap)
     out0, backward0 = p.vjp(forward, [xs[0]], weights)  # microbatch 0's forward, before the pair
@@ -81,7 +89,8 @@ def check_overlap(inject: str) -> None:
     else:
         bwd = lambda: backward0([gs[0]])  # noqa: E731
     fwd = lambda: p.vjp(forward, [xs[1]], weights)  # noqa: E731
-    if inject == "backward":
+    if inject in ("backward", "backward_hook"):
+        # before its first hook, or inside the backward with the forward waiting at a rendezvous
         with pytest.raises(RuntimeError, match="injected on the backward thread"):
             overlap.run(fwd, bwd)
         return
@@ -98,6 +107,6 @@ def check_overlap(inject: str) -> None:
         np.testing.assert_array_equal(p.to_numpy(grad), expected[1][1][i], err_msg=f"gradient {i} after overlap")
 
 
-@pytest.mark.parametrize("inject", ["none", "backward"])
+@pytest.mark.parametrize("inject", ["none", "backward", "backward_hook"])
 def test_overlap_matches_sequential(run_on_ranks, inject: str) -> None:
     run_on_ranks(check_overlap, inject, world_size=2)

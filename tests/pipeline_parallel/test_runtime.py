@@ -1,5 +1,5 @@
 """Pipeline runtime parity: GPipe, 1F1B and interleaved 1F1B (2 virtual stages per
-rank) on 2 and 4 ranks with 4 and 8 microbatches; every microbatch loss, the merged
+rank; also with OVERLAP_B_F) on 2 and 4 ranks with 4 and 8 microbatches; every microbatch loss, the merged
 output and every parameter gradient against the unpipelined chain on the whole batch.
 
 float32: the pipelined gradient sums microbatch gradients where the reference sums over
@@ -13,6 +13,7 @@ import pytest
 
 from hyper_parallel.core.pipeline_parallel import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                    ScheduleInterleaved1F1B)
+from hyper_parallel.core.pipeline_parallel.schedules import simulate
 from hyper_parallel.platform import get_platform
 from tests.pipeline_parallel._models import DIM, build_chain, layer_weights, mse
 
@@ -38,11 +39,11 @@ def check_schedules(layers_per_stage: int) -> None:
     rng = np.random.default_rng(7)
     x = rng.standard_normal((BATCH, DIM)).astype(np.float32)
     y = rng.standard_normal((BATCH, DIM)).astype(np.float32)
-    for kind in ("gpipe", "1f1b", "interleaved"):
-        virtual = 2 if kind == "interleaved" else 1
+    for kind in ("gpipe", "1f1b", "interleaved", "overlap"):
+        virtual = 2 if kind in ("interleaved", "overlap") else 1
         num_stages = n * virtual
         weights = layer_weights(num_stages * layers_per_stage)
-        for n_microbatches in (4, 8):
+        for n_microbatches in (8,) if kind == "overlap" else (4, 8):
             full, ref_losses, ref_grads = _reference(p, weights, x, y, n_microbatches)
             stages = [PipelineStage(build_chain(p, weights[s * layers_per_stage:(s + 1) * layers_per_stage]), s,
                                     num_stages) for s in range(r, num_stages, n)]
@@ -50,8 +51,8 @@ def check_schedules(layers_per_stage: int) -> None:
                 schedule = ScheduleGPipe(stages[0], n_microbatches, mse)
             elif kind == "1f1b":
                 schedule = Schedule1F1B(stages[0], n_microbatches, mse)
-            else:
-                schedule = ScheduleInterleaved1F1B(stages, n_microbatches, mse)
+            else:  # OVERLAP_B_F on two threads; this chain has no MoE hooks, test_overlap pairs them
+                schedule = ScheduleInterleaved1F1B(stages, n_microbatches, mse, overlap_b_f=kind == "overlap")
             what = f"{kind}, {num_stages} stages, {n_microbatches} microbatches, rank {r}"
             # a second step (reusing the inferred shapes) for one configuration: CI time
             for _ in range(2 if (kind, n_microbatches) == ("interleaved", 8) else 1):
@@ -63,6 +64,8 @@ def check_schedules(layers_per_stage: int) -> None:
                                                err_msg=f"{what}: losses")
                 else:
                     assert out is None and losses == [], what
+                predicted = simulate(schedule.schedule, num_stages).peak_activations[r]
+                assert schedule.peak_activations == predicted, (what, schedule.peak_activations, predicted)
                 for stage in stages:
                     grads = stage.param_grads()
                     for i in range(layers_per_stage):

@@ -107,3 +107,36 @@ def test_bad_arguments() -> None:
         interleaved_1f1b(4, 2, 6)
     with pytest.raises(ValueError, match="must both be >= 1"):
         gpipe(0, 4)
+
+
+@pytest.mark.parametrize("num_ranks,n_microbatches", [(2, 4), (4, 8)])
+def test_overlap_b_f_actions(num_ranks: int, n_microbatches: int) -> None:
+    text = "(2B1;3F4)OVERLAP_B_F"
+    action = Action.parse(text)
+    assert str(action) == text and action.sub_actions == (Action(2, A.B, 1), Action(3, A.F, 4))
+    with pytest.raises(ValueError, match="needs a B and an F"):
+        Action.overlap(Action(2, A.F, 1), Action(3, A.F, 4))
+    paired = interleaved_1f1b(num_ranks, 2, n_microbatches, overlap_b_f=True)
+    assert any(a.type is A.OVERLAP_B_F for a in paired[0])
+    lowered = add_communication(paired, 2 * num_ranks)
+    assert from_csv(to_csv(lowered)) == lowered
+    validate(lowered, 2 * num_ranks, n_microbatches)
+    # the pairs share one device: the same time and memory as the unpaired schedule
+    plain = simulate(interleaved_1f1b(num_ranks, 2, n_microbatches), 2 * num_ranks)
+    overlapped = simulate(lowered, 2 * num_ranks)
+    assert overlapped.step_time == plain.step_time and overlapped.peak_activations == plain.peak_activations
+
+
+def test_compare_schedules() -> None:
+    from hyper_parallel.core.pipeline_parallel.schedules.compare import compare_schedules, format_table, main
+
+    estimates = {e.name: e for e in compare_schedules(4, 8, 2, memory_limit=4)}
+    assert estimates["gpipe"].bubble_fraction == pytest.approx(3 / 11)
+    assert estimates["1f1b"].bubble_fraction == pytest.approx(3 / 11)
+    assert estimates["interleaved_1f1b"].bubble_fraction == pytest.approx(3 / 19)
+    assert (estimates["gpipe"].peak_activations, estimates["1f1b"].peak_activations) == (8, 4)
+    ranked = compare_schedules(4, 8, 2, memory_limit=4)
+    assert [e.name for e in ranked] == ["1f1b", "interleaved_1f1b", "gpipe"]  # the fastest that fits first
+    assert [e.name for e in compare_schedules(4, 8, 2)][0] == "interleaved_1f1b"
+    assert "| 1f1b | 4 |" in format_table(ranked)
+    main(["--ranks", "2", "--microbatches", "4"])

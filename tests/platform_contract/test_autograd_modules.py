@@ -4,6 +4,7 @@ replacement. World size 1: none of this communicates."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import CustomFunction
@@ -201,3 +202,61 @@ def check_release_saved_tensors() -> None:
 
 def test_release_saved_tensors(run_on_ranks) -> None:
     run_on_ranks(check_release_saved_tensors, world_size=1)
+
+
+def check_getitem_with_index_tensor() -> None:
+    """``t[index]`` with an int64 index tensor picks rows of dim 0 (repeats allowed) and
+    its gradient adds each output row's gradient into its source row (MoE dispatch)."""
+    p = get_platform()
+    x, g = rank_data(0, (4, 3)), rank_data(1, (5, 3))
+    index = np.array([2, 0, 2, 3, 1], np.int64)
+    out, backward = p.vjp(lambda t: t[p.from_numpy(index)], [p.from_numpy(x)])
+    close(p.to_numpy(out), x[index], "rows picked by an index tensor")
+    (gx,), _ = backward([p.from_numpy(g)])
+    expected = np.zeros_like(x)
+    np.add.at(expected, index, g)
+    close(p.to_numpy(gx), expected, "gradient of the picked rows")
+
+
+def test_getitem_with_index_tensor(run_on_ranks) -> None:
+    run_on_ranks(check_getitem_with_index_tensor, world_size=1)
+
+
+def check_vjp_split_backward() -> None:
+    """``part="input"`` then ``part="weight"`` give the gradients of one ``part="all"``
+    backward, also when a newer recording's backward ran in between (a zero-bubble
+    pipeline defers W behind later microbatches); misuse raises."""
+    p = get_platform()
+    weights = mlp_weights(4, 5, 3)
+    model = build_mlp(p, weights)
+    params = [param for _, param in p.named_parameters(model)]
+    xs = [rank_data(20 + i, (2, 4)) for i in range(2)]
+    gs = [rank_data(30 + i, (2, 3)) for i in range(2)]
+    full = []
+    for i in range(2):
+        (gx,), gp = p.vjp(model, [p.from_numpy(xs[i])], params)[1]([p.from_numpy(gs[i])])
+        full.append((p.to_numpy(gx), [p.to_numpy(g) for g in gp]))
+    older = p.vjp(model, [p.from_numpy(xs[0])], params)[1]
+    newer = p.vjp(model, [p.from_numpy(xs[1])], params)[1]
+    split = {}
+    for i, backward in ((1, newer), (0, older)):
+        (gx,), none = backward([p.from_numpy(gs[i])], part="input")
+        assert none == (), "the input part returns no parameter gradients"
+        split[i] = [gx]
+    for i, backward in ((0, older), (1, newer)):
+        none, gp = backward([p.from_numpy(gs[i])], part="weight")
+        assert none == (), "the weight part returns no input gradients"
+        split[i].append(gp)
+    for i in range(2):
+        close(p.to_numpy(split[i][0]), full[i][0], f"input gradient of recording {i}, split backward")
+        for got, want in zip(split[i][1], full[i][1]):
+            close(p.to_numpy(got), want, f"parameter gradient of recording {i}, split backward")
+    backward = p.vjp(model, [p.from_numpy(xs[0])], params)[1]
+    with pytest.raises(RuntimeError, match="part='weight' after nothing"):
+        backward([p.from_numpy(gs[0])], part="weight")
+    with pytest.raises(ValueError, match="part='both' must be 'all', 'input' or 'weight'"):
+        backward([p.from_numpy(gs[0])], part="both")
+
+
+def test_vjp_split_backward(run_on_ranks) -> None:
+    run_on_ranks(check_vjp_split_backward, world_size=1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap
 from hyper_parallel.core.pipeline_parallel.messages import (META_LEN, Mailbox, MessageKey, TensorSpec, decode_specs,
                                                             encode_specs, receive, send, spec_of)
 from hyper_parallel.core.pipeline_parallel.microbatch import merge_microbatches, split_microbatches
@@ -43,6 +44,7 @@ class PipelineSchedule:
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage, per microbatch.
         compute: ``{rank: [Action, ...]}`` compute actions of every rank of the group.
         scale_grads: multiply gradients by ``1 / n_microbatches`` (default True).
+        overlap: runs ``OVERLAP_B_F`` actions (required when the schedule has them).
 
     Raises:
         ValueError: no stages; stages of different pipelines; ``stages`` differ from the
@@ -52,7 +54,7 @@ class PipelineSchedule:
     """
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, compute: Schedule,
-                 *, scale_grads: bool = True) -> None:
+                 *, scale_grads: bool = True, overlap: CommComputeOverlap | None = None) -> None:
         stages = list(stages)
         if not stages:
             raise ValueError(f"{type(self).__name__}: no stages; pass the PipelineStage(s) this rank runs")
@@ -69,6 +71,8 @@ class PipelineSchedule:
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads
+        #: runs ``OVERLAP_B_F`` actions (its wrap_dispatch/wrap_combine hooks pair them)
+        self.overlap = overlap
         self.num_stages = first.num_stages
         self.group = first.group
         self._rank = first.group_rank
@@ -81,8 +85,14 @@ class PipelineSchedule:
         #: every rank's lowered action list (this rank runs ``schedule[rank]``)
         self.schedule: Schedule = add_communication(compute, self.num_stages, self._place)
         validate(self.schedule, self.num_stages, n_microbatches, stage_to_rank=self._place)
+        if overlap is None and any(a.type is A.OVERLAP_B_F for a in self.schedule[self._rank]):
+            raise ValueError(f"{type(self).__name__}: the schedule has OVERLAP_B_F actions; pass overlap="
+                             "CommComputeOverlap() (the one whose wrap_dispatch/wrap_combine the model uses)")
         self._incoming = self._incoming_messages()
         self._specs_known = False
+        #: after a step: the most (stage, microbatch) forwards this rank held for their
+        #: backward at once, the runtime's count of what the simulator calls peak activations
+        self.peak_activations = 0
 
     @property
     def actions(self) -> list[Action]:
@@ -177,8 +187,10 @@ class PipelineSchedule:
         for stage in self._stages.values():
             stage._reset_grads()
         run = _StepState(self, microbatches, targets)
+        self.peak_activations = 0
         for action in self.actions:
             run.execute(action)
+            self.peak_activations = max(self.peak_activations, len(run.backward))
         for work in run.sends:
             work.wait()
         if last not in self._stages:
@@ -215,6 +227,11 @@ class _StepState:
             self.forward(s, m)
         elif action.type is A.B:
             self.backward_full(s, m)
+        elif action.type is A.OVERLAP_B_F:
+            b, f = action.sub_actions
+            assert sched.overlap is not None, "checked at construction"
+            sched.overlap.run(lambda: self.forward(f.stage_index, f.microbatch_index),
+                              lambda: self.backward_full(b.stage_index, b.microbatch_index))
         elif action.type is A.RECV_F:
             self.inputs[(s, m)] = self.mailbox.get(place(s - 1), ("F", s - 1, m))
         elif action.type is A.SEND_F:
@@ -313,6 +330,11 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
 
     Args:
         stages: this rank's stages, ``num_stages / group_size`` of them.
+        overlap_b_f: pair each steady-state backward with the next forward
+            (``OVERLAP_B_F``), run on two threads by ``overlap`` so that one's MoE
+            communication hides under the other's compute.
+        overlap: the ``CommComputeOverlap`` whose ``wrap_dispatch``/``wrap_combine`` the
+            stages' MoE layers use (default: a new one, in ``self.overlap``).
 
     Raises:
         ValueError: ``n_microbatches`` not a multiple of the group size; a wrong number
@@ -320,10 +342,13 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     """
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
-                 scale_grads: bool = True) -> None:
+                 scale_grads: bool = True, overlap_b_f: bool = False,
+                 overlap: CommComputeOverlap | None = None) -> None:
         stages = list(stages)
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
             raise TypeError(f"ScheduleInterleaved1F1B: stages={stages!r} must be a non-empty list of PipelineStage")
         size = stages[0].group_size
-        compute = interleaved_1f1b(size, stages[0].num_stages // size, n_microbatches)
-        super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads)
+        compute = interleaved_1f1b(size, stages[0].num_stages // size, n_microbatches, overlap_b_f=overlap_b_f)
+        if overlap_b_f and overlap is None:
+            overlap = CommComputeOverlap()
+        super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads, overlap=overlap)

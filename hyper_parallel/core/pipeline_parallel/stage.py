@@ -4,8 +4,7 @@ boundaries.
 Stages are placed in a loop over the pipeline group: stage ``s`` runs on group rank
 ``s % group_size`` (one stage per rank, or ``num_stages / group_size`` interleaved
 virtual stages per rank). The shapes of the activations a stage receives are inferred on
-the first step from microbatch 0 (the previous stage sends them ahead of the data), or
-given as ``input_spec``.
+the first step from microbatch 0 (the previous stage sends them ahead of the data).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hyper_parallel.core.pipeline_parallel.messages import FLOAT_DTYPES, TensorSpec
+from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
 from hyper_parallel.platform import Platform, get_platform
 
 
@@ -33,19 +32,18 @@ class PipelineStage:
         num_stages: stages in the pipeline, a multiple of the pipeline group size.
         group: the pipeline process group (``None``: the world). Sends and receives use
             it (``batch_isend_irecv``).
-        input_spec: shapes and dtypes of one microbatch's inputs from the previous stage
-            (skips the inference on the first step for this stage's receives); stage 0
-            takes none.
+
+    Attributes:
+        input_spec, output_spec: shapes and dtypes of one microbatch's tensors received
+            from the previous stage and sent to the next one, known after the first step.
 
     Raises:
         ValueError: ``stage_index`` outside ``[0, num_stages)``; ``num_stages`` not a
             multiple of the group size; the stage does not belong on this rank (stage
-            ``s`` runs on group rank ``s % group_size``); ``input_spec`` on stage 0 or
-            with a dtype that is not floating-point.
+            ``s`` runs on group rank ``s % group_size``).
     """
 
-    def __init__(self, submodule: Any, stage_index: int, num_stages: int, *, group: Any = None,
-                 input_spec: Sequence[TensorSpec] | None = None) -> None:
+    def __init__(self, submodule: Any, stage_index: int, num_stages: int, *, group: Any = None) -> None:
         platform = get_platform()
         size, rank = platform.world_size(group), platform.rank(group)
         if num_stages < 1 or not 0 <= stage_index < num_stages:
@@ -57,14 +55,6 @@ class PipelineStage:
             raise ValueError(f"PipelineStage: stage {stage_index} of {num_stages} runs on group rank "
                              f"{stage_index % size} (stage s on rank s % {size}), but this is group rank {rank}; "
                              "build on each rank the stages it runs")
-        if input_spec is not None:
-            if stage_index == 0:
-                raise ValueError("PipelineStage: input_spec is for stages that receive activations; stage 0 takes "
-                                 "the step's arguments instead")
-            bad = [spec for spec in input_spec if spec.dtype not in FLOAT_DTYPES]
-            if bad:
-                raise ValueError(f"PipelineStage: input_spec {bad} is not floating-point; stages exchange "
-                                 f"tensors of {FLOAT_DTYPES}")
         self.platform: Platform = platform
         self.submodule = submodule
         self.stage_index = stage_index
@@ -72,8 +62,8 @@ class PipelineStage:
         self.group = group
         self.group_size = size
         self.group_rank = rank
-        self.input_spec: tuple[TensorSpec, ...] | None = None if input_spec is None else tuple(input_spec)
-        self.output_spec: tuple[TensorSpec, ...] | None = None  # known after the first step
+        self.input_spec: tuple[TensorSpec, ...] | None = None  # known after the first step
+        self.output_spec: tuple[TensorSpec, ...] | None = None
         self.named_params: list[tuple[str, Any]] = list(platform.named_parameters(submodule))
         self._grads: list[Any] | None = None  # per parameter: this step's accumulated gradient
 

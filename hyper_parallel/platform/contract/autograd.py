@@ -9,9 +9,9 @@ from typing import Any
 
 from hyper_parallel.platform.contract.common import CustomFunction
 
-#: What ``vjp`` returns as its backward: output gradients in, (input gradients,
-#: parameter gradients) out.
-VjpFn = Callable[[Sequence[Any]], tuple[tuple[Any, ...], tuple[Any, ...]]]
+#: What ``vjp`` returns as its backward: ``backward(grad_outputs, part="all")``, output
+#: gradients in, (input gradients, parameter gradients) out.
+VjpFn = Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]]
 
 
 class AutogradSection(ABC):
@@ -47,6 +47,17 @@ class AutogradSection(ABC):
         recordings may be live at once and their backwards run in any order (a
         pipeline's 1F1B runs them oldest first); a backend that can only run the newest
         one recomputes the forward for the others, so ``fn`` must be deterministic.
+
+        Split backward (zero-bubble pipeline schedules; Qi et al., "Zero Bubble Pipeline
+        Parallelism", ICLR 2024): ``backward(grad_outputs, part="input")`` returns
+        ``(input_grads, ())`` and a later ``backward(grad_outputs, part="weight")`` with
+        the same ``grad_outputs`` returns ``((), param_grads)`` (hooks and torch's
+        ``param.grad`` accumulation happen there). ``part="all"`` (default) runs once; the
+        two parts run once each, input first; anything else raises ``RuntimeError``, an
+        unknown ``part`` ``ValueError``. On torch the input part computes no parameter
+        gradient and the weight part re-walks the kept graph for them; MindSpore's
+        PyNative runs a recording's backward once, so its input part computes both and
+        the weight part hands over the parameter gradients kept from it.
         """
 
     @abstractmethod

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 #: Tensor attributes and methods core may use directly on a framework tensor.
+#: ``__getitem__`` takes basic slices, and an int64 index tensor on dim 0 (rows, repeats
+#: allowed, differentiable).
 TENSOR_METHODS: tuple[str, ...] = (
     "shape", "dtype", "ndim", "dim", "numel", "reshape", "view", "permute", "transpose",
     "contiguous", "is_contiguous", "unsqueeze", "squeeze", "flatten", "sum", "mean",

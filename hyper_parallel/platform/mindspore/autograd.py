@@ -14,6 +14,7 @@ from typing import Any
 
 from hyper_parallel.platform.contract.autograd import AutogradSection, VjpFn
 from hyper_parallel.platform.contract.common import CustomFunction
+from hyper_parallel.platform.validation import check_vjp_part
 
 
 def native_function(base: type, function: type[CustomFunction]) -> type:
@@ -170,12 +171,16 @@ class MindSporeAutograd(AutogradSection):
         finally:
             token.recording = False
         flat = (outputs,) if isinstance(outputs, self._ms.Tensor) else tuple(outputs)
-        state = {"ran": False}
+        state: dict[str, Any] = {"ran": False, "parts": [], "param_grads": ()}
 
-        def backward(grad_outputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-            if state["ran"]:
+        def backward(grad_outputs: Sequence[Any], part: str = "all") -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+            if part in ("all", "input") and state["ran"]:
                 # MindSpore would re-run the forward (and its collectives) to go again.
                 raise RuntimeError("vjp: backward already ran; it runs once per vjp call")
+            check_vjp_part(part, state["parts"])
+            if part == "weight":  # computed by the input part (PyNative runs a backward once)
+                param_grads, state["param_grads"] = state["param_grads"], ()
+                return (), param_grads
             grads = list(grad_outputs)
             if len(grads) != len(flat):
                 raise ValueError(f"vjp backward: got {len(grads)} output gradients for {len(flat)} outputs; "
@@ -209,6 +214,9 @@ class MindSporeAutograd(AutogradSection):
             per_input: list[Any] = [None] * len(inputs)
             for position, grad in zip(positions, input_grads):
                 per_input[position] = grad if inputs[position].is_floating_point() else None
+            if part == "input":
+                state["param_grads"] = tuple(param_grads)
+                return tuple(per_input), ()
             return tuple(per_input), tuple(param_grads)
 
         return outputs, backward

@@ -19,7 +19,7 @@ from hyper_parallel.platform.base import Capability, CustomFunction, Platform, R
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.collectives import TorchCollectives
-from hyper_parallel.platform.validation import check_group_ranks, check_local_op, normalize_dim
+from hyper_parallel.platform.validation import check_group_ranks, check_local_op, check_vjp_part, normalize_dim
 
 #: device type -> process-group backend
 DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -210,12 +210,22 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             outputs = fn(*leaves)
         params = list(params)
 
-        def backward(grad_outputs: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        ran: list[str] = []  # parts run so far: "all", or "input" then "weight"
+
+        def backward(grad_outputs: Sequence[Any], part: str = "all") -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+            check_vjp_part(part, ran)
             outs = outputs if isinstance(outputs, tuple) else (outputs,)
             if len(grad_outputs) != len(outs):
                 raise ValueError(f"vjp backward: got {len(grad_outputs)} output gradients for {len(outs)} outputs")
             pairs = [(o, g) for o, g in zip(outs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-            targets = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+            inputs_ = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+            if part == "input":  # input gradients only; the graph is kept for the weight part
+                found = torch.autograd.grad([o for o, _ in pairs], inputs_, [g for _, g in pairs], retain_graph=True,
+                                            allow_unused=True) if pairs and inputs_ else ()
+                by_id = {id(x): g for x, g in zip(inputs_, found)}
+                return tuple((by_id.get(id(x)) if by_id.get(id(x)) is not None else torch.zeros_like(x))
+                             if isinstance(x, torch.Tensor) and x.requires_grad else None for x in leaves), ()
+            targets = [] if part == "weight" else inputs_
             targets += [p for p in params if p.requires_grad]
             # Accumulate into .grad the torch way, but report this backward's share:
             # earlier gradients are set aside and added back afterwards.
@@ -232,7 +242,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
                 new = p.grad if p.grad is not None else torch.zeros_like(p)
                 param_grads.append(new)
                 p.grad = new.clone() if old is None else old + new
-            return input_grads, tuple(param_grads)
+            return (() if part == "weight" else input_grads), tuple(param_grads)
 
         return outputs, backward
 

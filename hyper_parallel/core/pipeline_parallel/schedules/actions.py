@@ -29,29 +29,54 @@ class ActionType(enum.Enum):
     RECV_F = "RECV_F"  # receive the forward activation from the previous stage
     SEND_B = "SEND_B"  # send the input gradient to the previous stage
     RECV_B = "RECV_B"  # receive the output gradient from the next stage
+    OVERLAP_B_F = "OVERLAP_B_F"  # a B and an F of two microbatches run together (comm/compute overlap)
 
     @property
     def is_compute(self) -> bool:
-        return self in (ActionType.F, ActionType.B, ActionType.I, ActionType.W)
+        return self in (ActionType.F, ActionType.B, ActionType.I, ActionType.W, ActionType.OVERLAP_B_F)
 
 
 _PATTERN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_OVERLAP = re.compile(r"^\((\d+B\d+);(\d+F\d+)\)OVERLAP_B_F$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One step: ``type`` for ``microbatch_index`` on ``stage_index``."""
+    """One step: ``type`` for ``microbatch_index`` on ``stage_index``.
+
+    ``OVERLAP_B_F`` carries its two halves in ``sub_actions`` (a ``B`` and an ``F`` on the
+    same rank, run together by ``CommComputeOverlap``); its own stage and microbatch
+    are the ``B``'s. Build it with ``Action.overlap(b, f)``; it prints as
+    ``"(2B1;3F4)OVERLAP_B_F"``.
+    """
 
     stage_index: int
     type: ActionType
     microbatch_index: int
+    sub_actions: tuple[Action, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stage_index < 0 or self.microbatch_index < 0:
             raise ValueError(f"Action: stage_index={self.stage_index} and microbatch_index={self.microbatch_index} "
                              "must be non-negative")
+        if (self.type is ActionType.OVERLAP_B_F) != bool(self.sub_actions):
+            raise ValueError(f"Action: {self.type.name} takes sub_actions={self.sub_actions!r} only for OVERLAP_B_F "
+                             "(use Action.overlap(b, f))")
+
+    @staticmethod
+    def overlap(backward: Action, forward: Action) -> Action:
+        """``OVERLAP_B_F`` of ``backward`` (type ``B``) and ``forward`` (type ``F``).
+
+        Raises:
+            ValueError: the halves are not a ``B`` and an ``F``.
+        """
+        if backward.type is not ActionType.B or forward.type is not ActionType.F:
+            raise ValueError(f"Action.overlap: needs a B and an F, got {backward} and {forward}")
+        return Action(backward.stage_index, ActionType.OVERLAP_B_F, backward.microbatch_index, (backward, forward))
 
     def __str__(self) -> str:
+        if self.sub_actions:
+            return f"({self.sub_actions[0]};{self.sub_actions[1]}){self.type.value}"
         return f"{self.stage_index}{self.type.value}{self.microbatch_index}"
 
     __repr__ = __str__
@@ -63,10 +88,13 @@ class Action:
         Raises:
             ValueError: text not of the form ``<stage><TYPE><microbatch>``.
         """
+        overlap = _OVERLAP.match(text.strip())
+        if overlap is not None:
+            return Action.overlap(Action.parse(overlap.group(1)), Action.parse(overlap.group(2)))
         match = _PATTERN.match(text.strip())
         if match is None:
             raise ValueError(f"Action.parse: {text!r} is not <stage><F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B><microbatch>, "
-                             "e.g. '2F0' or '1SEND_B3'")
+                             "e.g. '2F0' or '1SEND_B3', or (<stage>B<microbatch>;<stage>F<microbatch>)OVERLAP_B_F")
         return Action(int(match.group(1)), ActionType(match.group(2)), int(match.group(3)))
 
 

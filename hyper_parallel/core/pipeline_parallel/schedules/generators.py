@@ -44,10 +44,23 @@ def one_f_one_b(num_ranks: int, n_microbatches: int) -> Schedule:
     return schedule
 
 
-def interleaved_1f1b(num_ranks: int, n_virtual: int, n_microbatches: int) -> Schedule:
+def pair_backward_forward(actions: list[Action]) -> list[Action]:
+    """Each ``B`` directly followed by an ``F`` becomes one ``OVERLAP_B_F`` (the steady
+    state of 1F1B-like schedules), run on two threads by ``CommComputeOverlap``."""
+    out: list[Action] = []
+    for action in actions:
+        if action.type is F and out and out[-1].type is B:
+            out[-1] = Action.overlap(out[-1], action)
+        else:
+            out.append(action)
+    return out
+
+
+def interleaved_1f1b(num_ranks: int, n_virtual: int, n_microbatches: int, *, overlap_b_f: bool = False) -> Schedule:
     """Interleaved 1F1B (Narayanan et al., 2021): ``n_virtual`` stages per rank (stage
     ``s`` on rank ``s % num_ranks``); microbatches go through the local stages in groups
-    of ``num_ranks``, which shrinks the bubble by ``n_virtual``.
+    of ``num_ranks``, which shrinks the bubble by ``n_virtual``. With ``overlap_b_f`` each
+    steady-state backward is paired with the next forward (``OVERLAP_B_F``).
 
     Raises:
         ValueError: ``n_microbatches`` not a multiple of ``num_ranks`` (the grouping needs it).
@@ -81,5 +94,5 @@ def interleaved_1f1b(num_ranks: int, n_virtual: int, n_microbatches: int) -> Sch
             actions.append(backward_at(rank, backward))
             backward += 1
         actions += [backward_at(rank, k) for k in range(backward, total)]
-        schedule[rank] = actions
+        schedule[rank] = pair_backward_forward(actions) if overlap_b_f else actions
     return schedule

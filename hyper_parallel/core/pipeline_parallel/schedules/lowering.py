@@ -20,26 +20,35 @@ def add_communication(schedule: Schedule, num_stages: int, stage_to_rank: Callab
     """Each cross-rank edge gets a send after the producing action and a receive right
     before the consuming one: ``RECV_F`` before ``F`` (stage > 0), ``SEND_F`` after it
     (stage < last); ``RECV_B`` before ``B``/``I`` (stage < last), ``SEND_B`` after it
-    (stage > 0). Same-rank edges need none. Returns a new schedule."""
+    (stage > 0). Same-rank edges need none. An ``OVERLAP_B_F`` gets the receives of both
+    halves before it and their sends after it. Returns a new schedule."""
     place = stage_to_rank or loop_placement(len(schedule))
+
+    def receives(action: Action) -> list[Action]:
+        s, m = action.stage_index, action.microbatch_index
+        if action.type is A.F and s > 0 and place(s - 1) != place(s):
+            return [Action(s, A.RECV_F, m)]
+        if action.type in (A.B, A.I) and s < num_stages - 1 and place(s + 1) != place(s):
+            return [Action(s, A.RECV_B, m)]
+        return []
+
+    def sends(action: Action) -> list[Action]:
+        s, m = action.stage_index, action.microbatch_index
+        if action.type is A.F and s < num_stages - 1 and place(s + 1) != place(s):
+            return [Action(s, A.SEND_F, m)]
+        if action.type in (A.B, A.I) and s > 0 and place(s - 1) != place(s):
+            return [Action(s, A.SEND_B, m)]
+        return []
+
     lowered: Schedule = {}
     for rank, actions in schedule.items():
         out: list[Action] = []
         for action in actions:
-            s, m = action.stage_index, action.microbatch_index
-            if action.type is A.F:
-                if s > 0 and place(s - 1) != place(s):
-                    out.append(Action(s, A.RECV_F, m))
-                out.append(action)
-                if s < num_stages - 1 and place(s + 1) != place(s):
-                    out.append(Action(s, A.SEND_F, m))
-            elif action.type in (A.B, A.I):
-                if s < num_stages - 1 and place(s + 1) != place(s):
-                    out.append(Action(s, A.RECV_B, m))
-                out.append(action)
-                if s > 0 and place(s - 1) != place(s):
-                    out.append(Action(s, A.SEND_B, m))
-            else:
-                out.append(action)
+            parts = action.sub_actions or (action,)  # OVERLAP_B_F: both halves' inputs first
+            for part in parts:
+                out += receives(part)
+            out.append(action)
+            for part in parts:
+                out += sends(part)
         lowered[rank] = out
     return lowered

@@ -60,6 +60,8 @@ class SimulationResult:
 def _deps(action: Action, num_stages: int, place: Callable[[int], int],
           lowered: bool) -> list[tuple[int, Action | _Gradient]]:
     """(rank, action) pairs that must be done before ``action`` starts."""
+    if action.sub_actions:  # OVERLAP_B_F waits for both halves' inputs
+        return [dep for part in action.sub_actions for dep in _deps(part, num_stages, place, lowered)]
     s, m = action.stage_index, action.microbatch_index
     here = place(s)
     deps: list[tuple[int, Action | _Gradient]] = []
@@ -125,18 +127,22 @@ def simulate(schedule: Schedule, num_stages: int, *, stage_to_rank: Callable[[in
                     break
                 ready = max([clock[rank]] + [done[dep] + (comm_latency if action.type in (A.RECV_F, A.RECV_B)
                                                           else 0.0) for dep in deps])
-                end = ready + cost(action)
+                parts = action.sub_actions or (action,)
+                # OVERLAP_B_F: the halves share one device, their costs add
+                duration = sum(cost(part) for part in parts)
+                end = ready + duration
                 clock[rank] = end
-                done[(rank, action)] = end
-                if action.type in (A.B, A.I):
-                    done[(rank, _Gradient(action.stage_index, action.microbatch_index))] = end
-                if action.type.is_compute:
-                    busy[rank] += cost(action)
-                if action.type is A.F:
-                    held[rank] += size(action)
+                for part in parts:
+                    done[(rank, part)] = end
+                    if part.type in (A.B, A.I):
+                        done[(rank, _Gradient(part.stage_index, part.microbatch_index))] = end
+                    if part.type is A.F:
+                        held[rank] += size(part)
+                    elif part.type in (A.B, A.W):
+                        held[rank] -= size(part)
                     peak[rank] = max(peak[rank], held[rank])
-                elif action.type in (A.B, A.W):
-                    held[rank] -= size(action)
+                if action.type.is_compute:
+                    busy[rank] += duration
                 position[rank] += 1
                 remaining -= 1
                 progressed = True

@@ -23,7 +23,8 @@ def validate(schedule: Schedule, num_stages: int, n_microbatches: int, *,
     """
     place = stage_to_rank or (lambda stage, n=len(schedule): stage % n)
     counts: Counter = Counter()
-    for rank, actions in schedule.items():
+    for rank, listed in schedule.items():
+        actions = [part for action in listed for part in (action.sub_actions or (action,))]
         for action in actions:
             if not 0 <= action.stage_index < num_stages or not 0 <= action.microbatch_index < n_microbatches:
                 raise ScheduleError(f"rank {rank}: {action} is outside {num_stages} stages x {n_microbatches} "

@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Step time and bubble per pipeline schedule: hyper_parallel's runtime beside the
+simulator's prediction and beside torch.distributed.pipelining's same schedule, in the
+same run.
+
+4 ranks on gloo (torch-cpu). The model: ``stages x layers`` ``tanh(Linear(dim, dim))``
+layers, each stage a slice; a mean-squared-error loss; ``--microbatches`` microbatches of
+``--batch / microbatches`` rows. Per schedule (GPipe, 1F1B, interleaved 1F1B with 2
+stages per rank): barrier, one ``step`` (forward and backward of every microbatch), timed
+on every rank; the step's time is the slowest rank's; the median over ``--iters``
+repetitions after ``--warmup`` is reported.
+
+Bubble (measured): ``1 - busy / step`` averaged over ranks, where a rank's busy time is its
+microbatches' forward and backward compute, timed alone on that rank before the run (the
+per-action costs measured in a warm-up, which also feed the simulator). Predicted: the
+simulator on the same lowered schedule with those costs.
+
+    python benchmarks/pipeline.py [--dim 256] [--microbatches 8] [--iters 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as host_platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def _chain(n_layers: int, dim: int, seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[m for _ in range(n_layers) for m in (torch.nn.Linear(dim, dim), torch.nn.Tanh())])
+
+
+def _loss(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _median_slowest(times: list[float]) -> list[float]:
+    import torch
+
+    import torch.distributed as dist
+
+    gathered = [torch.zeros(len(times)) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor(times))
+    return [max(float(g[i]) for g in gathered) for i in range(len(times))]
+
+
+def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: int, warmup: int) -> list[dict]:
+    """Runs on every rank; returns rows (the same on every rank: times are the slowest rank's)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tpp
+
+    import hyper_parallel as hp
+    from hyper_parallel.core.pipeline_parallel.schedules import ActionType, simulate
+
+    p = hp.get_platform()
+    n, r = p.world_size(), p.rank()
+    x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
+    rows = []
+    for name in SCHEDULES:
+        virtual = 2 if name == "interleaved_1f1b" else 1
+        num_stages = n * virtual
+        per_stage = max(1, layers // virtual)  # the same model whatever the schedule
+        local = list(range(r, num_stages, n))
+        modules = {s: _chain(per_stage, dim, seed=s) for s in local}
+
+        # per-action costs, measured alone on this rank (forward + backward of one microbatch)
+        mb = x[: batch // n_microbatches]
+        f_times, b_times = [], []
+        for _ in range(3):
+            for s in local:
+                start = time.perf_counter()
+                out = modules[s](mb)
+                f_times.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                out.sum().backward()
+                b_times.append(time.perf_counter() - start)
+        f_cost = statistics.median(_median_slowest(f_times))
+        b_cost = statistics.median(_median_slowest(b_times))
+        for module in modules.values():
+            module.zero_grad()
+
+        stages = [hp.PipelineStage(modules[s], s, num_stages) for s in local]
+        ours = (hp.ScheduleInterleaved1F1B(stages, n_microbatches, _loss) if virtual > 1 else
+                {"gpipe": hp.ScheduleGPipe, "1f1b": hp.Schedule1F1B}[name](stages[0], n_microbatches, _loss))
+        torch_stages = [tpp.PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in local]
+        theirs = (tpp.ScheduleInterleaved1F1B(torch_stages, n_microbatches, loss_fn=_loss) if virtual > 1 else
+                  {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[name](torch_stages[0], n_microbatches,
+                                                                                loss_fn=_loss))
+
+        kwargs = {"target": y} if r == (num_stages - 1) % n else {}
+
+        def run_ours() -> None:
+            ours.step(x, **kwargs) if r == 0 else ours.step(**kwargs)
+
+        def run_theirs() -> None:
+            theirs.step(x, **kwargs) if r == 0 else theirs.step(**kwargs)
+
+        measured = {}
+        for impl, fn in (("hyper_parallel", run_ours), ("torch", run_theirs)):
+            times = []
+            for i in range(warmup + iters):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                elapsed = time.perf_counter() - start
+                if i >= warmup:
+                    times.append(elapsed)
+            measured[impl] = statistics.median(_median_slowest(times))
+        busy = n_microbatches * virtual * (f_cost + b_cost)
+        predicted = simulate(ours.schedule, num_stages, costs={ActionType.F: f_cost, ActionType.B: b_cost})
+        rows.append({"schedule": name, "stages": num_stages, "microbatches": n_microbatches,
+                     "forward_ms": f_cost * 1e3, "backward_ms": b_cost * 1e3,
+                     "hyper_parallel_ms": measured["hyper_parallel"] * 1e3, "torch_ms": measured["torch"] * 1e3,
+                     "predicted_ms": predicted.step_time * 1e3,
+                     "hyper_parallel_bubble": max(0.0, 1 - busy / measured["hyper_parallel"]),
+                     "torch_bubble": max(0.0, 1 - busy / measured["torch"]),
+                     "predicted_bubble": predicted.bubble_fraction})
+    return rows
+
+
+def markdown(rows: list[dict], world: int, meta: dict) -> str:
+    lines = [
+        f"# Pipeline schedules: hyper_parallel vs torch.distributed.pipelining ({world} ranks, gloo, CPU)",
+        "",
+        f"dim {meta['dim']}, {meta['layers']} layers per rank, batch {meta['batch']}. Median of the slowest rank "
+        "per step. Bubble = 1 - busy/step with busy from per-action costs measured alone; predicted = the "
+        "simulator with those costs.",
+        "",
+        "| schedule | stages | microbatches | F ms | B ms | ours ms | torch ms | predicted ms | ours bubble "
+        "| torch bubble | predicted bubble |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for e in rows:
+        lines.append(f"| {e['schedule']} | {e['stages']} | {e['microbatches']} | {e['forward_ms']:.2f} | "
+                     f"{e['backward_ms']:.2f} | {e['hyper_parallel_ms']:.1f} | {e['torch_ms']:.1f} | "
+                     f"{e['predicted_ms']:.1f} | {e['hyper_parallel_bubble']:.2f} | {e['torch_bubble']:.2f} | "
+                     f"{e['predicted_bubble']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4, help="layers per rank")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "pipeline")
+    args = parser.parse_args()
+
+    from hyper_parallel.testing import run_on_ranks
+
+    from benchmarks.pipeline import bench_rank as rank_fn  # the ranks import it by name
+
+    per_rank = run_on_ranks(rank_fn, args.world_size, args.dim, args.layers, args.batch, args.microbatches,
+                            args.iters, args.warmup, platform="torch-cpu", timeout_s=1800)
+    rows = per_rank[0]
+    meta = {"world_size": args.world_size, "backend": "torch-cpu (gloo)", "dim": args.dim, "layers": args.layers,
+            "batch": args.batch, "iters": args.iters, "warmup": args.warmup, "host": host_platform.platform(),
+            "python": sys.version.split()[0]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    table = markdown(rows, args.world_size, meta)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""Comparing schedules on the simulator: for given (ranks, microbatches, virtual stages,
+memory limit), each schedule's predicted step time, bubble fraction and peak activation
+memory, and whether it fits. ``python -m hyper_parallel.core.pipeline_parallel.schedules.compare
+--ranks 4 --microbatches 8 --virtual 2 --memory-limit 6`` prints the table."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType, Schedule
+from hyper_parallel.core.pipeline_parallel.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
+from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication
+from hyper_parallel.core.pipeline_parallel.schedules.simulator import DEFAULT_COSTS, simulate
+
+
+@dataclass(frozen=True)
+class ScheduleEstimate:
+    """One schedule's prediction.
+
+    Attributes:
+        name: the schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``).
+        num_stages: stages of the pipeline it runs.
+        step_time: seconds (in the units of the costs given).
+        bubble_fraction: idle share of ``ranks x step_time``.
+        peak_activations: the largest per-rank peak, in activation units of one stage's
+            ``F`` (a stage of an interleaved schedule holds ``1 / virtual`` of a rank's
+            layers, so its unit is scaled by ``1 / virtual`` here).
+        fits: ``peak_activations <= memory_limit`` (True without a limit).
+    """
+
+    name: str
+    num_stages: int
+    step_time: float
+    bubble_fraction: float
+    peak_activations: float
+    fits: bool
+
+
+def compare_schedules(num_ranks: int, n_microbatches: int, n_virtual: int = 2, *,
+                      memory_limit: float | None = None,
+                      costs: dict[ActionType, float] | Callable[[Action], float] | None = None,
+                      comm_latency: float = 0.0) -> list[ScheduleEstimate]:
+    """Simulate GPipe, 1F1B (one stage per rank, each holding a rank's whole share of
+    the model) and interleaved 1F1B (``n_virtual`` stages per rank, each ``1 / n_virtual``
+    of it: its costs and activations are scaled down by ``n_virtual``), lowered with
+    point-to-point actions, and return their estimates, fastest first.
+
+    Args:
+        costs: seconds per action type of a rank's whole share (default: F 1, B 2).
+        memory_limit: activation units a rank may hold (one unit: a microbatch's
+            activations of a rank's whole share).
+
+    Raises:
+        ValueError: arguments the generators reject (say, interleaving with
+            ``n_microbatches`` not a multiple of ``num_ranks``).
+    """
+    candidates: list[tuple[str, Schedule, int, float]] = [
+        ("gpipe", gpipe(num_ranks, n_microbatches), num_ranks, 1.0),
+        ("1f1b", one_f_one_b(num_ranks, n_microbatches), num_ranks, 1.0),
+    ]
+    if n_virtual > 1 and n_microbatches % num_ranks == 0:
+        candidates.append(("interleaved_1f1b", interleaved_1f1b(num_ranks, n_virtual, n_microbatches),
+                           num_ranks * n_virtual, 1.0 / n_virtual))
+    out = []
+    for name, compute, num_stages, scale in candidates:
+        if callable(costs):
+            cost: Callable[[Action], float] | dict[ActionType, float] = (lambda a, c=costs, k=scale: c(a) * k)
+        else:
+            table = {**DEFAULT_COSTS, **(costs or {})}
+            cost = {kind: value * scale for kind, value in table.items()}
+        result = simulate(add_communication(compute, num_stages), num_stages, costs=cost,
+                          comm_latency=comm_latency, activation_size=scale)
+        peak = max(result.peak_activations.values())
+        out.append(ScheduleEstimate(name, num_stages, result.step_time, result.bubble_fraction, peak,
+                                    memory_limit is None or peak <= memory_limit))
+    return sorted(out, key=lambda e: (not e.fits, e.step_time))
+
+
+def format_table(estimates: list[ScheduleEstimate]) -> str:
+    """A markdown table of ``estimates``."""
+    lines = ["| schedule | stages | step time | bubble | peak activations | fits |", "|---|---|---|---|---|---|"]
+    lines += [f"| {e.name} | {e.num_stages} | {e.step_time:.3f} | {e.bubble_fraction:.3f} | {e.peak_activations:.2f} "
+              f"| {'yes' if e.fits else 'no'} |" for e in estimates]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--virtual", type=int, default=2)
+    parser.add_argument("--memory-limit", type=float, default=None)
+    parser.add_argument("--forward-cost", type=float, default=1.0)
+    parser.add_argument("--backward-cost", type=float, default=2.0)
+    parser.add_argument("--comm-latency", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    costs = {ActionType.F: args.forward_cost, ActionType.B: args.backward_cost}
+    print(format_table(compare_schedules(args.ranks, args.microbatches, args.virtual, memory_limit=args.memory_limit,
+                                         costs=costs, comm_latency=args.comm_latency)))
+
+
+if __name__ == "__main__":
+    main()
