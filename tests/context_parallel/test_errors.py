@@ -49,6 +49,11 @@ def check_errors() -> dict[str, str]:
         "layout": _message(lambda: hp.scaled_dot_product_attention(t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2),
                                                                    layout="SBHD")),
     }
+    # The forwards above raised inside hooked modules, skipping their post-hooks: their
+    # frames must not capture a plain call of the functional.
+    a = t(1, 5, 2, 2)
+    np.testing.assert_array_equal(p.to_numpy(hp.scaled_dot_product_attention(a, a, a, is_causal=True)),
+                                  p.to_numpy(p.attention(a, a, a, causal=True)[0]))
     # A module computing attention by itself sees whole sequences under pure Ulysses.
     q, k, v = (rng.standard_normal((2, 4 * cp, 2 * cp, 4)).astype(np.float32) for _ in range(3))
     ref = p.to_numpy(p.attention(p.from_numpy(q), p.from_numpy(k), p.from_numpy(v), causal=True)[0])
