@@ -20,8 +20,8 @@ The ContextVar object itself is a constant; it is not a registry.
 
 A forward that raises skips its post-hook, so its frame would stay and capture the next
 unrelated call of the functional. Each frame therefore remembers the framework's call
-frame of its module (the Python frame of ``Module.__call__``/``Cell.__call__``, found
-by walking up from the pre-hook to the frame whose ``self`` is the module); a frame whose
+frame of its module (the Python frame of ``Module.__call__``/``Cell.__call__``: the
+outermost frame on the stack whose ``self`` is the module); a frame whose
 call frame is no longer on this thread's stack is dead and is dropped whenever frames
 are read or pushed.
 """
@@ -95,14 +95,16 @@ class Frame:
 
 
 def module_call_site(module: Any) -> Any:
-    """The innermost Python frame on this thread's stack whose ``self`` is ``module``
-    (the framework's module call, which outlives the forward and its hooks)."""
-    f = sys._getframe(1)
+    """The outermost Python frame on this thread's stack whose ``self`` is ``module``: the
+    framework's module call (``Module._call_impl``, ``Cell.__call__``), which outlives the
+    forward and its hooks, rather than a helper of it that returns after the pre-hooks
+    (MindSpore runs them in one, under a decorator frame of its own)."""
+    site, f = None, sys._getframe(1)
     while f is not None:
         if f.f_locals.get("self") is module:
-            return f
+            site = f
         f = f.f_back
-    return None
+    return site
 
 
 def _is_live(frame: Frame) -> bool:
