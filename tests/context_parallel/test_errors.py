@@ -60,6 +60,15 @@ def check_errors() -> dict[str, str]:
     local = hp.context_parallel_shard([p.from_numpy(a) for a in (q, k, v)], [1, 1, 1], mesh)
     got = run(hp.ContextParallel(), *local, functional=False)
     np.testing.assert_allclose(p.to_numpy(got), np.array_split(ref, cp, axis=1)[p.rank()], rtol=1e-5, atol=1e-5)
+    # A named 2-D (exchange, ulysses) mesh given directly: (1, cp) is Ulysses, (cp, 1) a ring.
+    for shape in ((1, cp), (cp, 1)):
+        mesh2d = init_device_mesh(p.device_type, shape, mesh_dim_names=("cp_kv", "cp_ulysses"))
+        module = hp.ContextParallel(kv_exchange="ring").apply(core_attention(p, causal=True), mesh2d)
+        got = module(*hp.context_parallel_shard([p.from_numpy(a) for a in (q, k, v)], [1, 1, 1], mesh2d))
+        np.testing.assert_allclose(p.to_numpy(got), np.array_split(ref, cp, axis=1)[p.rank()], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"2-D mesh {shape}")
+    out["mesh_degree"] = _message(lambda: hp.ContextParallel(ulysses_degree=2).resolve(
+        init_device_mesh(p.device_type, (cp, 1))))
     return out
 
 
@@ -76,6 +85,7 @@ EXPECTED = {
                       "K/V were never exchanged (kv_exchange='ring' over 2 ranks)",
     "shard": "context_parallel_shard: sequence length 6 does not split into 2 * cp = 4 chunks",
     "layout": "layout='SBHD' is not supported",
+    "mesh_degree": "ulysses_degree=2 but the 2-D mesh (2, 1) has 1 ranks on its Ulysses axis (the second)",
 }
 
 
