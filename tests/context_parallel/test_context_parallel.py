@@ -86,8 +86,8 @@ def _vjp_many(p, fns: list, inputs: list[list]) -> tuple[list, list]:
 
 def check_modes(only: tuple[str, ...] = ()) -> int:
     """Every case of ``cases(world)`` (of the modes in ``only``, when given): forward,
-    unshard and q/k/v gradients vs the reference. All cases share one ``vjp`` for the
-    reference and one for context parallelism: MindSpore pays ~0.5 s per ``vjp``."""
+    unshard and q/k/v gradients vs the reference. The cases of a mode share one ``vjp`` for the
+    reference and one for context parallelism per mode: MindSpore pays ~0.5 s per ``vjp``."""
     p = get_platform()
     cp, r = p.world_size(), p.rank()
     mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
@@ -123,20 +123,30 @@ def check_modes(only: tuple[str, ...] = ()) -> int:
         labels.append(label)
         checks.append((seq_dim, lay, pos, lb))
 
-    ref_outs, ref_back = _vjp_many(p, ref_fns, ref_inputs)
-    ref_grads, _ = ref_back(douts)
-    cp_outs, cp_back = _vjp_many(p, modules, cp_inputs)
-    cp_grads, _ = cp_back(cp_douts)
-    for i, (label, (seq_dim, lay, pos, lb)) in enumerate(zip(labels, checks)):
-        ref = [p.to_numpy(ref_outs[i])] + [p.to_numpy(g) for g in ref_grads[3 * i:3 * i + 3]]
-        got = [cp_outs[i], *cp_grads[3 * i:3 * i + 3]]
-        for name, value, want in zip(("out", "dq", "dk", "dv"), got, ref):
-            np.testing.assert_allclose(p.to_numpy(value), lay(want[:, pos]), **_tol(p), err_msg=f"{name}: {label}")
-        gathered, = hp.context_parallel_unshard([cp_outs[i]], [seq_dim], mesh, load_balance=lb)
-        np.testing.assert_allclose(p.to_numpy(gathered), lay(ref[0]), **_tol(p), err_msg=f"unshard: {label}")
+    # One vjp per mode: a single vjp over every case of the world-4 sweep made MindSpore's
+    # CPU all-gather fail ("CollectiveWait failed") where per-mode batches pass.
+    for mode in dict.fromkeys(c[0] for c in todo):
+        idx = [i for i, c in enumerate(todo) if c[0] == mode]
+        ref_outs, ref_back = _vjp_many(p, [ref_fns[i] for i in idx], [ref_inputs[i] for i in idx])
+        ref_grads, _ = ref_back([douts[i] for i in idx])
+        cp_outs, cp_back = _vjp_many(p, [modules[i] for i in idx], [cp_inputs[i] for i in idx])
+        cp_grads, _ = cp_back([cp_douts[i] for i in idx])
+        for j, i in enumerate(idx):
+            label, (seq_dim, lay, pos, lb) = labels[i], checks[i]
+            ref = [p.to_numpy(ref_outs[j])] + [p.to_numpy(g) for g in ref_grads[3 * j:3 * j + 3]]
+            got = [cp_outs[j], *cp_grads[3 * j:3 * j + 3]]
+            for name, value, want in zip(("out", "dq", "dk", "dv"), got, ref):
+                np.testing.assert_allclose(p.to_numpy(value), lay(want[:, pos]), **_tol(p),
+                                           err_msg=f"{name}: {label}")
+            gathered, = hp.context_parallel_unshard([cp_outs[j]], [seq_dim], mesh, load_balance=lb)
+            np.testing.assert_allclose(p.to_numpy(gathered), lay(ref[0]), **_tol(p), err_msg=f"unshard: {label}")
     return len(todo)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_modes_match_single_device(run_on_ranks, world_size: int) -> None:
-    assert run_on_ranks(check_modes, world_size=world_size) == [len(cases(world_size))] * world_size
+# world 4 in two calls: a call holds its cases' graphs, and MindSpore on a busy 2-core
+# host needs minutes for all of them (the timeout still catches a hang).
+@pytest.mark.parametrize("world_size, only", [(2, ()), (4, ("ulysses", "allgather", "ring")),
+                                              (4, ("hybrid_allgather", "hybrid_ring"))])
+def test_modes_match_single_device(run_on_ranks, world_size: int, only: tuple[str, ...]) -> None:
+    expected = len([c for c in cases(world_size) if not only or c[0] in only])
+    assert run_on_ranks(check_modes, only, world_size=world_size, timeout_s=600) == [expected] * world_size

@@ -49,12 +49,26 @@ def check_errors() -> dict[str, str]:
         "layout": _message(lambda: hp.scaled_dot_product_attention(t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2),
                                                                    layout="SBHD")),
     }
+    # The forwards above raised inside hooked modules, skipping their post-hooks: their
+    # frames must not capture a plain call of the functional.
+    a = t(1, 5, 2, 2)
+    np.testing.assert_array_equal(p.to_numpy(hp.scaled_dot_product_attention(a, a, a, is_causal=True)),
+                                  p.to_numpy(p.attention(a, a, a, causal=True)[0]))
     # A module computing attention by itself sees whole sequences under pure Ulysses.
     q, k, v = (rng.standard_normal((2, 4 * cp, 2 * cp, 4)).astype(np.float32) for _ in range(3))
     ref = p.to_numpy(p.attention(p.from_numpy(q), p.from_numpy(k), p.from_numpy(v), causal=True)[0])
     local = hp.context_parallel_shard([p.from_numpy(a) for a in (q, k, v)], [1, 1, 1], mesh)
     got = run(hp.ContextParallel(), *local, functional=False)
     np.testing.assert_allclose(p.to_numpy(got), np.array_split(ref, cp, axis=1)[p.rank()], rtol=1e-5, atol=1e-5)
+    # A named 2-D (exchange, ulysses) mesh given directly: (1, cp) is Ulysses, (cp, 1) a ring.
+    for shape in ((1, cp), (cp, 1)):
+        mesh2d = init_device_mesh(p.device_type, shape, mesh_dim_names=("cp_kv", "cp_ulysses"))
+        module = hp.ContextParallel(kv_exchange="ring").apply(core_attention(p, causal=True), mesh2d)
+        got = module(*hp.context_parallel_shard([p.from_numpy(a) for a in (q, k, v)], [1, 1, 1], mesh2d))
+        np.testing.assert_allclose(p.to_numpy(got), np.array_split(ref, cp, axis=1)[p.rank()], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"2-D mesh {shape}")
+    out["mesh_degree"] = _message(lambda: hp.ContextParallel(ulysses_degree=2).resolve(
+        init_device_mesh(p.device_type, (cp, 1))))
     return out
 
 
@@ -71,6 +85,7 @@ EXPECTED = {
                       "K/V were never exchanged (kv_exchange='ring' over 2 ranks)",
     "shard": "context_parallel_shard: sequence length 6 does not split into 2 * cp = 4 chunks",
     "layout": "layout='SBHD' is not supported",
+    "mesh_degree": "ulysses_degree=2 but the 2-D mesh (2, 1) has 1 ranks on its Ulysses axis (the second)",
 }
 
 

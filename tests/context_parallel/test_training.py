@@ -23,11 +23,10 @@ from tests.context_parallel._models import block_weights, transformer_block
 B, S, DIM, H, KV_HEADS, HEAD_DIM, HIDDEN = 2, 16, 16, 4, 2, 4, 24
 DOCS = [0, 5, 12, 16]
 LR = 0.2
-CONFIGS = {  # name -> (style class, ulysses_degree, kv_exchange, load_balance, steps)
+CONFIGS = {  # name -> (style class, ulysses_degree, kv_exchange, load_balance, steps); 2 ranks
     "ring_load_balanced": (hp.ContextParallel, 1, "ring", True, 5),
-    "hybrid_ring": (hp.ContextParallel, 2, "ring", False, 3),
-    "async_hybrid_ring": (hp.AsyncContextParallel, 2, "ring", False, 3),
-    "async_ulysses_gqa": (hp.AsyncContextParallel, 4, "allgather", False, 3),
+    "ulysses": (hp.ContextParallel, 2, "allgather", False, 3),
+    "async_ulysses": (hp.AsyncContextParallel, 2, "allgather", False, 3),
 }
 
 
@@ -77,8 +76,8 @@ def check_training() -> list[str]:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # a silent fallback to the synchronous path would defeat the test
                 style.apply(model.attn, mesh, model.q_proj, model.k_proj, model.v_proj)
-        else:
-            style.apply(model.attn, mesh)
+        else:  # through a plan: ContextParallel composes with parallelize_module
+            hp.parallelize_module(model, mesh, {"attn": style})
         x_local, t_local = (p.to_numpy(t) for t in hp.context_parallel_shard(
             [p.from_numpy(x), p.from_numpy(target)], [1, 1], mesh, load_balance=lb))
         histories[name] = _train(p, model, x_local, t_local, steps, count, group=mesh.get_group())
@@ -87,13 +86,28 @@ def check_training() -> list[str]:
             for pname, value in params.items():
                 np.testing.assert_allclose(value, ref_params[pname], **_tol(p),
                                            err_msg=f"{name}: {pname} after step {step}")
-    for step, ((loss, params), (sync_loss, sync_params)) in enumerate(zip(histories["async_hybrid_ring"],
-                                                                          histories["hybrid_ring"])):
+    for step, ((loss, params), (sync_loss, sync_params)) in enumerate(zip(histories["async_ulysses"],
+                                                                          histories["ulysses"])):
         np.testing.assert_allclose(loss, sync_loss, **_tol(p), err_msg=f"async vs sync: loss of step {step}")
         for pname, value in params.items():
             np.testing.assert_allclose(value, sync_params[pname], **_tol(p), err_msg=f"async vs sync: {pname}")
+    # Multi-query k/v (1 head < 2 ranks) take AsyncContextParallel's synchronous k/v path.
+    mqa = block_weights(DIM, H, 1, HEAD_DIM, HIDDEN)
+    x_local, t_local = (p.to_numpy(t) for t in hp.context_parallel_shard(
+        [p.from_numpy(x), p.from_numpy(target)], [1, 1], mesh))
+    steps = []
+    for style_cls in (hp.ContextParallel, hp.AsyncContextParallel):
+        model = transformer_block(p, mqa, heads=H, head_dim=HEAD_DIM, cu_seqlens=DOCS)
+        projections = (model.q_proj, model.k_proj, model.v_proj) if style_cls is hp.AsyncContextParallel else ()
+        style_cls().apply(model.attn, mesh, *projections)
+        steps.append(_train(p, model, x_local, t_local, 1, count, group=mesh.get_group())[0])
+    np.testing.assert_allclose(steps[1][0], steps[0][0], **_tol(p), err_msg="async vs sync MQA: loss")
+    for pname, value in steps[1][1].items():
+        np.testing.assert_allclose(value, steps[0][1][pname], **_tol(p), err_msg=f"async vs sync MQA: {pname}")
     return sorted(histories)
 
 
 def test_training_matches_single_process(run_on_ranks) -> None:
-    assert run_on_ranks(check_training, world_size=4) == [sorted(CONFIGS)] * 4
+    # 2 ranks: MindSpore pays seconds per training step at 4 (hybrid modes are swept in
+    # test_context_parallel).
+    assert run_on_ranks(check_training, world_size=2, timeout_s=600) == [sorted(CONFIGS)] * 2

@@ -26,7 +26,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from hyper_parallel.core.context_parallel.context import Frame, Plan, drop_stale, push_frame
+from hyper_parallel.core.context_parallel.context import Frame, Plan, module_call_site, push_frame
 from hyper_parallel.core.context_parallel.context_parallel import ContextParallel
 from hyper_parallel.core.context_parallel.ulysses import replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -73,7 +73,7 @@ class AsyncContextParallel(ContextParallel):
         name = type(module).__name__
         for proj_name, proj in projections.items():
             p.register_forward_hook(proj, lambda m, args, out, pn=proj_name: self._launch(plan, slots, pn, out))
-        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook_async(plan, slots, name, args))
+        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook_async(plan, slots, name, m, args))
         p.register_forward_hook(module, lambda m, args, out: self._post_hook(plan, name, out))
         return module
 
@@ -100,8 +100,8 @@ class AsyncContextParallel(ContextParallel):
         work, _send = box.pop()
         return grad + work.wait()
 
-    def _pre_hook_async(self, plan: Plan, slots: _Slots, name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        drop_stale(plan)
+    def _pre_hook_async(self, plan: Plan, slots: _Slots, name: str, module: Any,
+                        args: tuple[Any, ...]) -> tuple[Any, ...]:
         p, n, s, h = get_platform(), plan.ulysses_size, self.seq_dim, self.head_dim
         q, k, v = self._qkv(name, args)
         missing = [pn for pn in PROJECTIONS if pn not in slots.launched]
@@ -122,7 +122,7 @@ class AsyncContextParallel(ContextParallel):
                                                 grad_box)  # [batch, seq, features / n]
             bshd = y.reshape(y.shape[0], y.shape[1], int(t.shape[h]) // n, int(t.shape[3]))
             out.append(bshd if (s, h) == (1, 2) else bshd.transpose(1, 2))
-        push_frame(Frame(name, plan, seq_len))
+        push_frame(Frame(name, plan, seq_len, module_call_site(module)))
         new = list(args)
         for i, t in zip(self.qkv_indices, out):
             new[i] = t

@@ -17,11 +17,19 @@ a ``contextvars.ContextVar``:
   across calls and no module is ever referenced after its forward returns;
 - nested hooked modules (an attention inside an attention) see the innermost frame.
 The ContextVar object itself is a constant; it is not a registry.
+
+A forward that raises skips its post-hook, so its frame would stay and capture the next
+unrelated call of the functional. Each frame therefore remembers the framework's call
+frame of its module (the Python frame of ``Module.__call__``/``Cell.__call__``: the
+outermost frame on the stack whose ``self`` is the module); a frame whose
+call frame is no longer on this thread's stack is dead and is dropped whenever frames
+are read or pushed.
 """
 
 from __future__ import annotations
 
 import contextvars
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,39 +90,58 @@ class Frame:
     module_name: str
     plan: Plan
     seq_len: int
+    site: Any = None  # the Python frame running the module's call; None: not found, always live
     called: bool = field(default=False)
+
+
+def module_call_site(module: Any) -> Any:
+    """The outermost Python frame on this thread's stack whose ``self`` is ``module``: the
+    framework's module call (``Module._call_impl``, ``Cell.__call__``), which outlives the
+    forward and its hooks, rather than a helper of it that returns after the pre-hooks
+    (MindSpore runs them in one, under a decorator frame of its own)."""
+    site, f = None, sys._getframe(1)
+    while f is not None:
+        if f.f_locals.get("self") is module:
+            site = f
+        f = f.f_back
+    return site
+
+
+def _is_live(frame: Frame) -> bool:
+    if frame.site is None:
+        return True
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame.site:
+            return True
+        f = f.f_back
+    return False
+
+
+def _live_frames() -> tuple[Frame, ...]:
+    """This thread's frames with the dead ones dropped (see the note)."""
+    frames = _FRAMES.get()
+    live = tuple(f for f in frames if _is_live(f))
+    if len(live) != len(frames):
+        _FRAMES.set(live)
+    return live
 
 
 def current_frame() -> Frame | None:
     """The innermost running hooked forward of this thread/task, if any."""
-    frames = _FRAMES.get()
+    frames = _live_frames()
     return frames[-1] if frames else None
 
 
 def push_frame(frame: Frame) -> None:
-    _FRAMES.set(_FRAMES.get() + (frame,))
+    _FRAMES.set(_live_frames() + (frame,))
 
 
 def pop_frame(frame: Frame) -> None:
-    """Remove ``frame`` and whatever a failed inner forward left above it.
-
-    A forward that raises skips its post-hook; its frame stays until the enclosing hooked
-    forward pops past it, or until ``ContextParallel``'s pre-hook of the next forward
-    clears frames of its own module."""
-    frames = _FRAMES.get()
-    if frame in frames:
-        _FRAMES.set(frames[:frames.index(frame)])
+    """Remove ``frame`` (the post-hook of its forward)."""
+    _FRAMES.set(tuple(f for f in _FRAMES.get() if f is not frame))
 
 
 def find_frame(plan: Plan) -> Frame | None:
-    """The innermost running frame of ``plan``."""
-    return next((f for f in reversed(_FRAMES.get()) if f.plan is plan), None)
-
-
-def drop_stale(plan: Plan) -> None:
-    """Drop frames a raising forward of the same plan left behind (see ``pop_frame``)."""
-    frames = _FRAMES.get()
-    for i, f in enumerate(frames):
-        if f.plan is plan:
-            _FRAMES.set(frames[:i])
-            return
+    """The innermost live frame of ``plan``."""
+    return next((f for f in reversed(_live_frames()) if f.plan is plan), None)

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.core.context_parallel.context import Frame, Plan, drop_stale, find_frame, pop_frame, push_frame
+from hyper_parallel.core.context_parallel.context import (Frame, Plan, find_frame, module_call_site, pop_frame,
+                                                          push_frame)
 from hyper_parallel.core.context_parallel.load_balance import check_seq_len
 from hyper_parallel.core.context_parallel.ulysses import check_heads, heads_to_seq, replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -141,7 +142,7 @@ class ContextParallel(ParallelStyle):
         plan = self.resolve(device_mesh)
         p = get_platform()
         name = type(module).__name__
-        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook(plan, name, args))
+        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook(plan, name, m, args))
         p.register_forward_hook(module, lambda m, args, out: self._post_hook(plan, name, out))
         return module
 
@@ -171,8 +172,7 @@ class ContextParallel(ParallelStyle):
             check_heads(int(q.shape[h]), int(k.shape[h]), plan.ulysses_size, f"ContextParallel on {name}")
         return seq_len
 
-    def _pre_hook(self, plan: Plan, name: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        drop_stale(plan)
+    def _pre_hook(self, plan: Plan, name: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
         q, k, v = self._qkv(name, args)
         seq_len = self.check(plan, name, q, k, v)
         if plan.ulysses_size > 1:
@@ -180,7 +180,7 @@ class ContextParallel(ParallelStyle):
             n, s, h = plan.ulysses_size, self.seq_dim, self.head_dim
             k, v = replicate_heads(p, k, h, n), replicate_heads(p, v, h, n)
             q, k, v = (seq_to_heads(p, t, s, h, plan.ulysses_group) for t in (q, k, v))
-        push_frame(Frame(name, plan, seq_len))
+        push_frame(Frame(name, plan, seq_len, module_call_site(module)))
         new = list(args)
         for i, t in zip(self.qkv_indices, (q, k, v)):
             new[i] = t

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.platform import get_platform
+
 
 def document_ids(cu_seqlens: Any, seq_len: int) -> np.ndarray:
     """The document index of each of ``seq_len`` global positions (int64 ``[seq_len]``).
@@ -37,10 +39,9 @@ def document_ids(cu_seqlens: Any, seq_len: int) -> np.ndarray:
         ValueError: not starting at 0, not strictly increasing, or not ending at
             ``seq_len``.
     """
-    if hasattr(cu_seqlens, "shape") and not isinstance(cu_seqlens, np.ndarray):
-        from hyper_parallel.platform import get_platform
-
-        cu_seqlens = get_platform().to_numpy(cu_seqlens)
+    p = get_platform()
+    if p.is_tensor(cu_seqlens):
+        cu_seqlens = p.to_numpy(cu_seqlens)
     cu = np.asarray(cu_seqlens).reshape(-1)
     if cu.size < 2 or not np.issubdtype(cu.dtype, np.integer) or cu[0] != 0 or cu[-1] != seq_len \
             or np.any(np.diff(cu) <= 0):
