@@ -110,8 +110,13 @@ def _restore(run: _Run, loaded: checkpoint.Loaded) -> None:
 
 
 def _layout_record(run: _Run) -> dict[str, Any]:
-    return {"degrees": run.layout.degrees(), "model": run.cfg.model_name, "dim": run.cfg.model.dim,
-            "n_layers": run.cfg.model.n_layers}
+    return layout_record(run.cfg, run.layout)
+
+
+def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """What a checkpoint's shards depend on: the degrees and the model's sizes."""
+    return {"degrees": layout.degrees(), "model": cfg.model_name, "dim": cfg.model.dim,
+            "n_layers": cfg.model.n_layers}
 
 
 def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
