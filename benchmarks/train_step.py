@@ -50,6 +50,11 @@ def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmu
     torch_styles = {"ColwiseParallel": TColwise, "RowwiseParallel": TRowwise}
     torch_parallelize(theirs, torch_mesh("cpu", (n,)),
                       {key: torch_styles[type(style).__name__]() for key, style in TP_PLAN.items()})
+    from torch.distributed.tensor import DTensor
+
+    sharded = [name for name, param in theirs.named_parameters() if isinstance(param, DTensor)]
+    if len(sharded) != 7 * cfg.n_layers:  # wq wk wv wo w1 w2 w3 per layer
+        raise RuntimeError(f"torch's parallelize_module sharded {sharded}, not the 7 linears of every layer")
     one = torch.ones(())
 
     def step_ours(params: list, opt: torch.optim.Optimizer, tensors: list) -> float:
@@ -70,18 +75,21 @@ def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmu
     for impl, model, step in (("hyper_parallel", ours, step_ours), ("torch", theirs, step_theirs)):
         params = list(model.parameters())
         opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-        times = []
+        times, losses = [], []
         for i in range(warmup + iters):
             batch = rank_batch(corpus.train, 0, i + 1, batch_size, seq_len, 0, 1)
             tensors = [torch.from_numpy(batch.tokens), torch.from_numpy(batch.positions),
                        torch.from_numpy(batch.targets)]
             p.barrier().wait()
             began = time.perf_counter()
-            step(params, opt, tensors)
+            losses.append(step(params, opt, tensors))
             elapsed = time.perf_counter() - began
             if i >= warmup:
                 times.append(elapsed)
-        rows.append({"impl": impl, "seconds": times})
+        rows.append({"impl": impl, "seconds": times, "losses": losses})
+    # the same computation: the loss curves agree (float32, different reduction orders)
+    if abs(rows[0]["losses"][-1] - rows[1]["losses"][-1]) > 1e-3 * abs(rows[1]["losses"][-1]):
+        raise RuntimeError(f"the two implementations diverged: {rows[0]['losses']} vs {rows[1]['losses']}")
     return rows
 
 

@@ -150,6 +150,29 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def latest_manifest(root: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint under ``root`` that verifies, and its manifest (``None`` if
+    none does). Incomplete newer ones are skipped with a warning that says why."""
+    for step in reversed(complete_steps(root)):
+        path = _step_dir(root, step)
+        problem = verify(path)
+        if problem is not None:
+            warnings.warn(f"checkpoint {path} is unusable: {problem}; falling back to the previous checkpoint",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        return path, json.loads((path / MANIFEST).read_text())
+    return None
+
+
+def check_layout(path: Path, manifest: dict[str, Any], layout: dict[str, Any], world: int) -> None:
+    """Raise ``ValueError`` if the checkpoint at ``path`` was written with another layout or
+    world size (its shards hold other slices; resharding on load is not supported)."""
+    if manifest["world_size"] != world or manifest["layout"] != layout:
+        raise ValueError(f"--resume: checkpoint {path} was written by {manifest['world_size']} ranks with layout "
+                         f"{manifest['layout']}, but this run has {world} ranks with layout {layout}; resume with "
+                         "the same layout (or start a new --checkpoint-dir)")
+
+
 def load_latest(root: Path, layout: dict[str, Any], world: int, rank: int) -> Loaded | None:
     """The newest complete checkpoint under ``root``, this rank's arrays; ``None`` if there is
     none. An incomplete newer one is skipped with a warning naming why.
@@ -158,19 +181,11 @@ def load_latest(root: Path, layout: dict[str, Any], world: int, rank: int) -> Lo
         ValueError: the checkpoint was written with another layout or world size (its
             shards hold other slices; resharding on load is not supported).
     """
-    for step in reversed(complete_steps(root)):
-        path = _step_dir(root, step)
-        problem = verify(path)
-        if problem is not None:
-            warnings.warn(f"checkpoint {path} is unusable: {problem}; falling back to the previous checkpoint",
-                          RuntimeWarning, stacklevel=2)
-            continue
-        manifest = json.loads((path / MANIFEST).read_text())
-        if manifest["world_size"] != world or manifest["layout"] != layout:
-            raise ValueError(f"--resume: checkpoint {path} was written by {manifest['world_size']} ranks with layout "
-                             f"{manifest['layout']}, but this run has {world} ranks with layout {layout}; resume with "
-                             "the same layout (or start a new --checkpoint-dir)")
-        with np.load(path / _shard_name(rank)) as data:
-            arrays = {key: data[key] for key in data.files}
-        return Loaded(step, path, arrays)
-    return None
+    found = latest_manifest(root)
+    if found is None:
+        return None
+    path, manifest = found
+    check_layout(path, manifest, layout, world)
+    with np.load(path / _shard_name(rank)) as data:
+        arrays = {key: data[key] for key in data.files}
+    return Loaded(int(manifest["step"]), path, arrays)

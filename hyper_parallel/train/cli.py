@@ -123,6 +123,20 @@ def parity_report(run: list[dict], reference: list[dict]) -> dict:
     return worst
 
 
+def _check_resume_layout(cfg: TrainConfig) -> None:
+    """A checkpoint of another layout fails here, before any rank starts."""
+    import warnings
+
+    from hyper_parallel.train import checkpoint
+    from hyper_parallel.train.loop import layout_record
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ranks warn about a skipped checkpoint themselves
+        found = checkpoint.latest_manifest(cfg.checkpoint_path)
+    if found is not None:
+        checkpoint.check_layout(found[0], found[1], layout_record(cfg, cfg.layout), cfg.nproc)
+
+
 def run_train(cfg: TrainConfig) -> int:
     from hyper_parallel.train.launch import launch
     from hyper_parallel.train.rank import in_launcher, run_rank
@@ -162,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         from hyper_parallel.train.rank import in_launcher
 
         list_files(cfg.data)  # a missing --data path fails here, not on every rank
+        if cfg.resume and not in_launcher():
+            _check_resume_layout(cfg)
 
         if cfg.check_parity and in_launcher():
             raise ValueError("--check-parity starts its own single-process reference and is not available inside "

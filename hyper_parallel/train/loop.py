@@ -61,11 +61,15 @@ def _mean_over_dp(run: _Run, value: float) -> float:
 
 
 def _peak_memory(run: _Run) -> list[int]:
-    """Every rank's ``max_memory_allocated`` in bytes (an all-gather over the run's world)."""
-    mine = np.asarray([run.p.max_memory_allocated()], np.float64)
+    """Every rank's ``max_memory_allocated`` in bytes, gathered over the run's world as an
+    all-reduce (sum) of one-hot vectors: all-reduce is native on every backend (MindSpore's
+    CPU all-gather-into-tensor is emulated), and float64 holds byte counts exactly."""
+    mine = float(run.p.max_memory_allocated())
     if run.world == 1:
-        return [int(mine[0])]
-    gathered = run.p.all_gather_into_tensor(run.p.from_numpy(mine)).wait()
+        return [int(mine)]
+    slots = np.zeros(run.world, np.float64)
+    slots[run.rank] = mine
+    gathered = run.p.all_reduce(run.p.from_numpy(slots), "sum").wait()
     return [int(v) for v in run.p.to_numpy(gathered)]
 
 
@@ -106,8 +110,13 @@ def _restore(run: _Run, loaded: checkpoint.Loaded) -> None:
 
 
 def _layout_record(run: _Run) -> dict[str, Any]:
-    return {"degrees": run.layout.degrees(), "model": run.cfg.model_name, "dim": run.cfg.model.dim,
-            "n_layers": run.cfg.model.n_layers}
+    return layout_record(run.cfg, run.layout)
+
+
+def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """What a checkpoint's shards depend on: the degrees and the model's sizes."""
+    return {"degrees": layout.degrees(), "model": cfg.model_name, "dim": cfg.model.dim,
+            "n_layers": cfg.model.n_layers}
 
 
 def setup(cfg: TrainConfig, reference: bool = False) -> _Run:

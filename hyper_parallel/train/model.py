@@ -113,6 +113,23 @@ def _attention(p: Platform, m: Any, x: Any, cos: Any, sin: Any, head_dim: int) -
     return m.wo(out.reshape(b, s, -1))
 
 
+def _add_linears(module: Any, linear: type, cfg: ModelConfig, kind: str) -> None:
+    """Give ``module`` its bias-free linear layers (``linear(in, out, bias=False)``, the
+    framework's class), in parameter order: ``attention`` wq, wk, wv, wo; ``feed_forward`` w1, w2, w3."""
+    hd = cfg.head_dim
+    sizes = ({"wq": (cfg.dim, cfg.n_heads * hd), "wk": (cfg.dim, cfg.n_kv_heads * hd),
+              "wv": (cfg.dim, cfg.n_kv_heads * hd), "wo": (cfg.n_heads * hd, cfg.dim)} if kind == "attention" else
+             {"w1": (cfg.dim, cfg.hidden_dim), "w2": (cfg.hidden_dim, cfg.dim), "w3": (cfg.dim, cfg.hidden_dim)})
+    for name, (in_features, out_features) in sizes.items():
+        setattr(module, name, linear(in_features, out_features, bias=False))
+
+
+def _block(m: Any, x: Any, cos: Any, sin: Any) -> Any:
+    """Pre-norm residual block: attention, then the SwiGLU MLP."""
+    h = x + m.attention(m.attention_norm(x), cos, sin)
+    return h + m.feed_forward(m.ffn_norm(h))
+
+
 def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table: np.ndarray) -> Any:
     import torch
     import torch.nn.functional as F
@@ -129,11 +146,7 @@ def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table
     class Attention(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            hd = cfg.head_dim
-            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-            self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-            self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-            self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+            _add_linears(self, nn.Linear, cfg, "attention")
 
         def forward(self, x: Any, cos: Any, sin: Any) -> Any:
             return _attention(p, self, x, cos, sin, cfg.head_dim)
@@ -141,9 +154,7 @@ def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table
     class FeedForward(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
-            self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
-            self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+            _add_linears(self, nn.Linear, cfg, "feed_forward")
 
         def forward(self, x: Any) -> Any:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -157,8 +168,7 @@ def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table
             self.feed_forward = FeedForward()
 
         def forward(self, x: Any, cos: Any, sin: Any) -> Any:
-            h = x + self.attention(self.attention_norm(x), cos, sin)
-            return h + self.feed_forward(self.ffn_norm(h))
+            return _block(self, x, cos, sin)
 
     class Decoder(nn.Module):
         def __init__(self) -> None:
@@ -202,11 +212,7 @@ def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_t
     class Attention(nn.Cell):
         def __init__(self) -> None:
             super().__init__()
-            hd = cfg.head_dim
-            self.wq = mint.nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-            self.wk = mint.nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-            self.wv = mint.nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-            self.wo = mint.nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+            _add_linears(self, mint.nn.Linear, cfg, "attention")
 
         def construct(self, x: Any, cos: Any, sin: Any) -> Any:
             return _attention(p, self, x, cos, sin, cfg.head_dim)
@@ -214,9 +220,7 @@ def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_t
     class FeedForward(nn.Cell):
         def __init__(self) -> None:
             super().__init__()
-            self.w1 = mint.nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
-            self.w2 = mint.nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
-            self.w3 = mint.nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+            _add_linears(self, mint.nn.Linear, cfg, "feed_forward")
 
         def construct(self, x: Any) -> Any:
             return self.w2(mint.nn.functional.silu(self.w1(x)) * self.w3(x))
@@ -230,8 +234,7 @@ def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_t
             self.feed_forward = FeedForward()
 
         def construct(self, x: Any, cos: Any, sin: Any) -> Any:
-            h = x + self.attention(self.attention_norm(x), cos, sin)
-            return h + self.feed_forward(self.ffn_norm(h))
+            return _block(self, x, cos, sin)
 
     class Embedding(nn.Cell):
         # MindSpore 2.10 has no CPU kernel for mint's Embedding; indexing the table is

@@ -41,7 +41,8 @@ def check_layout_parity(out: str) -> list[float]:
     Tolerance: float32. The row-parallel projections add ``tp`` partial sums where the
     reference does one GEMM, a few-ulp difference per step; AdamW's first steps are close
     to ``lr * sign(grad)``, so a flipped sign of a near-zero gradient entry can move the next
-    loss by more than an ulp. Four steps stay within 2e-5 relative (measured below 1e-6)."""
+    loss by more than an ulp. Four steps stay within 2e-5 relative (measured: tp 2 exact,
+    tp 4 1e-7 on torch)."""
     p = get_platform()
     n, r = p.world_size(), p.rank()
     cfg = tiny_config(f"{out}/tp{n}", tp=n)
@@ -55,14 +56,14 @@ def check_layout_parity(out: str) -> list[float]:
     run_rows = train(cfg, write_outputs=False, run=run)
     got = losses(run_rows)
     assert len(got) == cfg.steps and np.all(np.isfinite(got)), got
-    if r == 0:
+    val = [row["val_loss"] for row in run_rows if "val_loss" in row]
+    assert len(val) == 2, run_rows
+    if n == 1:
+        # the single-rank layout is the reference's own code path: check that it learns
+        assert got[-1] < got[0] - 0.05, got
+    elif r == 0:
         ref = losses(train(cfg, reference=True, write_outputs=False))
-        if n == 1:
-            np.testing.assert_array_equal(got, ref, err_msg="a single-rank run is the reference itself")
-        else:
-            np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"tp {n} vs single process")
-        val = [row["val_loss"] for row in run_rows if "val_loss" in row]
-        assert len(val) == 2, run_rows
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"tp {n} vs single process")
     return got.tolist()
 
 

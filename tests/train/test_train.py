@@ -133,3 +133,19 @@ def test_command_line_run(tmp_path: Path) -> None:
     manifest = json.loads((out / "checkpoints" / "step_00000006" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and sorted(manifest["shards"]) == ["rank_00000.npz", "rank_00001.npz"]
     assert "done: step 6" in done.stdout
+
+
+def test_resume_with_another_layout_is_refused(tmp_path: Path, capsys) -> None:
+    """A checkpoint holds one layout's shards: resuming with another stops before any rank."""
+    from hyper_parallel.train import checkpoint
+    from hyper_parallel.train.loop import layout_record
+
+    written = _config("--model", "tiny", "--tp", "2")
+    checkpoint.save(None, tmp_path, 2, {"param.0": np.zeros(3, np.float32)},
+                    layout_record(written, written.layout), world=1, rank=0)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", "tiny", "--nproc", "1", "--resume", "--checkpoint-dir", str(tmp_path),
+              "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "step_00000002" in message and "'tp': 2" in message and "resume with the same layout" in message, message
