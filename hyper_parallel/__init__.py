@@ -32,6 +32,7 @@ __all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "P
            "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
 __version__ = "0.1.0"
 
-from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402  (issue 5)
+from hyper_parallel.core.fully_shard import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,  # noqa: E402
+                                             fully_shard)  # (issue 5)
 
-__all__ += ["MixedPrecisionPolicy", "fully_shard"]
+__all__ += ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard"]

@@ -33,6 +33,8 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
@@ -72,9 +74,13 @@ class HSDPState:
         self.block_size: int | None = None
         if not isinstance(reshard_after_forward, bool):
             self.block_size = int(reshard_after_forward)
-            lines = [[int(r) for r in line] for line in mesh.mesh.reshape(-1, mesh.shape[-1])]
+            # The shard axis's lines across the whole root mesh (not only this rank's
+            # submesh): split_group is collective over the world, so every rank must
+            # pass the same partition.
+            root = mesh._root
+            axis = mesh._root_axes[-1]
+            lines = [[int(r) for r in line] for line in np.moveaxis(root.mesh, axis, -1).reshape(-1, root.shape[axis])]
             k = self.block_size
-            # Collective over the world (every rank builds the same partition).
             inter = p.split_group([line[i::k] for line in lines for i in range(k)])
             for hp in params:
                 hp.inter_group = inter
@@ -231,7 +237,7 @@ class HSDPState:
             with p.no_grad():
                 g = p.to_dtype(grad, reduce_dtype)
                 hp.grad_accum = g if hp.grad_accum is None else hp.grad_accum + g
-            result = p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype)
+            result = hp.to_home(p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype))
         else:
             if hp.grad_accum is not None:
                 with p.no_grad():

@@ -160,7 +160,9 @@ class RowwiseParallel(ParallelStyle):
             return (x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local(), *args[1:])
 
         def prepare_output(_module: Any, _args: tuple, y: Any) -> Any:
-            bias = _own_parameter(_module, "bias")
+            # The tensor the module computed with: a fully_shard unit around this module
+            # substitutes the gathered bias for the registered (dp-sharded) parameter.
+            bias = getattr(_module, "bias") if _own_parameter(_module, "bias") is not None else None
             partial = y - bias if bias is not None else y  # add the bias once, after the sum
             out = DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [out_layout])
             if bias is not None:
