@@ -17,7 +17,7 @@ import numpy as np
 
 from hyper_parallel.core.dtensor import Replicate, Shard, init_device_mesh
 from hyper_parallel.core.fully_shard import full_state_dict, fully_shard, hsdp_state
-from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from hyper_parallel.platform import get_platform
 from tests.dtensor._reference import chunk
 from tests.fully_shard._models import Trainer
@@ -105,6 +105,16 @@ def check_tp_fully_shard() -> None:
             assert "sharded over a submesh" in str(err), str(err)
         else:
             raise AssertionError("full_state_dict of a submesh-sharded model accepted")
+    # SequenceParallel's gradient all-reduce is a hook on the parameter object: refused.
+    model = build(p, "sp_block", weights("sp_block"))
+    parallelize_module(model, mesh["tp"], {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
+                                           "fc2": RowwiseParallel(output_layouts=Shard(1))})
+    try:
+        fully_shard(model, mesh=mesh["dp"])
+    except ValueError as err:
+        assert "norm.weight belongs to a SequenceParallel module" in str(err), str(err)
+    else:
+        raise AssertionError("fully_shard over SequenceParallel parameters accepted")
 
 
 def test_tp_then_fully_shard(run_on_ranks) -> None:

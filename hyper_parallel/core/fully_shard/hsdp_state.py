@@ -33,8 +33,7 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from hyper_parallel.core.dtensor.device_mesh import _axis_lines
 from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
@@ -77,9 +76,10 @@ class HSDPState:
             # The shard axis's lines across the whole root mesh (not only this rank's
             # submesh): split_group is collective over the world, so every rank must
             # pass the same partition.
-            root = mesh._root
-            axis = mesh._root_axes[-1]
-            lines = [[int(r) for r in line] for line in np.moveaxis(root.mesh, axis, -1).reshape(-1, root.shape[axis])]
+            # A flattened mesh (mesh["dp", "cp"].flatten()) has one axis over several root axes.
+            root_axes = list(mesh._root_axes)
+            shard_axes = root_axes if len(root_axes) != mesh.ndim else root_axes[-1:]
+            lines = _axis_lines(mesh._root.mesh, shard_axes)
             k = self.block_size
             inter = p.split_group([line[i::k] for line in lines for i in range(k)])
             for hp in params:

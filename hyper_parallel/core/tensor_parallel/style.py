@@ -32,6 +32,9 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
 
+#: Set on a module whose parameters carry SequenceParallel's gradient hooks.
+SEQUENCE_PARALLEL_ATTR = "_sequence_parallel_grad_hooks"
+
 
 def _check_1d(mesh: DeviceMesh, style: str) -> None:
     if mesh.ndim != 1:
@@ -197,6 +200,9 @@ class SequenceParallel(ParallelStyle):
         group = mesh.get_group()
         for _, param in p.named_parameters(module):
             p.register_tensor_hook(param, lambda grad: p.all_reduce(grad, "sum", group=group).wait())
+        # The hooks live on these parameter objects: fully_shard, which replaces
+        # parameters, reads this mark and refuses them rather than drop the all-reduce.
+        vars(module)[SEQUENCE_PARALLEL_ATTR] = True
 
         def prepare_input(_module: Any, args: tuple) -> tuple:
             x = args[0]
