@@ -4,9 +4,18 @@ The core algorithms are written once against ``hyper_parallel.platform``; pick t
 backend with ``hyper_parallel.init(platform=...)`` or ``HYPER_PARALLEL_PLATFORM``.
 """
 
+from hyper_parallel.core.context_parallel import (
+    AsyncContextParallel,
+    ContextParallel,
+    context_parallel_shard,
+    context_parallel_unshard,
+    scaled_dot_product_attention,
+)
 from hyper_parallel.core.dtensor import (
+    OP_RULES,
     DeviceMesh,
     DTensor,
+    OpRule,
     Partial,
     Placement,
     Replicate,
@@ -15,6 +24,21 @@ from hyper_parallel.core.dtensor import (
     distribute_parameter,
     distribute_tensor,
     init_device_mesh,
+)
+from hyper_parallel.core.dtensor import functional as dtensor_functional
+from hyper_parallel.core.expert_parallel import MoE
+from hyper_parallel.core.fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hyper_parallel.core.pipeline_parallel import (
+    CommComputeOverlap,
+    HookCoordinator,
+    PipelineSchedule,
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from hyper_parallel.core.tensor_parallel import (
     ColwiseParallel,
@@ -26,45 +50,23 @@ from hyper_parallel.core.tensor_parallel import (
 )
 from hyper_parallel.platform import Capability, P2POp, Platform, ReduceOp, Work, get_platform, init
 
-__all__ = ["Capability", "ColwiseParallel", "DTensor", "DeviceMesh", "P2POp", "ParallelStyle", "Partial",
-           "Placement", "Platform", "PrepareModuleInput", "ReduceOp", "Replicate", "RowwiseParallel",
-           "SequenceParallel", "Shard", "Work", "distribute_module", "distribute_parameter",
-           "distribute_tensor", "get_platform", "init", "init_device_mesh", "parallelize_module"]
-from hyper_parallel.core.dtensor import OP_RULES, OpRule  # noqa: E402  (appended: DTensor ops)
-from hyper_parallel.core.dtensor import functional as dtensor_functional  # noqa: E402
-
-__all__ += ["OP_RULES", "OpRule", "dtensor_functional"]
+__all__ = [
+    # platform
+    "Capability", "P2POp", "Platform", "ReduceOp", "Work", "get_platform", "init",
+    # DTensor
+    "DTensor", "DeviceMesh", "OP_RULES", "OpRule", "Partial", "Placement", "Replicate", "Shard",
+    "distribute_module", "distribute_parameter", "distribute_tensor", "dtensor_functional", "init_device_mesh",
+    # tensor parallelism
+    "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "RowwiseParallel", "SequenceParallel",
+    "parallelize_module",
+    # context parallelism
+    "AsyncContextParallel", "ContextParallel", "context_parallel_shard", "context_parallel_unshard",
+    "scaled_dot_product_attention",
+    # fully_shard / HSDP
+    "CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
+    # pipeline and expert parallelism
+    "CommComputeOverlap", "HookCoordinator", "MoE", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
+    "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+]
 __version__ = "0.1.0"
-
-from hyper_parallel.core.expert_parallel import MoE  # noqa: E402  appended: expert parallelism
-from hyper_parallel.core.pipeline_parallel import (  # noqa: E402  appended: pipeline parallelism
-    CommComputeOverlap,
-    HookCoordinator,
-    PipelineSchedule,
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
-
-__all__ += ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]
-
-from hyper_parallel.core.context_parallel import (  # noqa: E402  (appended: context parallelism)
-    AsyncContextParallel,
-    ContextParallel,
-    context_parallel_shard,
-    context_parallel_unshard,
-    scaled_dot_product_attention,
-)
-
-__all__ += ["AsyncContextParallel", "ContextParallel", "context_parallel_shard", "context_parallel_unshard",
-            "scaled_dot_product_attention"]
-
-
-from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402  (issue 5)
-
-__all__ += ["MixedPrecisionPolicy", "fully_shard"]
-
-
-__all__ += ["CommComputeOverlap", "HookCoordinator", "MoE", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
-            "ScheduleGPipe", "ScheduleInterleaved1F1B"]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hyper_parallel.core.dtensor import DTensor, Shard, init_device_mesh
-from hyper_parallel.core.fully_shard import (MixedPrecisionPolicy, full_state_dict, fully_shard, hsdp_state,
+from hyper_parallel.core.fully_shard import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, full_state_dict, fully_shard, hsdp_state,
                                              load_full_state_dict, load_sharded_state_dict, save_sharded_state_dict,
                                              sharded_state_dict)
 from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_parallel
@@ -56,11 +56,15 @@ def _shard_model(p, model, mesh, config: dict):
     if "isp" in config:
         return weight_parallel(model, mesh, prefetch_blocks=config["isp"], ignored_params=[model.gain])
     reshard = config.get("reshard", True)
+    # CPU offload: on the CPU backends host and device are one memory (no copy), so this
+    # checks that the policy's paths (shard, gradient, zero gradient) keep parity.
+    offload = CPUOffloadPolicy() if config.get("offload") else OffloadPolicy()
     if config.get("nested", True):
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=_policy(p, config, False))
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=_policy(p, config, False),
+                        offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=_policy(p, config, True),
-                ignored_params=[model.gain])
+                offload_policy=offload, ignored_params=[model.gain])
     if config.get("prefetch"):  # explicit: each block gathers the next in forward, the previous in backward
         blocks = list(model.blocks)
         for before, after in zip(blocks, blocks[1:]):
@@ -184,9 +188,10 @@ def check_training(configs: list[dict]) -> None:
 # Each configuration costs ten steps; MindSpore pays ~30 s per configuration on 4 ranks
 # of this 2-core machine, so options are combined rather than crossed. Every
 # configuration has the tied weight and the ignored parameter; reshard_after_forward=True
-# with explicit prefetch is the HSDP run and the weight-parallel run (one unit per linear).
+# with explicit prefetch is the HSDP run and the weight-parallel run (one unit per linear);
+# CPUOffloadPolicy rides on the reshard=2 run with gradient accumulation.
 WORLD_2 = [{"reshard": False, "nested": False, "accum": 2}, {"mp": "low"}, {"isp": 1}]
-WORLD_4 = [{"reshard": 2, "accum": 2}, {"mesh": (2, 2), "prefetch": True}]
+WORLD_4 = [{"reshard": 2, "accum": 2, "offload": True}, {"mesh": (2, 2), "prefetch": True}]
 
 
 @pytest.mark.parametrize("world,configs", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
@@ -270,11 +275,14 @@ def check_bad_input() -> None:
     """Each bad input raises its message on every rank before any collective."""
     p = get_platform()
     mesh = init_device_mesh(p.device_type, (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh3 = init_device_mesh(p.device_type, (1, 2, 2))
     cases = [
-        (lambda m: fully_shard(m, mesh=mesh["shard"]), ValueError, "covers 2 ranks but the world has 4"),
+        (lambda m: fully_shard(m, mesh=mesh3), ValueError, "pass a 1-D (shard) mesh or a 2-D"),
         (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=3), ValueError, "must divide the shard axis size 2"),
         (lambda m: fully_shard(m, mesh=mesh, mp_policy="bf16"), TypeError, "MixedPrecisionPolicy"),
         (lambda m: MixedPrecisionPolicy(param_dtype="float8"), ValueError, "param_dtype='float8'"),
+        (lambda m: fully_shard(m, mesh=mesh, offload_policy="cpu"), TypeError, "offload_policy must be an OffloadPolicy"),
+        (lambda m: CPUOffloadPolicy(pin_memory=1), TypeError, "pin_memory=1 must be a bool"),
         (lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=lambda _: Shard(3)), ValueError, "out of range"),
         (lambda m: hsdp_state(fully_shard(m.blocks[0], mesh=mesh)).set_modules_to_forward_prefetch([m.blocks[1]]),
          ValueError, "was not passed to fully_shard"),

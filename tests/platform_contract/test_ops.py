@@ -213,6 +213,19 @@ def check_storage_streams_device() -> dict:
     # On CPU both are read from Linux counters that are synced lazily per thread, so two
     # reads taken microseconds apart may disagree by a few pages (seen: 0.1%).
     assert used > 0 and peak >= 0.99 * used, (used, peak)
+    # to_device: host and back keep values and dtype; an unknown device name is refused.
+    x = p.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    for pin in (False, True):
+        host = p.to_device(x, "cpu", pin_memory=pin)
+        back = p.to_device(host, p.device_type)
+        assert p.to_numpy(host).tolist() == p.to_numpy(back).tolist() == p.to_numpy(x).tolist()
+        assert p.dtype_name(back.dtype) == "float32" and tuple(back.shape) == (2, 3)
+    try:
+        p.to_device(x, "tpu")
+    except ValueError as err:
+        assert "device='tpu'" in str(err) and "'cpu'" in str(err), str(err)
+    else:
+        raise AssertionError("to_device accepted an unknown device name")
     return {"caps": sorted(c.name for c in p.capabilities()), "name": p.name}
 
 

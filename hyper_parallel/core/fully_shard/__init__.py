@@ -3,12 +3,12 @@
 from hyper_parallel.core.fully_shard.api import fully_shard, hsdp_state
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import HSDPState, TrainingState
-from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
+from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.fully_shard.state_dict import (full_state_dict, load_full_state_dict,
                                                         load_sharded_state_dict, save_sharded_state_dict,
                                                         sharded_state_dict)
 from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_parallel
 
-__all__ = ["HSDPParam", "HSDPState", "MixedPrecisionPolicy", "TrainingState", "full_state_dict", "fully_shard",
+__all__ = ["CPUOffloadPolicy", "HSDPParam", "HSDPState", "MixedPrecisionPolicy", "OffloadPolicy", "TrainingState", "full_state_dict", "fully_shard",
            "hsdp_state", "load_full_state_dict", "load_sharded_state_dict", "save_sharded_state_dict",
            "sharded_state_dict", "find_blocks", "weight_parallel"]

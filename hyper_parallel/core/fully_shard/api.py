@@ -16,7 +16,8 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPContext, HSDPState
-from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
+from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.core.tensor_parallel.style import SEQUENCE_PARALLEL_ATTR
 from hyper_parallel.platform import get_platform
 
 def hsdp_state(module: Any) -> HSDPState:
@@ -37,11 +38,14 @@ def _direct_params(module: Any) -> list[tuple[str, Any]]:
     return [(name, param) for name, param in p.named_parameters(module) if "." not in name]
 
 
-def _check_options(reshard_after_forward: Any, mp_policy: Any) -> None:
+def _check_options(reshard_after_forward: Any, mp_policy: Any, offload_policy: Any) -> None:
     if not isinstance(reshard_after_forward, (bool, int)):
         raise TypeError(f"fully_shard: reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy (or CPUOffloadPolicy(pin_memory=...)), "
+                        f"got {type(offload_policy).__name__}")
 
 
 def _check_mesh(mesh: Any, reshard_after_forward: bool | int) -> None:
@@ -51,9 +55,12 @@ def _check_mesh(mesh: Any, reshard_after_forward: bool | int) -> None:
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: mesh has {mesh.ndim} axes {mesh.shape}; pass a 1-D (shard) mesh or a 2-D "
                          "(replicate, shard) mesh for HSDP")
-    if mesh.size() != p.world_size():
-        raise ValueError(f"fully_shard: mesh {mesh.shape} covers {mesh.size()} ranks but the world has "
-                         f"{p.world_size()}; build the mesh over every rank (init_device_mesh(device, (world,)))")
+    # A submesh is allowed (composition with tensor parallelism: fully_shard over
+    # mesh2d["dp"] after parallelize_module over mesh2d["tp"]); this rank must be in it.
+    # Its ranks are world ranks: every DeviceMesh descends from one over the world.
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"fully_shard: rank {p.rank()} is not in mesh {mesh.mesh.tolist()}; pass the (sub)mesh "
+                         "that holds this rank (e.g. mesh2d['dp'] taken on every rank)")
     shard_size = mesh.shape[-1]
     if not isinstance(reshard_after_forward, bool) and (
             reshard_after_forward < 1 or shard_size % reshard_after_forward):
@@ -79,6 +86,7 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int = True,
                 shard_placement_fn: Callable[[Any], Shard | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
                 ignored_params: Iterable[Any] | None = None) -> Any:
     """Shard ``module``'s parameters over ``mesh`` and gather them around its forward
     and backward (PyTorch FSDP2 semantics; SimpleFSDP's differentiable gather, arXiv
@@ -101,13 +109,20 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
 
     Args:
         module: a torch ``nn.Module`` / MindSpore ``Cell``, or a list of them (one unit each).
-        mesh: default: a 1-D mesh over the world.
+        mesh: default: a 1-D mesh over the world. A submesh (``mesh2d["dp"]``) shards
+            over its ranks only: after ``parallelize_module(module, mesh2d["tp"], plan)``
+            each parameter is this rank's tensor-parallel shard, and fully_shard shards
+            that local tensor further (see ``docs/fully_shard.md``, composition with TP).
         reshard_after_forward: ``True``; ``False``; or an int ``k`` dividing the shard
             axis size: after the forward each rank keeps the ``k`` shards of its block
             of ``k`` consecutive shard ranks (``k / N`` of each parameter) and the
             backward all-gathers over the ``N / k`` ranks of its block position.
         shard_placement_fn: ``param -> Shard(dim) | None`` (``None``: ``Shard(0)``).
         mp_policy: ``MixedPrecisionPolicy``.
+        offload_policy: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy(pin_memory)``: the
+            shards, their gradients and so the optimizer step in host memory; each
+            all-gather copies the shard to the device first, each reduced gradient is
+            copied back (no copy on CPU backends).
         ignored_params: parameters left as they are (not sharded, not reduced).
 
     Returns:
@@ -115,18 +130,19 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
 
     Raises:
         TypeError / ValueError: a mesh that is not a DeviceMesh, not 1-D/2-D, or not
-            covering the world; a scalar parameter; a bad policy; a placement that is
+            holding this rank; a scalar parameter; a bad policy; a placement that is
             not ``Shard``. All are raised on every rank before any collective.
     """
     if isinstance(module, (list, tuple)):
         for m in module:
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, ignored_params=ignored_params)
+                        shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
+                        ignored_params=ignored_params)
         return module
     p = get_platform()
     if STATE_ATTR in vars(module):
         raise ValueError(f"fully_shard: {type(module).__name__} is already fully sharded")
-    _check_options(reshard_after_forward, mp_policy)
+    _check_options(reshard_after_forward, mp_policy, offload_policy)
     ignored = {id(param) for param in (ignored_params or ())}
     # Parameters already managed by units below, and the submodules those units own.
     children: list[HSDPState] = []
@@ -166,9 +182,16 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         for name, param in _direct_params(sub):
             if id(param) in uses:
                 uses[id(param)].append((sub, name))
+    for fqn, param in managed:
+        if any(vars(owner).get(SEQUENCE_PARALLEL_ATTR) for owner, _ in uses[id(param)]):
+            raise ValueError(f"fully_shard: {fqn} belongs to a SequenceParallel module, whose gradient all-reduce "
+                             "over the tp mesh is a hook on the parameter object that fully_shard would replace "
+                             "(the all-reduce would be lost); pass its parameters in ignored_params and all-reduce "
+                             "their gradients over dp yourself")
     params = []
     for (fqn, param), placement in zip(managed, placements):
-        hp = HSDPParam(fqn, param, uses[id(param)], mesh, placement)
+        offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+        hp = HSDPParam(fqn, param, uses[id(param)], mesh, placement, offload)
         for owner, name in hp.uses:
             p.set_parameter(owner, name, hp.sharded)
         params.append(hp)

@@ -8,7 +8,8 @@ chunks may be short or empty. Each rank keeps its chunk **padded with zeros to
 and the all-gather needs no per-rank sizes); the DTensor view (``to_dtensor``) is the
 unpadded chunk. The padding rows have zero gradient, so an element-wise optimizer
 (AdamW) keeps them at zero. On an HSDP mesh ``(replicate, shard)`` the shard is the
-same on every rank of a replicate group.
+same on every rank of a replicate group. Under ``CPUOffloadPolicy`` the padded shard
+and its gradient live in host memory; each all-gather starts from a device copy.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, chunk_bounds
+from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import CustomFunction
 
@@ -27,15 +29,18 @@ class HSDPParam:
 
     Args:
         fqn: dotted name from the fully_shard root (``"layers.0.weight"``).
-        param: the module's framework parameter (full values, same on every rank).
+        param: the module's framework parameter (same values on every rank of ``mesh``; after
+            tensor parallelism, this rank's TP shard, which is then the "full" tensor here).
         uses: every ``(module, attribute)`` that reads the parameter (tied weights have several).
         mesh: 1-D ``(shard,)`` or 2-D ``(replicate, shard)`` mesh.
         placement: ``Shard(dim)`` on the shard axis.
+        offload: ``CPUOffloadPolicy`` (shard and gradient in host memory) or ``None``.
     """
 
     def __init__(self, fqn: str, param: Any, uses: list[tuple[Any, str]], mesh: DeviceMesh,
-                 placement: Shard) -> None:
+                 placement: Shard, offload: CPUOffloadPolicy | None = None) -> None:
         p = get_platform()
+        self.offload: CPUOffloadPolicy | None = offload
         self.fqn: str = fqn
         self.uses: list[tuple[Any, str]] = uses
         self.mesh: DeviceMesh = mesh
@@ -55,7 +60,7 @@ class HSDPParam:
             start, length = chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_rank)
             local = p.narrow(p.detach(param), self.dim, start, length)
             local = p.pad(local, self.dim, 0, self.chunk - length)
-            self.sharded: Any = p.make_parameter(p.clone(local), requires_grad=True)  # [.., chunk, ..] padded
+            self.sharded: Any = p.make_parameter(self.to_home(p.clone(local)), requires_grad=True)  # [.., chunk, ..] padded
         self.unsharded: Any = None  # the gathered full tensor while unsharded, else None
         self.pending: Any = None  # a Work of an all-gather in flight (prefetch)
         self.grad_accum: Any = None  # the full gradient summed over micro-steps without sync
@@ -65,6 +70,13 @@ class HSDPParam:
         self.inter_group: Any = None  # ranks holding the same block position (set by the unit)
 
     # -- views ---------------------------------------------------------------------------
+    def to_home(self, tensor: Any) -> Any:
+        """``tensor`` where the shard lives: host memory under ``CPUOffloadPolicy``
+        (a copy through ``platform.to_device``), else ``tensor`` itself."""
+        if self.offload is None:
+            return tensor
+        return get_platform().to_device(tensor, "cpu", pin_memory=self.offload.pin_memory)
+
     def local_length(self) -> int:
         """Rows of this rank's unpadded chunk along ``dim``."""
         return chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_rank)[1]
@@ -100,7 +112,10 @@ class HSDPParam:
             if self.block is not None:
                 self.pending = p.all_gather_into_tensor(self.block, group=self.inter_group, async_op=True)
                 return
-            shard = p.to_dtype(p.detach(self.sharded), dtype)
+            shard = p.detach(self.sharded)
+            if self.offload is not None:  # copy first: the cast then runs on the device
+                shard = p.to_device(shard, p.device_type)
+            shard = p.to_dtype(shard, dtype)
             front = shard.transpose(0, self.dim).contiguous() if self.dim else shard  # gloo: contiguous buffers
             self.pending = p.all_gather_into_tensor(front, group=self.shard_group, async_op=True)
 
@@ -132,7 +147,7 @@ class HSDPParam:
             g = g * (1.0 / (self.shard_size * self.replicate_size))
             if self.dim:
                 g = g.transpose(0, self.dim).contiguous()
-            return p.to_dtype(g, self.sharded.dtype)
+            return self.to_home(p.to_dtype(g, self.sharded.dtype))
 
 
 class GatherParam(CustomFunction):

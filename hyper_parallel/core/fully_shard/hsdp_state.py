@@ -33,6 +33,7 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+from hyper_parallel.core.dtensor.device_mesh import _axis_lines
 from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
@@ -72,9 +73,14 @@ class HSDPState:
         self.block_size: int | None = None
         if not isinstance(reshard_after_forward, bool):
             self.block_size = int(reshard_after_forward)
-            lines = [[int(r) for r in line] for line in mesh.mesh.reshape(-1, mesh.shape[-1])]
+            # The shard axis's lines across the whole root mesh (not only this rank's
+            # submesh): split_group is collective over the world, so every rank must
+            # pass the same partition.
+            # A flattened mesh (mesh["dp", "cp"].flatten()) has one axis over several root axes.
+            root_axes = list(mesh._root_axes)
+            shard_axes = root_axes if len(root_axes) != mesh.ndim else root_axes[-1:]
+            lines = _axis_lines(mesh._root.mesh, shard_axes)
             k = self.block_size
-            # Collective over the world (every rank builds the same partition).
             inter = p.split_group([line[i::k] for line in lines for i in range(k)])
             for hp in params:
                 hp.inter_group = inter
@@ -231,7 +237,7 @@ class HSDPState:
             with p.no_grad():
                 g = p.to_dtype(grad, reduce_dtype)
                 hp.grad_accum = g if hp.grad_accum is None else hp.grad_accum + g
-            result = p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype)
+            result = hp.to_home(p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype))
         else:
             if hp.grad_accum is not None:
                 with p.no_grad():

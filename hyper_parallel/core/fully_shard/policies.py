@@ -1,4 +1,5 @@
-"""fully_shard configuration: mixed precision (FSDP2's ``MixedPrecisionPolicy``)."""
+"""fully_shard configuration: mixed precision and offload (FSDP2's ``MixedPrecisionPolicy``,
+``OffloadPolicy`` and ``CPUOffloadPolicy``)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,33 @@ class MixedPrecisionPolicy:
             if value is not None and value not in _FLOAT_DTYPES:
                 raise ValueError(f"MixedPrecisionPolicy: {field}={value!r} is not a floating dtype name; "
                                  f"use one of {_FLOAT_DTYPES} or None")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where a fully_shard unit keeps its sharded parameters (PyTorch FSDP2's
+    ``OffloadPolicy``): this base policy offloads nothing; the shards live on the
+    compute device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep the sharded parameters, their gradients and hence the optimizer step in
+    host memory (PyTorch FSDP2's ``CPUOffloadPolicy``). Before each all-gather the
+    shard is copied to the device (``platform.to_device``); the reduced gradient shard
+    is copied back to the host. On a CPU backend host and device are the same memory
+    and no copy is made.
+
+    Attributes:
+        pin_memory: page-lock the host shards and gradients, so the copies to and from
+            the device can run asynchronously (torch; MindSpore has no per-tensor pinning).
+
+    Raises:
+        TypeError: ``pin_memory`` is not a bool.
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"CPUOffloadPolicy: pin_memory={self.pin_memory!r} must be a bool")

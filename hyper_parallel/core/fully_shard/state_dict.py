@@ -34,6 +34,18 @@ def _managed(module: Any) -> dict[int, HSDPParam]:
     return out
 
 
+def _require_world_mesh(module: Any, what: str) -> None:
+    """Files and full dicts describe parameters whose global shape is the fully_shard
+    one; over a submesh (composition with TP) that is only the tensor-parallel shard."""
+    p = get_platform()
+    for hp in _managed(module).values():
+        if hp.mesh.size() != p.world_size():
+            raise ValueError(f"{what}: {hp.fqn} is sharded over a submesh {hp.mesh.shape} of a world of "
+                             f"{p.world_size()} (fully_shard composed with tensor parallelism); this state dict "
+                             "covers meshes over the whole world only; use sharded_state_dict(module), whose "
+                             "DTensors are the tensor-parallel local shards sharded over the data-parallel axis")
+
+
 def sharded_state_dict(module: Any) -> dict[str, Any]:
     """``{fqn: DTensor}`` for every managed parameter (the unpadded shard, placements
     ``[Shard(dim)]`` or ``[Replicate(), Shard(dim)]``; no communication), other
@@ -47,6 +59,7 @@ def sharded_state_dict(module: Any) -> dict[str, Any]:
 def full_state_dict(module: Any) -> dict[str, np.ndarray]:
     """``{fqn: full values as numpy}`` on rank 0 and ``{}`` elsewhere. Collective: one
     **all-gather** per managed parameter over its shard axis (every rank must call)."""
+    _require_world_mesh(module, "full_state_dict")
     p = get_platform()
     out = {}
     for fqn, value in sharded_state_dict(module).items():
@@ -66,6 +79,7 @@ def load_full_state_dict(module: Any, state_dict: dict[str, np.ndarray] | None) 
             before the first broadcast; the other ranks then fail in the broadcast of
             the check's outcome, with the same message).
     """
+    _require_world_mesh(module, "load_full_state_dict")
     p = get_platform()
     names = [fqn for fqn, _ in p.named_parameters(module)]
     missing = sorted(set(names) - set(state_dict or {})) if p.rank() == 0 else []
@@ -85,6 +99,7 @@ def load_full_state_dict(module: Any, state_dict: dict[str, np.ndarray] | None) 
 
 def save_sharded_state_dict(module: Any, path: str) -> None:
     """Write this rank's shards to ``path`` (see the module docstring). No collective."""
+    _require_world_mesh(module, "save_sharded_state_dict")
     p = get_platform()
     managed = _managed(module)
     arrays, meta = {}, {}
@@ -118,6 +133,7 @@ def load_sharded_state_dict(module: Any, path: str) -> None:
         FileNotFoundError: no ``rank*.json`` under ``path``.
         KeyError / ValueError: a parameter missing from the checkpoint, or of another shape.
     """
+    _require_world_mesh(module, "load_sharded_state_dict")
     p = get_platform()
     metas = sorted(f for f in os.listdir(path) if f.startswith("rank") and f.endswith(".json")) \
         if os.path.isdir(path) else []
@@ -179,6 +195,8 @@ def _assign_local(p: Any, module: Any, fqn: str, param: Any, hp: HSDPParam | Non
         local = np.pad(local, pad)
     with p.no_grad():
         value = p.to_dtype(p.from_numpy(np.ascontiguousarray(local)), param.dtype)
+        if hp is not None:
+            value = hp.to_home(value)  # host memory under CPUOffloadPolicy
     new = p.make_parameter(value, requires_grad=bool(getattr(param, "requires_grad", True)))
     if hp is None:
         p.set_parameter(module, fqn, new)

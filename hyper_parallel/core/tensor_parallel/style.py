@@ -32,6 +32,9 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
 
+#: Set on a module whose parameters carry SequenceParallel's gradient hooks.
+SEQUENCE_PARALLEL_ATTR = "_sequence_parallel_grad_hooks"
+
 
 def _check_1d(mesh: DeviceMesh, style: str) -> None:
     if mesh.ndim != 1:
@@ -160,7 +163,9 @@ class RowwiseParallel(ParallelStyle):
             return (x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local(), *args[1:])
 
         def prepare_output(_module: Any, _args: tuple, y: Any) -> Any:
-            bias = _own_parameter(_module, "bias")
+            # The tensor the module computed with: a fully_shard unit around this module
+            # substitutes the gathered bias for the registered (dp-sharded) parameter.
+            bias = getattr(_module, "bias") if _own_parameter(_module, "bias") is not None else None
             partial = y - bias if bias is not None else y  # add the bias once, after the sum
             out = DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [out_layout])
             if bias is not None:
@@ -195,6 +200,9 @@ class SequenceParallel(ParallelStyle):
         group = mesh.get_group()
         for _, param in p.named_parameters(module):
             p.register_tensor_hook(param, lambda grad: p.all_reduce(grad, "sum", group=group).wait())
+        # The hooks live on these parameter objects: fully_shard, which replaces
+        # parameters, reads this mark and refuses them rather than drop the all-reduce.
+        vars(module)[SEQUENCE_PARALLEL_ATTR] = True
 
         def prepare_input(_module: Any, args: tuple) -> tuple:
             x = args[0]

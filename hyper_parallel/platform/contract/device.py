@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 
 class DeviceSection(ABC):
@@ -33,3 +34,16 @@ class DeviceSection(ABC):
     @abstractmethod
     def max_memory_allocated(self) -> int:
         """Peak of ``memory_allocated`` in bytes since the process started (CPU: peak RSS)."""
+
+    @abstractmethod
+    def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
+        """``tensor`` in the memory of ``device``: ``"cpu"`` (host memory) or
+        ``device_type`` (this process's accelerator). A host copy is page-locked when
+        ``pin_memory`` (so copies between host and accelerator can run asynchronously).
+        Not differentiable: call it under ``no_grad`` on values (fully_shard's CPU
+        offload). On a CPU backend both names mean host memory and ``tensor`` itself is
+        returned (no copy).
+
+        Raises:
+            ValueError: ``device`` is neither ``"cpu"`` nor ``device_type``.
+        """

@@ -166,3 +166,13 @@ class MindSporePlatform(
         if self._device_type == "cpu":
             return host_memory.peak_rss_bytes()
         return int(self._ms.runtime.max_memory_allocated())
+
+    def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
+        """Ascend: ``Tensor.move_to("CPU" | "Ascend")``. MindSpore has no call that
+        page-locks one tensor, so ``pin_memory`` is accepted and the host copy is
+        MindSpore's ordinary host memory. CPU: ``tensor`` itself."""
+        if device not in ("cpu", self._device_type):
+            raise ValueError(f"to_device: device={device!r}; pass 'cpu' (host memory) or {self._device_type!r}")
+        if self._device_type == "cpu":
+            return tensor
+        return tensor.move_to("CPU" if device == "cpu" else "Ascend")

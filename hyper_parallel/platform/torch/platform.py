@@ -428,3 +428,14 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         if self._device_type == "cpu":
             return host_memory.peak_rss_bytes()
         return int(self._device_module().max_memory_allocated())
+
+    def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
+        if device not in ("cpu", self._device_type):
+            raise ValueError(f"to_device: device={device!r}; pass 'cpu' (host memory) or {self._device_type!r}")
+        if self._device_type == "cpu":
+            return tensor
+        if device == "cpu":
+            host = tensor.detach().to("cpu")
+            return host.pin_memory() if pin_memory else host
+        # From pinned memory the copy is asynchronous on the current stream.
+        return tensor.to(self._device, non_blocking=True)
