@@ -6,8 +6,9 @@ same run.
 4 ranks on gloo (torch-cpu). The model: ``stages x layers`` ``tanh(Linear(dim, dim))``
 layers, each stage a slice; a mean-squared-error loss; ``--microbatches`` microbatches of
 ``--batch / microbatches`` rows. Per schedule (GPipe, 1F1B, interleaved 1F1B with 2
-stages per rank, interleaved zero bubble (ZB-H1, 2 stages per rank), ZB-V): barrier, one ``step`` (forward and backward of every microbatch), timed
-on every rank; the step's time is the slowest rank's; the median over ``--iters``
+stages per rank, interleaved zero bubble (ZB-H1, 2 stages per rank), ZB-V and DualPipeV (2
+V-placed stages per rank)): barrier, one ``step`` (forward and backward of every
+microbatch), timed on every rank; the step's time is the slowest rank's; the median over ``--iters``
 repetitions after ``--warmup`` is reported.
 
 Bubble (measured): ``1 - busy / step`` averaged over ranks, where a rank's busy time is its
@@ -31,9 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
 #: stages per rank of each schedule
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zero_bubble": 2, "zbv_zero_bubble": 2}
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zero_bubble": 2, "zbv_zero_bubble": 2,
+           "dualpipe_v": 2}
 
 
 def _chain(n_layers: int, dim: int, seed: int):
@@ -75,7 +77,7 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
         virtual = VIRTUAL[name]
         num_stages = n * virtual
         per_stage = max(1, layers // virtual)  # the same model whatever the schedule
-        v_shaped = name == "zbv_zero_bubble"  # rank r holds stages r and 2n-1-r
+        v_shaped = name in ("zbv_zero_bubble", "dualpipe_v")  # rank r holds stages r and 2n-1-r
         local = [r, 2 * n - 1 - r] if v_shaped else list(range(r, num_stages, n))
         last_rank = 0 if v_shaped else (num_stages - 1) % n
         modules = {s: _chain(per_stage, dim, seed=s) for s in local}
@@ -99,7 +101,8 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
         stages = [hp.PipelineStage(modules[s], s, num_stages, placement="v" if v_shaped else "loop") for s in local]
         multi = {"interleaved_1f1b": (hp.ScheduleInterleaved1F1B, tpp.ScheduleInterleaved1F1B),
                  "interleaved_zero_bubble": (hp.ScheduleInterleavedZeroBubble, tpp.ScheduleInterleavedZeroBubble),
-                 "zbv_zero_bubble": (hp.ScheduleZBVZeroBubble, tpp.ScheduleZBVZeroBubble)}
+                 "zbv_zero_bubble": (hp.ScheduleZBVZeroBubble, tpp.ScheduleZBVZeroBubble),
+                 "dualpipe_v": (hp.ScheduleDualPipeV, tpp.ScheduleDualPipeV)}
         ours = (multi[name][0](stages, n_microbatches, _loss) if virtual > 1 else
                 {"gpipe": hp.ScheduleGPipe, "1f1b": hp.Schedule1F1B}[name](stages[0], n_microbatches, _loss))
         torch_stages = [tpp.PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in local]

@@ -41,9 +41,11 @@ from hyper_parallel.core.pipeline_parallel import (  # noqa: E402  appended: pip
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
 
 __all__ += ["CommComputeOverlap", "HookCoordinator", "MoE", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
-            "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+            "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+            "ScheduleDualPipeV"]

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hyper_parallel.core.pipeline_parallel import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
-from hyper_parallel.core.pipeline_parallel.schedules import (ActionType, ScheduleError, add_communication,
+from hyper_parallel.core.pipeline_parallel import (PipelineStage, ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
+                                                   ScheduleZBVZeroBubble)
+from hyper_parallel.core.pipeline_parallel.schedules import (ActionType, ScheduleError, add_communication, dualpipe_v,
                                                              interleaved_1f1b, interleaved_zero_bubble, one_f_one_b,
                                                              simulate, v_placement, validate, zbv_zero_bubble)
 from hyper_parallel.platform import get_platform
@@ -52,6 +53,13 @@ def test_zero_bubble_validates_and_shrinks_the_bubble(num_ranks: int, n_microbat
     assert max(result.peak_activations.values()) <= 2 * p
     assert {a.stage_index for a in zbv[0]} == {0, 2 * p - 1}
 
+    if m >= 2 * p:  # DualPipeV needs both directions' pipelines full
+        dual = dualpipe_v(p, m)
+        validate(add_communication(dual, 2 * p, place), 2 * p, m, stage_to_rank=place)
+        result = simulate(dual, 2 * p, stage_to_rank=place, costs=half)
+        assert result.bubble_fraction < one_f.bubble_fraction
+        assert any(a.type is A.OVERLAP_B_F for a in dual[0]) and any(a.type is A.W for a in dual[0])
+
 
 def test_zero_bubble_bad_arguments() -> None:
     assert [v_placement(3)(s) for s in range(6)] == [0, 1, 2, 2, 1, 0]
@@ -59,7 +67,10 @@ def test_zero_bubble_bad_arguments() -> None:
         interleaved_zero_bubble(2, 0, 4)
     with pytest.raises(ValueError, match="must both be >= 1"):
         zbv_zero_bubble(2, 0)
-    broken = {r: [a for a in actions if a.type is not A.W or r] for r, actions in interleaved_zero_bubble(2, 1, 4).items()}
+    with pytest.raises(ValueError, match="n_microbatches=6 must be >= 2 \\* num_ranks = 8"):
+        dualpipe_v(4, 6)
+    zbh1 = interleaved_zero_bubble(2, 1, 4)
+    broken = {r: [a for a in actions if a.type is not A.W or r] for r, actions in zbh1.items()}  # rank 0 drops W
     with pytest.raises(ScheduleError, match="lacks its W half"):
         validate(broken, 2, 4)
 
@@ -85,7 +96,8 @@ def _check_bad_input(p) -> None:
 def check_zero_bubble(layers_per_stage: int, torch_configs: list[tuple[str, int]],
                       mindspore_configs: list[tuple[str, int]]) -> None:
     """Each ``(kind, n_microbatches)`` of this framework's list: kind ``zbh1`` (one stage
-    per rank), ``izb`` (two interleaved stages per rank) or ``zbv`` (V placement)."""
+    per rank), ``izb`` (two interleaved stages per rank), ``zbv`` or ``dualpipev`` (V
+    placement; DualPipeV's OVERLAP_B_F pairs on two threads, this chain has no MoE hooks)."""
     p = get_platform()
     configs = torch_configs if p.framework == "torch" else mindspore_configs
     _check_bad_input(p)
@@ -95,14 +107,16 @@ def check_zero_bubble(layers_per_stage: int, torch_configs: list[tuple[str, int]
     y = rng.standard_normal((BATCH, DIM)).astype(np.float32)
     for kind, n_microbatches in configs:
         num_stages = n if kind == "zbh1" else 2 * n
-        placement = "v" if kind == "zbv" else "loop"
+        placement = "v" if kind in ("zbv", "dualpipev") else "loop"
         weights = layer_weights(num_stages * layers_per_stage)
         full, ref_losses, ref_grads = _reference(p, weights, x, y, n_microbatches)
-        place = v_placement(n) if kind == "zbv" else (lambda s: s % n)
+        place = v_placement(n) if placement == "v" else (lambda s: s % n)
         stages = [PipelineStage(build_chain(p, weights[s * layers_per_stage:(s + 1) * layers_per_stage]), s,
                                 num_stages, placement=placement) for s in range(num_stages) if place(s) == r]
         if kind == "zbv":
             schedule = ScheduleZBVZeroBubble(stages, n_microbatches, mse)
+        elif kind == "dualpipev":
+            schedule = ScheduleDualPipeV(stages, n_microbatches, mse)
         else:
             schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches, mse)
         assert any(a.type is A.W for a in schedule.actions)
@@ -128,11 +142,12 @@ def check_zero_bubble(layers_per_stage: int, torch_configs: list[tuple[str, int]
 
 # MindSpore pays seconds per rank call and per recomputed forward: one or two
 # configurations per schedule there, the full sweep on torch.
-_FULL = [(kind, m) for kind in ("zbh1", "izb", "zbv") for m in (4, 8)]
-_SHORT = {2: [("zbh1", 4), ("izb", 8), ("zbv", 4)], 4: [("zbv", 8), ("izb", 4)]}
+_FULL = [(kind, m) for kind in ("zbh1", "izb", "zbv", "dualpipev") for m in (4, 8)]
+_SHORT = {2: [("zbh1", 4), ("izb", 8), ("zbv", 4), ("dualpipev", 4)], 4: [("zbv", 8), ("izb", 4), ("dualpipev", 8)]}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero_bubble_matches_unpipelined(run_on_ranks, world_size: int) -> None:
-    run_on_ranks(check_zero_bubble, 2 if world_size == 2 else 1, _FULL, _SHORT[world_size], world_size=world_size,
+    full = [(kind, m) for kind, m in _FULL if kind != "dualpipev" or m >= 2 * world_size]  # its minimum
+    run_on_ranks(check_zero_bubble, 2 if world_size == 2 else 1, full, _SHORT[world_size], world_size=world_size,
                  timeout_s=300)

@@ -15,7 +15,7 @@ from hyper_parallel.core.pipeline_parallel.hook_coordinator import HookCoordinat
 
 __all__ += ["CommComputeOverlap", "HookCoordinator"]
 
-from hyper_parallel.core.pipeline_parallel.runtime import (ScheduleInterleavedZeroBubble,  # noqa: E402
-                                                           ScheduleZBVZeroBubble)
+from hyper_parallel.core.pipeline_parallel.runtime import (ScheduleDualPipeV,  # noqa: E402
+                                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
-__all__ += ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+__all__ += ["ScheduleDualPipeV", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]

@@ -24,6 +24,7 @@ from hyper_parallel.core.pipeline_parallel.messages import (META_LEN, Mailbox, M
                                                             encode_specs, receive, send, spec_of)
 from hyper_parallel.core.pipeline_parallel.microbatch import merge_microbatches, split_microbatches
 from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType, Schedule
+from hyper_parallel.core.pipeline_parallel.schedules.dualpipe import dualpipe_v
 from hyper_parallel.core.pipeline_parallel.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
 from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication
 from hyper_parallel.core.pipeline_parallel.schedules.validate import validate
@@ -422,3 +423,25 @@ class ScheduleZBVZeroBubble(PipelineSchedule):
         stages = _stages_list("ScheduleZBVZeroBubble", stages, "v")
         super().__init__(stages, n_microbatches, loss_fn, zbv_zero_bubble(stages[0].group_size, n_microbatches),
                          scale_grads=scale_grads)
+
+
+class ScheduleDualPipeV(PipelineSchedule):
+    """DualPipeV (DeepSeek-V3's DualPipe, V variant; ``schedules.dualpipe``): V-placed
+    stages (build them with ``placement="v"``), a forward of one chunk paired with a
+    backward of the other in the main phase (``OVERLAP_B_F``, run by ``overlap`` on two
+    threads), split backwards in warm-up and drain.
+
+    Args:
+        overlap: the ``CommComputeOverlap`` whose ``wrap_dispatch``/``wrap_combine`` the
+            stages' MoE layers use (default: a new one, in ``self.overlap``).
+
+    Raises:
+        TypeError: ``stages`` is not a non-empty list of ``PipelineStage``.
+        ValueError: stages not in the V placement; ``n_microbatches < 2 * group_size``.
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
+                 scale_grads: bool = True, overlap: CommComputeOverlap | None = None) -> None:
+        stages = _stages_list("ScheduleDualPipeV", stages, "v")
+        super().__init__(stages, n_microbatches, loss_fn, dualpipe_v(stages[0].group_size, n_microbatches),
+                         scale_grads=scale_grads, overlap=overlap or CommComputeOverlap())

@@ -12,4 +12,6 @@ __all__ = ["Action", "ActionType", "Schedule", "ScheduleError", "SimulationResul
 from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import (interleaved_zero_bubble,  # noqa: E402
                                                                          v_placement, zbv_zero_bubble)
 
-__all__ += ["interleaved_zero_bubble", "v_placement", "zbv_zero_bubble"]
+from hyper_parallel.core.pipeline_parallel.schedules.dualpipe import dualpipe_v  # noqa: E402
+
+__all__ += ["dualpipe_v", "interleaved_zero_bubble", "v_placement", "zbv_zero_bubble"]
