@@ -18,7 +18,7 @@ from hyper_parallel.core.pipeline_parallel.schedules import (ActionType, Schedul
                                                              simulate, v_placement, validate, zbv_zero_bubble)
 from hyper_parallel.platform import get_platform
 from tests.pipeline_parallel._models import DIM, build_chain, layer_weights, mse
-from tests.pipeline_parallel.test_runtime import BATCH, TOL, _reference
+from tests.pipeline_parallel.test_runtime import BATCH, _reference, check_step
 
 A = ActionType
 UNIT = {A.F: 1.0, A.B: 2.0, A.I: 1.0, A.W: 1.0}  # the paper's cost model: T_F = T_I = T_W
@@ -121,23 +121,7 @@ def check_zero_bubble(layers_per_stage: int, torch_configs: list[tuple[str, int]
             schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches, mse)
         assert any(a.type is A.W for a in schedule.actions)
         what = f"{kind}, {num_stages} stages, {n_microbatches} microbatches, rank {r}"
-        losses: list = []
-        out = schedule.step(p.from_numpy(x), target=p.from_numpy(y), losses=losses)
-        if place(num_stages - 1) == r:
-            np.testing.assert_allclose(p.to_numpy(out), full, **TOL, err_msg=f"{what}: output")
-            np.testing.assert_allclose([float(p.to_numpy(v)) for v in losses], ref_losses, **TOL,
-                                       err_msg=f"{what}: losses")
-        else:
-            assert out is None and losses == [], what
-        predicted = simulate(schedule.schedule, num_stages, stage_to_rank=place).peak_activations[r]
-        assert schedule.peak_activations == predicted, (what, schedule.peak_activations, predicted)
-        for stage in stages:
-            grads = stage.param_grads()
-            for i in range(layers_per_stage):
-                layer = stage.stage_index * layers_per_stage + i
-                for j, leaf in enumerate(("weight", "bias")):
-                    np.testing.assert_allclose(p.to_numpy(grads[f"layers.{i}.{leaf}"]), ref_grads[2 * layer + j],
-                                               **TOL, err_msg=f"{what}: gradient of layer {layer} {leaf}")
+        check_step(p, schedule, stages, x, y, (full, ref_losses, ref_grads), layers_per_stage, place, what)
 
 
 # MindSpore pays seconds per rank call and per recomputed forward: one or two
