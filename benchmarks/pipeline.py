@@ -6,14 +6,15 @@ same run.
 4 ranks on gloo (torch-cpu). The model: ``stages x layers`` ``tanh(Linear(dim, dim))``
 layers, each stage a slice; a mean-squared-error loss; ``--microbatches`` microbatches of
 ``--batch / microbatches`` rows. Per schedule (GPipe, 1F1B, interleaved 1F1B with 2
-stages per rank): barrier, one ``step`` (forward and backward of every microbatch), timed
-on every rank; the step's time is the slowest rank's; the median over ``--iters``
+stages per rank, interleaved zero bubble (ZB-H1, 2 stages per rank), ZB-V and DualPipeV (2
+V-placed stages per rank)): barrier, one ``step`` (forward and backward of every
+microbatch), timed on every rank; the step's time is the slowest rank's; the median over ``--iters``
 repetitions after ``--warmup`` is reported.
 
 Bubble (measured): ``1 - busy / step`` averaged over ranks, where a rank's busy time is its
 microbatches' forward and backward compute, timed alone on that rank before the run (the
 per-action costs measured in a warm-up, which also feed the simulator). Predicted: the
-simulator on the same lowered schedule with those costs.
+simulator on the same lowered schedule with those costs (``I`` and ``W`` half a backward each).
 
     python benchmarks/pipeline.py [--dim 256] [--microbatches 8] [--iters 5]
 """
@@ -31,7 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
+#: stages per rank of each schedule
+VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zero_bubble": 2, "zbv_zero_bubble": 2,
+           "dualpipe_v": 2}
 
 
 def _chain(n_layers: int, dim: int, seed: int):
@@ -70,10 +74,12 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
     y = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
     rows = []
     for name in SCHEDULES:
-        virtual = 2 if name == "interleaved_1f1b" else 1
+        virtual = VIRTUAL[name]
         num_stages = n * virtual
         per_stage = max(1, layers // virtual)  # the same model whatever the schedule
-        local = list(range(r, num_stages, n))
+        v_shaped = name in ("zbv_zero_bubble", "dualpipe_v")  # rank r holds stages r and 2n-1-r
+        local = [r, 2 * n - 1 - r] if v_shaped else list(range(r, num_stages, n))
+        last_rank = 0 if v_shaped else (num_stages - 1) % n
         modules = {s: _chain(per_stage, dim, seed=s) for s in local}
 
         # per-action costs, measured alone on this rank (forward + backward of one microbatch)
@@ -92,15 +98,19 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
         for module in modules.values():
             module.zero_grad()
 
-        stages = [hp.PipelineStage(modules[s], s, num_stages) for s in local]
-        ours = (hp.ScheduleInterleaved1F1B(stages, n_microbatches, _loss) if virtual > 1 else
+        stages = [hp.PipelineStage(modules[s], s, num_stages, placement="v" if v_shaped else "loop") for s in local]
+        multi = {"interleaved_1f1b": (hp.ScheduleInterleaved1F1B, tpp.ScheduleInterleaved1F1B),
+                 "interleaved_zero_bubble": (hp.ScheduleInterleavedZeroBubble, tpp.ScheduleInterleavedZeroBubble),
+                 "zbv_zero_bubble": (hp.ScheduleZBVZeroBubble, tpp.ScheduleZBVZeroBubble),
+                 "dualpipe_v": (hp.ScheduleDualPipeV, tpp.ScheduleDualPipeV)}
+        ours = (multi[name][0](stages, n_microbatches, _loss) if virtual > 1 else
                 {"gpipe": hp.ScheduleGPipe, "1f1b": hp.Schedule1F1B}[name](stages[0], n_microbatches, _loss))
         torch_stages = [tpp.PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in local]
-        theirs = (tpp.ScheduleInterleaved1F1B(torch_stages, n_microbatches, loss_fn=_loss) if virtual > 1 else
+        theirs = (multi[name][1](torch_stages, n_microbatches, loss_fn=_loss) if virtual > 1 else
                   {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[name](torch_stages[0], n_microbatches,
                                                                                 loss_fn=_loss))
 
-        kwargs = {"target": y} if r == (num_stages - 1) % n else {}
+        kwargs = {"target": y} if r == last_rank else {}
 
         def run_ours() -> None:
             ours.step(x, **kwargs) if r == 0 else ours.step(**kwargs)
@@ -120,7 +130,10 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
                     times.append(elapsed)
             measured[impl] = statistics.median(_median_slowest(times))
         busy = n_microbatches * virtual * (f_cost + b_cost)
-        predicted = simulate(ours.schedule, num_stages, costs={ActionType.F: f_cost, ActionType.B: b_cost})
+        # I and W: half the measured backward each (a linear layer's two matmuls)
+        predicted = simulate(ours.schedule, num_stages, stage_to_rank=stages[0].stage_rank,
+                             costs={ActionType.F: f_cost, ActionType.B: b_cost, ActionType.I: b_cost / 2,
+                                    ActionType.W: b_cost / 2})
         rows.append({"schedule": name, "stages": num_stages, "microbatches": n_microbatches,
                      "forward_ms": f_cost * 1e3, "backward_ms": b_cost * 1e3,
                      "hyper_parallel_ms": measured["hyper_parallel"] * 1e3, "torch_ms": measured["torch"] * 1e3,

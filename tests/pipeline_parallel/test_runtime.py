@@ -8,6 +8,9 @@ the whole batch at once, a different summation order: agreement to a few ulps
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -33,6 +36,32 @@ def _reference(p, weights, x, y, n_microbatches):
     return full, losses, [p.to_numpy(g) for g in grads]
 
 
+def check_step(p: Any, schedule: Any, stages: list, x: np.ndarray, y: np.ndarray, reference: tuple,
+               layers_per_stage: int, place: Callable[[int], int], what: str) -> None:
+    """One ``step`` of ``schedule``: the output and losses (on the last stage's rank), the
+    peak activation count (against the simulator) and every parameter gradient of this
+    rank's ``stages`` against ``reference = (output, losses, gradients)``."""
+    full, ref_losses, ref_grads = reference
+    r, num_stages = p.rank(), stages[0].num_stages
+    losses: list = []
+    out = schedule.step(p.from_numpy(x), target=p.from_numpy(y), losses=losses)
+    if place(num_stages - 1) == r:
+        np.testing.assert_allclose(p.to_numpy(out), full, **TOL, err_msg=f"{what}: output")
+        np.testing.assert_allclose([float(p.to_numpy(v)) for v in losses], ref_losses, **TOL,
+                                   err_msg=f"{what}: losses")
+    else:
+        assert out is None and losses == [], what
+    predicted = simulate(schedule.schedule, num_stages, stage_to_rank=place).peak_activations[r]
+    assert schedule.peak_activations == predicted, (what, schedule.peak_activations, predicted)
+    for stage in stages:
+        grads = stage.param_grads()
+        for i in range(layers_per_stage):
+            layer = stage.stage_index * layers_per_stage + i
+            for j, leaf in enumerate(("weight", "bias")):
+                np.testing.assert_allclose(p.to_numpy(grads[f"layers.{i}.{leaf}"]), ref_grads[2 * layer + j],
+                                           **TOL, err_msg=f"{what}: gradient of layer {layer} {leaf}")
+
+
 def check_schedules(layers_per_stage: int) -> None:
     p = get_platform()
     n, r = p.world_size(), p.rank()
@@ -56,24 +85,8 @@ def check_schedules(layers_per_stage: int) -> None:
             what = f"{kind}, {num_stages} stages, {n_microbatches} microbatches, rank {r}"
             # a second step (reusing the inferred shapes) for one configuration: CI time
             for _ in range(2 if (kind, n_microbatches) == ("interleaved", 8) else 1):
-                losses: list = []
-                out = schedule.step(p.from_numpy(x), target=p.from_numpy(y), losses=losses)
-                if r == (num_stages - 1) % n:
-                    np.testing.assert_allclose(p.to_numpy(out), full, **TOL, err_msg=f"{what}: output")
-                    np.testing.assert_allclose([float(p.to_numpy(v)) for v in losses], ref_losses, **TOL,
-                                               err_msg=f"{what}: losses")
-                else:
-                    assert out is None and losses == [], what
-                predicted = simulate(schedule.schedule, num_stages).peak_activations[r]
-                assert schedule.peak_activations == predicted, (what, schedule.peak_activations, predicted)
-                for stage in stages:
-                    grads = stage.param_grads()
-                    for i in range(layers_per_stage):
-                        layer = stage.stage_index * layers_per_stage + i
-                        for j, leaf in enumerate(("weight", "bias")):
-                            np.testing.assert_allclose(p.to_numpy(grads[f"layers.{i}.{leaf}"]),
-                                                       ref_grads[2 * layer + j], **TOL,
-                                                       err_msg=f"{what}: gradient of layer {layer} {leaf}")
+                check_step(p, schedule, stages, x, y, (full, ref_losses, ref_grads), layers_per_stage,
+                           lambda s: s % n, what)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

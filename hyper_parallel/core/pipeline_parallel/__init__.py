@@ -14,3 +14,8 @@ from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommCompu
 from hyper_parallel.core.pipeline_parallel.hook_coordinator import HookCoordinator  # noqa: E402
 
 __all__ += ["CommComputeOverlap", "HookCoordinator"]
+
+from hyper_parallel.core.pipeline_parallel.runtime import (ScheduleDualPipeV,  # noqa: E402
+                                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+
+__all__ += ["ScheduleDualPipeV", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]

@@ -7,7 +7,9 @@ point-to-point actions (``schedules.lowering``), validate the result
 
 A forward ``F`` runs the stage under ``platform.vjp``, which keeps what its backward
 needs; ``B`` runs that backward with the output gradient received from the next stage
-(the last stage starts from its loss). Gradients of a step are summed over
+(the last stage starts from its loss). Zero-bubble schedules split ``B`` into ``I``
+(``backward(..., part="input")``: the input gradient, sent on at once) and a later ``W``
+(``part="weight"``: the parameter gradients); the recording lives until ``W``. Gradients of a step are summed over
 microbatches, scaled by ``1 / n_microbatches`` by default (a mean loss over the batch
 then gives the unpipelined model's gradients).
 """
@@ -22,9 +24,11 @@ from hyper_parallel.core.pipeline_parallel.messages import (META_LEN, Mailbox, M
                                                             encode_specs, receive, send, spec_of)
 from hyper_parallel.core.pipeline_parallel.microbatch import merge_microbatches, split_microbatches
 from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType, Schedule
+from hyper_parallel.core.pipeline_parallel.schedules.dualpipe import dualpipe_v
 from hyper_parallel.core.pipeline_parallel.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
 from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication
 from hyper_parallel.core.pipeline_parallel.schedules.validate import validate
+from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import interleaved_zero_bubble, zbv_zero_bubble
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.platform import Work
 
@@ -215,6 +219,7 @@ class _StepState:
         self.outputs_to_send: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.output_grads: dict[tuple[int, int], tuple[Any, ...]] = {}  # B's output gradients
         self.input_grads_to_send: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.weight_pending: dict[tuple[int, int], list[Any]] = {}  # I ran: W's output gradients
         self.last_outputs: dict[int, tuple[Any, list[Any]]] = {}  # last stage: (loss, outputs) per microbatch
         self.losses: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
@@ -227,6 +232,10 @@ class _StepState:
             self.forward(s, m)
         elif action.type is A.B:
             self.backward_full(s, m)
+        elif action.type is A.I:
+            self.backward_full(s, m, part="input")
+        elif action.type is A.W:
+            self.backward_weight(s, m)
         elif action.type is A.OVERLAP_B_F:
             b, f = action.sub_actions
             assert sched.overlap is not None, "checked at construction"
@@ -279,16 +288,30 @@ class _StepState:
             return [p.full(tuple(loss.shape), scale, loss.dtype)] + [p.zeros(tuple(o.shape), o.dtype) for o in outs]
         return list(self.output_grads.pop((s, m)))
 
-    def backward_full(self, s: int, m: int) -> None:
+    def backward_full(self, s: int, m: int, part: str = "all") -> None:
+        """``B`` (``part="all"``) or ``I`` (``part="input"``: the input gradient only;
+        the recording and its output gradients wait for ``W``)."""
         sched = self.schedule
-        input_grads, param_grads = self.backward.pop((s, m))(self._grads_of_outputs(s, m))
-        sched._stages[s]._accumulate(param_grads)
+        grads_out = self._grads_of_outputs(s, m)
+        if part == "input":
+            backward = self.backward[(s, m)]  # held until W: the activations stay alive
+            self.weight_pending[(s, m)] = grads_out
+        else:
+            backward = self.backward.pop((s, m))
+        input_grads, param_grads = backward(grads_out, part=part)
+        if part == "all":
+            sched._stages[s]._accumulate(param_grads)
         if s > 0:
             grads = tuple(input_grads)
             if sched._place(s - 1) == sched._rank:
                 self.output_grads[(s - 1, m)] = grads
             else:
                 self.input_grads_to_send[(s, m)] = grads
+
+    def backward_weight(self, s: int, m: int) -> None:
+        """``W``: the parameter gradients of a backward whose ``I`` ran."""
+        _, param_grads = self.backward.pop((s, m))(self.weight_pending.pop((s, m)), part="weight")
+        self.schedule._stages[s]._accumulate(param_grads)
 
 
 def _single_stage(name: str, stage: PipelineStage) -> list[PipelineStage]:
@@ -352,3 +375,73 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
         if overlap_b_f and overlap is None:
             overlap = CommComputeOverlap()
         super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads, overlap=overlap)
+
+
+def _stages_list(name: str, stages: Sequence[PipelineStage], placement: str) -> list[PipelineStage]:
+    stages = list(stages)
+    if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+        raise TypeError(f"{name}: stages={stages!r} must be a non-empty list of PipelineStage")
+    if any(s.placement != placement for s in stages):
+        raise ValueError(f"{name}: needs stages built with placement={placement!r}, got "
+                         f"{sorted({s.placement for s in stages})}")
+    return stages
+
+
+class ScheduleInterleavedZeroBubble(PipelineSchedule):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) on ``v`` interleaved
+    stages per rank (stage ``s`` on rank ``s % group_size``; ``v = 1`` is plain ZB-H1):
+    backwards split into ``I`` and ``W`` (``schedules.zero_bubble``), no more activation
+    memory than interleaved 1F1B, a smaller bubble.
+
+    Raises:
+        TypeError: ``stages`` is not a non-empty list of ``PipelineStage``.
+        ValueError: stages not in the loop placement; ``n_microbatches`` not a multiple of
+            the group size when ``v > 1``; a wrong number of stages for this rank.
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
+                 scale_grads: bool = True) -> None:
+        stages = _stages_list("ScheduleInterleavedZeroBubble", stages, "loop")
+        size = stages[0].group_size
+        compute = interleaved_zero_bubble(size, stages[0].num_stages // size, n_microbatches)
+        super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads)
+
+
+class ScheduleZBVZeroBubble(PipelineSchedule):
+    """ZB-V (Qi et al., ICLR 2024): ``2 * group_size`` stages in a V (rank ``r`` runs
+    stages ``r`` and ``2 * group_size - 1 - r``; build them with ``placement="v"``), so the
+    last stage's gradient starts on the rank that ran stage 0; split backwards (``I`` and
+    ``W``) within ``2 * group_size`` stage-activations per rank.
+
+    Raises:
+        TypeError: ``stages`` is not a non-empty list of ``PipelineStage``.
+        ValueError: stages not in the V placement; not this rank's two stages.
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
+                 scale_grads: bool = True) -> None:
+        stages = _stages_list("ScheduleZBVZeroBubble", stages, "v")
+        super().__init__(stages, n_microbatches, loss_fn, zbv_zero_bubble(stages[0].group_size, n_microbatches),
+                         scale_grads=scale_grads)
+
+
+class ScheduleDualPipeV(PipelineSchedule):
+    """DualPipeV (DeepSeek-V3's DualPipe, V variant; ``schedules.dualpipe``): V-placed
+    stages (build them with ``placement="v"``), a forward of one chunk paired with a
+    backward of the other in the main phase (``OVERLAP_B_F``, run by ``overlap`` on two
+    threads), split backwards in warm-up and drain.
+
+    Args:
+        overlap: the ``CommComputeOverlap`` whose ``wrap_dispatch``/``wrap_combine`` the
+            stages' MoE layers use (default: a new one, in ``self.overlap``).
+
+    Raises:
+        TypeError: ``stages`` is not a non-empty list of ``PipelineStage``.
+        ValueError: stages not in the V placement; ``n_microbatches < 2 * group_size``.
+    """
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
+                 scale_grads: bool = True, overlap: CommComputeOverlap | None = None) -> None:
+        stages = _stages_list("ScheduleDualPipeV", stages, "v")
+        super().__init__(stages, n_microbatches, loss_fn, dualpipe_v(stages[0].group_size, n_microbatches),
+                         scale_grads=scale_grads, overlap=overlap or CommComputeOverlap())

@@ -32,6 +32,9 @@ class PipelineStage:
         num_stages: stages in the pipeline, a multiple of the pipeline group size.
         group: the pipeline process group (``None``: the world). Sends and receives use
             it (``batch_isend_irecv``).
+        placement: ``"loop"`` (stage ``s`` on group rank ``s % group_size``) or ``"v"``
+            (``num_stages = 2 * group_size``; rank ``r`` runs stages ``r`` and
+            ``2 * group_size - 1 - r``; for ``ScheduleZBVZeroBubble``).
 
     Attributes:
         input_spec, output_spec: shapes and dtypes of one microbatch's tensors received
@@ -39,28 +42,37 @@ class PipelineStage:
 
     Raises:
         ValueError: ``stage_index`` outside ``[0, num_stages)``; ``num_stages`` not a
-            multiple of the group size; the stage does not belong on this rank (stage
-            ``s`` runs on group rank ``s % group_size``).
+            multiple of the group size; the stage does not belong on this rank under
+            ``placement``; an unknown ``placement``.
     """
 
-    def __init__(self, submodule: Any, stage_index: int, num_stages: int, *, group: Any = None) -> None:
+    def __init__(self, submodule: Any, stage_index: int, num_stages: int, *, group: Any = None,
+                 placement: str = "loop") -> None:
         platform = get_platform()
         size, rank = platform.world_size(group), platform.rank(group)
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage: stage_index={stage_index} must be in [0, num_stages={num_stages})")
+        if placement not in ("loop", "v"):
+            raise ValueError(f"PipelineStage: placement={placement!r} must be 'loop' or 'v'")
+        if placement == "v" and num_stages != 2 * size:
+            raise ValueError(f"PipelineStage: placement='v' needs num_stages = 2 x the pipeline group size "
+                             f"({2 * size}), got num_stages={num_stages}")
+        self.placement = placement
+        self.group_size = size
         if num_stages % size:
             raise ValueError(f"PipelineStage: num_stages={num_stages} is not a multiple of the pipeline group size "
                              f"{size}; each rank runs the same number of stages (e.g. num_stages={size * max(1, num_stages // size)})")
-        if stage_index % size != rank:
+        if self.stage_rank(stage_index) != rank:
+            rule = f"stage s on rank s % {size}" if placement == "loop" else \
+                f"V placement: stage s on rank s, or {2 * size - 1} - s for s >= {size}"
             raise ValueError(f"PipelineStage: stage {stage_index} of {num_stages} runs on group rank "
-                             f"{stage_index % size} (stage s on rank s % {size}), but this is group rank {rank}; "
+                             f"{self.stage_rank(stage_index)} ({rule}), but this is group rank {rank}; "
                              "build on each rank the stages it runs")
         self.platform: Platform = platform
         self.submodule = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
-        self.group_size = size
         self.group_rank = rank
         self.input_spec: tuple[TensorSpec, ...] | None = None  # known after the first step
         self.output_spec: tuple[TensorSpec, ...] | None = None
@@ -76,8 +88,12 @@ class PipelineStage:
         return self.stage_index == self.num_stages - 1
 
     def stage_rank(self, stage_index: int) -> int:
-        """The group rank that runs ``stage_index``."""
-        return stage_index % self.group_size
+        """The group rank that runs ``stage_index``: ``stage_index % group_size`` (loop
+        placement), or the V placement's rank (``schedules.zero_bubble.v_placement``)."""
+        size = self.group_size
+        if self.placement == "v" and stage_index >= size:
+            return 2 * size - 1 - stage_index
+        return stage_index % size
 
     def param_grads(self) -> dict[str, Any]:
         """``{fqn: gradient}`` of this stage's parameters from the last ``step``: the sum

@@ -8,3 +8,10 @@ from hyper_parallel.core.pipeline_parallel.schedules.validate import ScheduleErr
 
 __all__ = ["Action", "ActionType", "Schedule", "ScheduleError", "SimulationResult", "add_communication", "from_csv",
            "gpipe", "interleaved_1f1b", "loop_placement", "one_f_one_b", "simulate", "to_csv", "validate"]
+
+from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import (interleaved_zero_bubble,  # noqa: E402
+                                                                         v_placement, zbv_zero_bubble)
+
+from hyper_parallel.core.pipeline_parallel.schedules.dualpipe import dualpipe_v  # noqa: E402
+
+__all__ += ["dualpipe_v", "interleaved_zero_bubble", "v_placement", "zbv_zero_bubble"]
