@@ -26,10 +26,10 @@ _LSE_FLOOR = -1.0e30
 
 #: A partial result: output ``[batch, q_len, heads, head_dim]`` and log-sum-exp
 #: ``[batch, heads, q_len]`` float32.
-Partial = tuple[Any, Any]
+BlockResult = tuple[Any, Any]
 
 
-def run_call(p: Any, q: Any, k: Any, v: Any, call: BlockCall, scale: float | None) -> Partial:
+def run_call(p: Any, q: Any, k: Any, v: Any, call: BlockCall, scale: float | None) -> BlockResult:
     """``platform.attention`` of query rows ``call.q_start ..`` (dim 1 of BSHD ``q``)
     against the key runs of ``call`` (dim 1 of ``k``/``v``)."""
     q_part = q if call.q_len == q.shape[1] else p.narrow(q, 1, call.q_start, call.q_len)
@@ -53,7 +53,7 @@ def _weight(x: Any) -> Any:
     return x.transpose(1, 2).unsqueeze(-1)
 
 
-def merge(p: Any, acc: Partial | None, new: Partial) -> Partial:
+def merge(p: Any, acc: BlockResult | None, new: BlockResult) -> BlockResult:
     """Merge a block's ``(out, lse)`` into the float32 accumulator ``acc`` (``None`` at
     first); see [Note: log-sum-exp merge]."""
     out, lse = new

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.core.context_parallel.blocks import Partial, merge, run_call
+from hyper_parallel.core.context_parallel.blocks import BlockResult, merge, run_call
 from hyper_parallel.core.context_parallel.context import Plan
 from hyper_parallel.core.context_parallel.masks import plan_block, segments
 from hyper_parallel.platform import P2POp
@@ -83,7 +83,7 @@ def ring_attention(p: Any, q: Any, k: Any, v: Any, plan: Plan, seq_len: int, cau
     n, g, group = plan.kv_size, plan.kv_index, plan.kv_group
     q_pos = plan.block_positions(seq_len, g)
     runs = segments(q_pos)
-    accs: list[Partial | None] = [None] * len(runs)
+    accs: list[BlockResult | None] = [None] * len(runs)
     kv = p.stack([k, v], 0).contiguous()  # one message per step
     nxt, prev = (g + 1) % n, (g - 1) % n
     for step in range(n):
