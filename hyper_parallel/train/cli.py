@@ -23,9 +23,9 @@ from pathlib import Path
 from hyper_parallel.train.config import CP_MODES, PP_SCHEDULES, PRESETS, Layout, ModelConfig, TrainConfig
 from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
 
-#: The layout of a run without layout flags, on ``--nproc`` ranks. Tensor parallelism
-#: today; data-parallel sharding (``dp_shard = nproc``) once fully_shard lands.
-DEFAULT_LAYOUT_AXIS = "tp"
+#: The layout of a run without layout flags, on ``--nproc`` ranks: sharded data
+#: parallelism (fully_shard over every rank, ``dp_shard = nproc``).
+DEFAULT_LAYOUT_AXIS = "dp_shard"
 LAYOUT_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
 
 

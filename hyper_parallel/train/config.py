@@ -23,14 +23,22 @@ CP_MODES = ("ulysses", "ring", "allgather", "hybrid")
 #: ``--pp-schedule`` values, the generators of ``hyper_parallel.core.pipeline_parallel.schedules``.
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
-#: Parallel features a layout may need, and whether they have landed in this package.
-#: A layout that needs a feature that has not landed is refused before any rank starts.
+#: Parallel features a layout may need, and whether ``hyper-parallel train`` runs them yet.
+#: A layout that needs one that is not wired into the job is refused before any rank starts;
+#: the value says why.
 LANDED_FEATURES: dict[str, bool] = {
     "tensor parallel (--tp)": True,
     "context parallel (--cp)": False,
-    "fully_shard (--dp-shard)": False,
-    "HSDP / replicated data parallel (--dp-replicate)": False,
+    "fully_shard (--dp-shard)": True,
+    "HSDP / replicated data parallel (--dp-replicate)": True,
     "pipeline parallel (--pp)": False,
+}
+
+#: Why a feature that is not wired into the job yet is refused (shown in the message).
+NOT_YET: dict[str, str] = {
+    "context parallel (--cp)": "the model's attention, the sequence split of the loader and the gradient reduction "
+                               "over the cp ranks are not wired into the job yet",
+    "pipeline parallel (--pp)": "pipeline stages composed with fully_shard are not built yet",
 }
 
 
@@ -183,7 +191,7 @@ class TrainConfig:
     nproc: int = 4
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     model_name: str = "small"
-    layout: Layout = field(default_factory=lambda: Layout(tp=4))
+    layout: Layout = field(default_factory=lambda: Layout(dp_shard=4))
     seq_len: int = 128
     batch_size: int = 8
     steps: int = 150
@@ -255,13 +263,23 @@ class TrainConfig:
                              f"(max_seq_len {mod.max_seq_len})")
 
     def refuse_unlanded(self) -> None:
-        """Raise if the layout needs a parallel feature that is not in the package yet."""
-        missing = self.layout.missing_features()
+        """Raise if the layout needs a parallel feature, or a composition of features, that
+        is not in the package yet."""
+        lay = self.layout
+        missing = lay.missing_features()
         if missing:
+            reasons = "; ".join(f"{name}: {NOT_YET[name]}" for name in missing)
             raise ValueError(
-                f"the layout {self.layout.describe()} needs {', '.join(missing)}, which has not landed in "
-                "hyper_parallel yet; layouts that run today: a single rank (--nproc 1 --tp 1) and tensor "
-                "parallelism (--tp N --nproc N)")
+                f"the layout {lay.describe()} needs {', '.join(missing)}, which hyper-parallel train does not "
+                f"support yet ({reasons}); layouts that run today: a single rank, tensor parallelism "
+                "(--tp N --nproc N) and sharded data parallelism (--dp-shard S, with --dp-replicate R for HSDP, "
+                "--nproc R*S)")
+        if lay.tp > 1 and lay.dp > 1:
+            raise ValueError(
+                f"the layout {lay.describe()} combines --tp {lay.tp} with data parallelism (--dp-shard "
+                f"{lay.dp_shard} --dp-replicate {lay.dp_replicate}): fully_shard over the data-parallel submesh of a "
+                "tensor-parallel model is not supported yet (fully_shard needs a mesh covering the world); use "
+                "either --tp N or --dp-shard/--dp-replicate alone")
 
     @property
     def run_dir(self) -> Path:

@@ -11,8 +11,9 @@ Order of the chain, and why:
 4. fully_shard (``mesh["dp_replicate", "dp_shard"]``, HSDP when both > 1): last, because
    it shards whatever parameters the previous steps left, block by block.
 
-Steps 2-4 belong to features that have not landed yet; ``TrainConfig.refuse_unlanded``
-stops such layouts before any rank starts, so the chain below holds only what runs.
+Steps 2-3, and fully_shard composed with tensor parallelism (which needs fully_shard over a
+submesh), are not wired into the job yet; ``TrainConfig.refuse_unlanded`` stops such layouts before any
+rank starts, so the chain below holds only what runs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
+from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import Layout
@@ -58,12 +60,37 @@ def apply_tensor_parallel(model: Any, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, TP_PLAN)
 
 
+def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    """The mesh fully_shard shards over: 1-D ``dp_shard`` when there is no replication,
+    else the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). With ``tp == cp == pp == 1`` it
+    covers the world, as fully_shard requires. Collective when it builds a group."""
+    if layout.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh) -> None:
+    """FSDP2 order: each decoder block is a unit (its parameters all-gathered around its
+    forward and backward, gradients reduce-scattered), then the root takes the rest
+    (embedding, final norm, output head; a tied head shares the root unit with the
+    embedding). Every rank holds the same initial weights (``build_model`` seeds them), as
+    fully_shard requires. Collectives: none here; the all-gathers / reduce-scatters run in
+    each step."""
+    for block in model.layers:
+        fully_shard(block, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+
+
 def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout) -> Any:
-    """Apply the layout chain (see the module doc) to ``model`` in place and return it."""
+    """Apply the layout chain (see the module doc) to ``model`` in place and return it.
+    Build the optimizer (and take ``named_parameters``) after: fully_shard replaces the
+    parameters by their shards."""
     if mesh is None:
         return model
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    if layout.dp > 1:
+        apply_fully_shard(model, fully_shard_mesh(mesh, layout))
     return model
 
 

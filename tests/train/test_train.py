@@ -1,8 +1,9 @@
 """``hyper-parallel train``: layouts against the single-process reference, torch against
 MindSpore, resume and cut-off checkpoints, configuration errors, and one real launch.
 
-Layouts tested: single rank, tensor parallel 2 and 4 (the layouts whose features have
-landed; dp-shard, cp, pp and dp-replicate are refused until theirs land)."""
+Layouts tested: single rank, tensor parallel 2 and 4, fully_shard (dp-shard 2 and 4) and
+HSDP (dp-replicate 2 x dp-shard 2), the layouts whose features have landed; cp, pp and tp
+combined with data parallelism are refused until they land."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import pytest
 from hyper_parallel.testing import run_on_ranks as run_on_fresh_ranks
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args, main, parity_report
-from tests.train._ranks import TEST_DATA, check_layout_parity, check_resume, framework_losses
+from tests.train._ranks import (TEST_DATA, check_data_parallel_parity, check_dp_shard_parity_and_resume,
+                                check_layout_parity, framework_losses)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,8 +34,22 @@ def test_layout_matches_single_process(run_on_ranks, tmp_path: Path, world_size:
         np.testing.assert_array_equal(other, results[0])
 
 
-def test_resume_and_cut_off_checkpoint(run_on_ranks, tmp_path: Path) -> None:
-    run_on_ranks(check_resume, str(tmp_path), world_size=2, timeout_s=300)
+def test_data_parallel_matches_single_process(run_on_ranks, tmp_path: Path) -> None:
+    """fully_shard over 4 ranks (uneven, padded shards: see ``UNEVEN_MODEL``) and HSDP
+    (dp-replicate 2 x dp-shard 2) against the single-process reference."""
+    layouts = [{"dp_shard": 4}, {"dp_replicate": 2, "dp_shard": 2}]
+    results = run_on_ranks(check_data_parallel_parity, str(tmp_path), layouts, world_size=4, timeout_s=400)
+    for other in results[1:]:  # every rank reports the loss of the whole batch
+        np.testing.assert_array_equal(other, results[0])
+
+
+def test_dp_shard_2_parity_resume_and_cut_off_checkpoint(run_on_ranks, tmp_path: Path) -> None:
+    """dp-shard 2 (the default layout's kind) against the reference; its checkpoints
+    (padded local shards and their AdamW moments, one npz per rank) resume
+    bit-identically, a cut-off one is skipped. (Tensor-parallel checkpoints go through the
+    same save/load code with other local shapes.)"""
+    results = run_on_ranks(check_dp_shard_parity_and_resume, str(tmp_path), world_size=2, timeout_s=400)
+    np.testing.assert_array_equal(results[1], results[0])
 
 
 def test_torch_and_mindspore_agree(run_on_ranks, tmp_path: Path) -> None:
@@ -79,25 +95,28 @@ def test_bad_configuration(flags: list[str], needles: list[str]) -> None:
         assert needle in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("flags, feature", [
-    (["--dp-shard", "4"], "fully_shard (--dp-shard)"),
-    (["--dp-replicate", "2"], "HSDP / replicated data parallel"),
-    (["--cp", "2"], "context parallel (--cp)"),
-    (["--pp", "2", "--microbatches", "2"], "pipeline parallel (--pp)"),
-    (["--tp", "2", "--dp-shard", "2"], "fully_shard (--dp-shard)"),
+@pytest.mark.parametrize("flags, needles", [
+    (["--cp", "2"], ["context parallel (--cp)", "does not support yet", "sequence split", "--dp-shard S"]),
+    (["--cp", "2", "--dp-shard", "2"], ["needs context parallel (--cp),", "--tp N --nproc N"]),
+    (["--pp", "2", "--microbatches", "2"], ["pipeline parallel (--pp)", "composed with fully_shard",
+                                            "--tp N --nproc N"]),
+    (["--tp", "2", "--dp-shard", "2"], ["combines --tp 2 with data parallelism", "not supported yet",
+                                        "fully_shard over the data-parallel submesh"]),
+    (["--tp", "2", "--dp-replicate", "2"], ["combines --tp 2 with data parallelism", "--dp-replicate 2"]),
 ])
-def test_unlanded_layouts_are_refused_before_any_rank(flags: list[str], feature: str, capsys) -> None:
+def test_unlanded_layouts_are_refused_before_any_rank(flags: list[str], needles: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *flags, "--out", "/nonexistent/never-created"])
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
-    assert feature in message and "has not landed" in message and "--tp N --nproc N" in message, message
+    for needle in needles:
+        assert needle in message, message
     assert not Path("/nonexistent/never-created").exists()
 
 
 def test_defaults_and_parity_report() -> None:
     cfg = _config()
-    assert cfg.nproc == 4 and cfg.layout.tp == 4 and cfg.model_name == "small"
+    assert cfg.nproc == 4 and cfg.layout.dp_shard == 4 and cfg.layout.tp == 1 and cfg.model_name == "small"
     assert _config("--tp", "2").nproc == 2
     report = parity_report([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.1}],
                            [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}])
