@@ -161,6 +161,12 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
     for entry in results:
         single = next(e for e in results if e["seq"] == entry["seq"] and e["mode"] == "single device")
         entry["memory_vs_single"] = entry["saved_mib"] / single["saved_mib"]
+    for entry in results:
+        # The like-for-like pair: our load-balanced ring against torch's load-balanced ring.
+        if entry["mode"] == "ring+lb":
+            torch_ring = next((e for e in results if e["seq"] == entry["seq"] and e["mode"] == "torch ring (lb)"), None)
+            if torch_ring is not None:
+                entry["ratio"] = entry["ms"] / torch_ring["ms"]
     return results
 
 
@@ -170,15 +176,17 @@ def markdown(results: list[dict], world: int) -> str:
         "",
         f"`[batch={BATCH}, seq, heads={HEADS}, head_dim={HEAD_DIM}]` float32. ms: median of the slowest rank; "
         "saved MiB: activations saved for backward on the largest rank; memory ratio: saved / single device "
-        f"(1/cp = {1 / world:.2f} is the ideal). Largest |ours ring+lb - torch ring| over the outputs: "
+        f"(1/cp = {1 / world:.2f} is the ideal); time ratio: our load-balanced ring / torch's load-balanced ring "
+        "at that length (below 1: faster). Largest |ours ring+lb - torch ring| over the outputs: "
         f"{max(e['max_diff_ours_vs_torch_ring'] for e in results):.1e}.",
         "",
-        "| mode | seq | ms | saved MiB | memory ratio |",
-        "|---|---:|---:|---:|---:|",
+        "| mode | seq | ms | saved MiB | memory ratio | time ratio vs torch ring |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for e in results:
+        ratio = f"{e['ratio']:.2f}" if "ratio" in e else ""
         lines.append(f"| {e['mode']} | {e['seq']} | {e['ms']:.1f} | {e['saved_mib']:.1f} | "
-                     f"{e['memory_vs_single']:.2f} |")
+                     f"{e['memory_vs_single']:.2f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 

@@ -104,6 +104,17 @@ def run(impl: str, world: int, args: argparse.Namespace) -> dict:
             "local_params": per_rank[0]["params"]}
 
 
+def comparison(rows: list[dict]) -> list[dict]:
+    """Per world size: hyper_parallel / torch for step time and peak memory (below 1: ours is
+    faster / smaller)."""
+    by = {(row["impl"], row["world_size"]): row for row in rows}
+    worlds = sorted({row["world_size"] for row in rows})
+    return [{"world_size": w,
+             "step_ratio": by[("hyper_parallel", w)]["step_ms"] / by[("torch", w)]["step_ms"],
+             "peak_ratio": by[("hyper_parallel", w)]["peak_mib"] / max(by[("torch", w)]["peak_mib"], 1e-9)}
+            for w in worlds if ("hyper_parallel", w) in by and ("torch", w) in by]
+
+
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     by = {(row["impl"], row["world_size"]): row for row in rows}
     lines = [f"# fully_shard: hyper_parallel vs torch FSDP2 ({args.blocks} blocks, dim {args.dim}, "
@@ -137,7 +148,8 @@ def main() -> int:
     meta = {"blocks": args.blocks, "dim": args.dim, "batch": args.batch, "seq": args.seq, "iters": args.iters,
             "warmup": args.warmup, "backend": "torch-cpu (gloo)", "host": host_platform.platform(),
             "python": sys.version.split()[0]}
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows,
+                                                                "comparison": comparison(rows)}, indent=2))
     table = markdown(rows, args)
     args.out.with_suffix(".md").write_text(table)
     print(table)
