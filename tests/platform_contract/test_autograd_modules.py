@@ -3,6 +3,9 @@ replacement. World size 1: none of this communicates."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -202,6 +205,36 @@ def check_release_saved_tensors() -> None:
 
 def test_release_saved_tensors(run_on_ranks) -> None:
     run_on_ranks(check_release_saved_tensors, world_size=1)
+
+
+def check_release_saved_tensors_frees_unused_branch() -> None:
+    """Tensors that ops save as their own output (``exp``, ``amax``) inside
+    ``release_saved_tensors``, on a branch the backward never runs (attention's detached
+    row max), are freed with the branch: a pack hook that keeps the output itself, with
+    its grad_fn, forms a reference cycle through the framework's graph that Python's gc
+    cannot break, and fully_shard then leaked such tensors on every step."""
+    p = get_platform()
+    w0, x0 = rank_data(1, (4, 3)), rank_data(2, (2, 4))
+    refs: list[weakref.ref] = []
+
+    def fn(x, w):
+        with p.release_saved_tensors([], lambda index: None):
+            for branch in (x.exp(), x.amax(-1)):
+                refs.append(weakref.ref(branch))
+            out = x @ w
+        return out
+
+    for _ in range(3):
+        _, backward = p.vjp(fn, [p.from_numpy(x0), p.from_numpy(w0)])
+        backward([p.from_numpy(np.ones((2, 3), np.float32))])
+        del backward
+    gc.collect()
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} of {len(refs)} unused-branch tensors are still alive: {[tuple(t.shape) for t in alive]}"
+
+
+def test_release_saved_tensors_frees_unused_branch(run_on_ranks) -> None:
+    run_on_ranks(check_release_saved_tensors_frees_unused_branch, world_size=1)
 
 
 def check_getitem_with_index_tensor() -> None:

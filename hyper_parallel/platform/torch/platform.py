@@ -193,7 +193,11 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         def pack(tensor: Any) -> Any:
             index = keys.get(tensor.untyped_storage().data_ptr()) if tensor.numel() > 0 else None
             if index is None:
-                return tensor
+                # Not the tensor itself: an op that saves its own output (exp, amax, softmax)
+                # would then hold its grad_fn through the packed object, a C++ reference cycle
+                # that gc cannot break; a graph branch backward never runs (attention's
+                # detached row max) then leaks each step. ``detach`` shares storage and version.
+                return tensor.detach()
             return _SavedToken(index, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
 
         def unpack(packed: Any) -> Any:
