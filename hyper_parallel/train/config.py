@@ -272,14 +272,8 @@ class TrainConfig:
             raise ValueError(
                 f"the layout {lay.describe()} needs {', '.join(missing)}, which hyper-parallel train does not "
                 f"support yet ({reasons}); layouts that run today: a single rank, tensor parallelism "
-                "(--tp N --nproc N) and sharded data parallelism (--dp-shard S, with --dp-replicate R for HSDP, "
-                "--nproc R*S)")
-        if lay.tp > 1 and lay.dp > 1:
-            raise ValueError(
-                f"the layout {lay.describe()} combines --tp {lay.tp} with data parallelism (--dp-shard "
-                f"{lay.dp_shard} --dp-replicate {lay.dp_replicate}): fully_shard over the data-parallel submesh of a "
-                "tensor-parallel model is not supported yet (fully_shard needs a mesh covering the world); use "
-                "either --tp N or --dp-shard/--dp-replicate alone")
+                "(--tp N --nproc N), sharded data parallelism (--dp-shard S, with --dp-replicate R for HSDP, "
+                "--nproc R*S) and both combined (--tp T --dp-shard S [--dp-replicate R], --nproc R*S*T)")
 
     @property
     def run_dir(self) -> Path:

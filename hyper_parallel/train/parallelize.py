@@ -11,8 +11,9 @@ Order of the chain, and why:
 4. fully_shard (``mesh["dp_replicate", "dp_shard"]``, HSDP when both > 1): last, because
    it shards whatever parameters the previous steps left, block by block.
 
-Steps 2-3, and fully_shard composed with tensor parallelism (which needs fully_shard over a
-submesh), are not wired into the job yet; ``TrainConfig.refuse_unlanded`` stops such layouts before any
+With tensor parallelism, fully_shard runs over the data-parallel submesh and shards each
+rank's tensor-parallel shards again (FSDP2's 2-D composition, see docs/fully_shard.md).
+Steps 2-3 are not wired into the job yet; ``TrainConfig.refuse_unlanded`` stops such layouts before any
 rank starts, so the chain below holds only what runs.
 """
 
@@ -62,8 +63,9 @@ def apply_tensor_parallel(model: Any, tp_mesh: DeviceMesh) -> None:
 
 def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The mesh fully_shard shards over: 1-D ``dp_shard`` when there is no replication,
-    else the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). With ``tp == cp == pp == 1`` it
-    covers the world, as fully_shard requires. Collective when it builds a group."""
+    else the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). With ``tp > 1`` it is a submesh
+    (one per tensor-parallel coordinate), over which fully_shard shards the TP-local
+    parameters. Collective when it builds a group."""
     if layout.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]

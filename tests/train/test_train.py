@@ -1,9 +1,9 @@
 """``hyper-parallel train``: layouts against the single-process reference, torch against
 MindSpore, resume and cut-off checkpoints, configuration errors, and one real launch.
 
-Layouts tested: single rank, tensor parallel 2 and 4, fully_shard (dp-shard 2 and 4) and
-HSDP (dp-replicate 2 x dp-shard 2), the layouts whose features have landed; cp, pp and tp
-combined with data parallelism are refused until they land."""
+Layouts tested: single rank, tensor parallel 2 and 4, fully_shard (dp-shard 2 and 4),
+HSDP (dp-replicate 2 x dp-shard 2) and tp 2 x dp-shard 2, the layouts whose features have
+landed; cp and pp are refused until they land."""
 
 from __future__ import annotations
 
@@ -97,12 +97,9 @@ def test_bad_configuration(flags: list[str], needles: list[str]) -> None:
 
 @pytest.mark.parametrize("flags, needles", [
     (["--cp", "2"], ["context parallel (--cp)", "does not support yet", "sequence split", "--dp-shard S"]),
-    (["--cp", "2", "--dp-shard", "2"], ["needs context parallel (--cp),", "--tp N --nproc N"]),
+    (["--cp", "2", "--dp-shard", "2"], ["needs context parallel (--cp),", "--tp N --nproc N", "--tp T --dp-shard S"]),
     (["--pp", "2", "--microbatches", "2"], ["pipeline parallel (--pp)", "composed with fully_shard",
                                             "--tp N --nproc N"]),
-    (["--tp", "2", "--dp-shard", "2"], ["combines --tp 2 with data parallelism", "not supported yet",
-                                        "fully_shard over the data-parallel submesh"]),
-    (["--tp", "2", "--dp-replicate", "2"], ["combines --tp 2 with data parallelism", "--dp-replicate 2"]),
 ])
 def test_unlanded_layouts_are_refused_before_any_rank(flags: list[str], needles: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
