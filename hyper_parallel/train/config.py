@@ -28,7 +28,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 #: the value says why.
 LANDED_FEATURES: dict[str, bool] = {
     "tensor parallel (--tp)": True,
-    "context parallel (--cp)": False,
+    "context parallel (--cp)": True,
     "fully_shard (--dp-shard)": True,
     "HSDP / replicated data parallel (--dp-replicate)": True,
     "pipeline parallel (--pp)": False,
@@ -36,8 +36,6 @@ LANDED_FEATURES: dict[str, bool] = {
 
 #: Why a feature that is not wired into the job yet is refused (shown in the message).
 NOT_YET: dict[str, str] = {
-    "context parallel (--cp)": "the model's attention, the sequence split of the loader and the gradient reduction "
-                               "over the cp ranks are not wired into the job yet",
     "pipeline parallel (--pp)": "pipeline stages composed with fully_shard are not built yet",
 }
 
@@ -244,6 +242,9 @@ class TrainConfig:
             if lay.cp_mode in ("ulysses", "hybrid") and (mod.n_heads // lay.tp) % lay.cp:
                 raise ValueError(f"--cp={lay.cp} with --cp-mode {lay.cp_mode} must divide the query heads per "
                                  f"tensor-parallel rank ({mod.n_heads // lay.tp}); use --cp-mode ring or a smaller --cp")
+            if lay.cp_mode == "ulysses" and (mod.n_kv_heads // lay.tp) % lay.cp:
+                raise ValueError(f"--cp={lay.cp} with --cp-mode ulysses must divide the key/value heads per "
+                                 f"tensor-parallel rank ({mod.n_kv_heads // lay.tp}); use --cp-mode ring or a smaller --cp")
             if self.seq_len % (2 * lay.cp):
                 raise ValueError(f"--seq-len={self.seq_len} must be divisible by 2 x --cp = {2 * lay.cp} "
                                  "(each context-parallel rank takes two load-balanced chunks of every sequence)")
@@ -272,14 +273,16 @@ class TrainConfig:
             raise ValueError(
                 f"the layout {lay.describe()} needs {', '.join(missing)}, which hyper-parallel train does not "
                 f"support yet ({reasons}); layouts that run today: a single rank, tensor parallelism "
-                "(--tp N --nproc N) and sharded data parallelism (--dp-shard S, with --dp-replicate R for HSDP, "
-                "--nproc R*S)")
-        if lay.tp > 1 and lay.dp > 1:
+                "(--tp N --nproc N), sharded data parallelism (--dp-shard S, with --dp-replicate R for HSDP, "
+                "--nproc R*S), both combined (--tp T --dp-shard S [--dp-replicate R], --nproc R*S*T) and context "
+                "parallelism with or without --dp-shard (--cp C --dp-shard S, --nproc S*C)")
+        if lay.cp > 1 and (lay.tp > 1 or lay.dp_replicate > 1 or lay.cp_mode == "hybrid"):
             raise ValueError(
-                f"the layout {lay.describe()} combines --tp {lay.tp} with data parallelism (--dp-shard "
-                f"{lay.dp_shard} --dp-replicate {lay.dp_replicate}): fully_shard over the data-parallel submesh of a "
-                "tensor-parallel model is not supported yet (fully_shard needs a mesh covering the world); use "
-                "either --tp N or --dp-shard/--dp-replicate alone")
+                f"the layout {lay.describe()} with --cp-mode {lay.cp_mode} combines context parallelism with "
+                f"--tp {lay.tp} / --dp-replicate {lay.dp_replicate} / --cp-mode hybrid, which hyper-parallel train does "
+                "not support yet (the gradient reduction over cp goes through fully_shard on the flattened "
+                "(dp_shard, cp) mesh, built for tp == dp_replicate == 1; the hybrid mode needs a 2-D cp mesh); use "
+                "--cp C --cp-mode ulysses|ring|allgather with --dp-shard S only")
 
     @property
     def run_dir(self) -> Path:

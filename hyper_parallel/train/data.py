@@ -114,8 +114,8 @@ def global_batch(stream: np.ndarray, seed: int, step: int, batch_size: int, seq_
 def rank_batch(stream: np.ndarray, seed: int, step: int, batch_size: int, seq_len: int, dp_rank: int,
                dp_size: int, stream_id: int = 0) -> Batch:
     """Data-parallel rank ``dp_rank``'s contiguous ``batch_size / dp_size`` sequences of the
-    global batch of ``step``. (Context parallelism, when it lands, slices the sequence dim
-    of this share and the matching positions.)
+    global batch of ``step``. (With context parallelism the loop then gives each cp rank its
+    ``context_parallel_shard`` of this share's sequence dim, positions included.)
 
     Raises:
         ValueError: ``batch_size`` is not divisible by ``dp_size``.

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.context_parallel import context_parallel_shard
 from hyper_parallel.core.dtensor import DeviceMesh
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train import checkpoint
@@ -44,7 +45,8 @@ class _Run:
     world: int          # ranks of the run (1 for a single-rank run)
     dp_rank: int
     dp_size: int
-    dp_group: Any       # the data-parallel group (None when dp_size == 1)
+    dp_group: Any       # the group of the ranks whose losses are averaged: dp x cp (None for one)
+    cp_mesh: DeviceMesh | None  # the context-parallel mesh (None when cp == 1)
 
 
 def _scalar(p: Platform, value: float) -> Any:
@@ -52,12 +54,14 @@ def _scalar(p: Platform, value: float) -> Any:
 
 
 def _mean_over_dp(run: _Run, value: float) -> float:
-    """The mean of a per-rank loss over the data-parallel ranks (all-reduce), so every
-    rank reports the loss of the whole batch."""
-    if run.dp_size == 1:
+    """The mean of a per-rank loss over the data-parallel and context-parallel ranks
+    (all-reduce), so every rank reports the loss of the whole batch. Every rank holds the
+    same number of tokens, so the mean of the per-rank means is the global mean."""
+    ranks = run.dp_size * run.layout.cp
+    if ranks == 1:
         return value
     total = run.p.all_reduce(run.p.from_numpy(np.asarray([value], np.float64)), "sum", group=run.dp_group).wait()
-    return float(run.p.to_numpy(total)[0]) / run.dp_size
+    return float(run.p.to_numpy(total)[0]) / ranks
 
 
 def _peak_memory(run: _Run) -> list[int]:
@@ -73,14 +77,22 @@ def _peak_memory(run: _Run) -> list[int]:
     return [int(v) for v in run.p.to_numpy(gathered)]
 
 
-def _batch_tensors(p: Platform, batch: Any) -> list[Any]:
-    return [p.from_numpy(batch.tokens), p.from_numpy(batch.positions), p.from_numpy(batch.targets)]
+def _batch_tensors(run: _Run, batch: Any) -> list[Any]:
+    """``[tokens, positions, targets]``, each ``[batch / dp, seq / cp]``: with context
+    parallelism this rank's sequence shards (``context_parallel_shard``, the layout the
+    attention hooks expect), positions included, so RoPE sees the positions it holds.
+    The model's loss is then the mean over this rank's tokens."""
+    p = run.p
+    tensors = [p.from_numpy(batch.tokens), p.from_numpy(batch.positions), p.from_numpy(batch.targets)]
+    if run.cp_mesh is None:
+        return tensors
+    return context_parallel_shard(tensors, [1, 1, 1], run.cp_mesh, load_balance=run.layout.cp_mode != "ulysses")
 
 
 def _train_step(run: _Run, step: int) -> float:
     cfg, p = run.cfg, run.p
     batch = rank_batch(run.corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
-    loss, backward = p.vjp(run.model, _batch_tensors(p, batch), run.params)
+    loss, backward = p.vjp(run.model, _batch_tensors(run, batch), run.params)
     _, grads = backward([_scalar(p, 1.0)])
     run.optimizer.step(grads, lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps))
     return _mean_over_dp(run, float(p.to_numpy(loss)))
@@ -93,7 +105,7 @@ def _validation_loss(run: _Run) -> float:
         for index in range(cfg.eval_batches):
             batch = rank_batch(run.corpus.validation, cfg.seed, index, cfg.batch_size, cfg.seq_len, run.dp_rank,
                                run.dp_size, stream_id=VALIDATION_STREAM)
-            losses.append(float(p.to_numpy(run.model(*_batch_tensors(p, batch)))))
+            losses.append(float(p.to_numpy(run.model(*_batch_tensors(run, batch)))))
     return _mean_over_dp(run, float(np.mean(losses)))
 
 
@@ -131,10 +143,13 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     params = [param for _, param in p.named_parameters(model)]
     dp_rank, dp_size = data_parallel_coordinate(mesh)
     # a collective that creates a group: every rank makes it, even when it is not needed
-    dp_group = mesh["dp_replicate", "dp_shard"].flatten("dp").get_group() if mesh is not None and dp_size > 1 else None
+    dp_group = (mesh["dp_replicate", "dp_shard", "cp"].flatten("dp_cp").get_group()
+                if mesh is not None and dp_size * layout.cp > 1 else None)
+    cp_mesh = mesh["cp"] if mesh is not None and layout.cp > 1 else None
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
-    return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group)
+    return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,
+                cp_mesh)
 
 
 def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,

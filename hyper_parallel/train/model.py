@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.context_parallel import scaled_dot_product_attention
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import ModelConfig
 
@@ -109,7 +110,8 @@ def _attention(p: Platform, m: Any, x: Any, cos: Any, sin: Any, head_dim: int) -
     q = _apply_rope(p, m.wq(x).reshape(b, s, -1, head_dim), cos, sin)
     k = _apply_rope(p, m.wk(x).reshape(b, s, -1, head_dim), cos, sin)
     v = m.wv(x).reshape(b, s, -1, head_dim)
-    out, _ = p.attention(q, k, v, causal=True)
+    # the core attention is its own (parameter-free) module so that ContextParallel can hook it
+    out = m.core(q, k, v)
     return m.wo(out.reshape(b, s, -1))
 
 
@@ -143,10 +145,18 @@ def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table
         def forward(self, x: Any) -> Any:
             return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * self.weight
 
+    class CoreAttention(nn.Module):
+        """Causal softmax attention of ``[batch, seq, heads, head_dim]`` q/k/v (no parameters):
+        ``platform.attention`` alone, sequence-parallel under ``ContextParallel``."""
+
+        def forward(self, q: Any, k: Any, v: Any) -> Any:
+            return scaled_dot_product_attention(q, k, v, is_causal=True)
+
     class Attention(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             _add_linears(self, nn.Linear, cfg, "attention")
+            self.core = CoreAttention()
 
         def forward(self, x: Any, cos: Any, sin: Any) -> Any:
             return _attention(p, self, x, cos, sin, cfg.head_dim)
@@ -209,10 +219,18 @@ def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_t
         def construct(self, x: Any) -> Any:
             return x * mint.rsqrt(mint.mean(x * x, -1, True) + cfg.norm_eps) * self.weight
 
+    class CoreAttention(nn.Cell):
+        """Causal softmax attention of ``[batch, seq, heads, head_dim]`` q/k/v (no parameters):
+        ``platform.attention`` alone, sequence-parallel under ``ContextParallel``."""
+
+        def construct(self, q: Any, k: Any, v: Any) -> Any:
+            return scaled_dot_product_attention(q, k, v, is_causal=True)
+
     class Attention(nn.Cell):
         def __init__(self) -> None:
             super().__init__()
             _add_linears(self, mint.nn.Linear, cfg, "attention")
+            self.core = CoreAttention()
 
         def construct(self, x: Any, cos: Any, sin: Any) -> Any:
             return _attention(p, self, x, cos, sin, cfg.head_dim)

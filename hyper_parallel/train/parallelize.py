@@ -11,8 +11,10 @@ Order of the chain, and why:
 4. fully_shard (``mesh["dp_replicate", "dp_shard"]``, HSDP when both > 1): last, because
    it shards whatever parameters the previous steps left, block by block.
 
-Steps 2-3, and fully_shard composed with tensor parallelism (which needs fully_shard over a
-submesh), are not wired into the job yet; ``TrainConfig.refuse_unlanded`` stops such layouts before any
+With tensor parallelism, fully_shard runs over the data-parallel submesh and shards each
+rank's tensor-parallel shards again (FSDP2's 2-D composition, see docs/fully_shard.md).
+Step 3 is not wired into the job yet, nor context parallelism with tensor parallelism or
+with ``--dp-replicate``; ``TrainConfig.refuse_unlanded`` stops such layouts before any
 rank starts, so the chain below holds only what runs.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hyper_parallel.core.context_parallel import ContextParallel
 from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
 from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -60,10 +63,34 @@ def apply_tensor_parallel(model: Any, tp_mesh: DeviceMesh) -> None:
     parallelize_module(model, tp_mesh, TP_PLAN)
 
 
+def context_parallel_style(layout: Layout) -> ContextParallel:
+    """The ``ContextParallel`` of ``--cp-mode``: ``ulysses`` all-to-alls heads for sequence
+    over all of ``cp`` (DeepSpeed-Ulysses); ``ring`` and ``allgather`` keep the heads and
+    exchange K/V (ring attention, Liu et al. 2023; or one all-gather), with the head-tail
+    load-balanced sequence layout that evens out causal work."""
+    if layout.cp_mode == "ulysses":
+        return ContextParallel(ulysses_degree=None)
+    return ContextParallel(ulysses_degree=1, kv_exchange=layout.cp_mode, load_balance=True)
+
+
+def apply_context_parallel(model: Any, cp_mesh: DeviceMesh, layout: Layout) -> None:
+    """Hook every block's parameter-free core attention (``[batch, seq / cp, heads,
+    head_dim]`` q/k/v) with ``context_parallel_style(layout)`` over ``cp_mesh`` (1-D).
+    Collectives: none here; each forward exchanges K/V (or all-to-alls heads)."""
+    style = context_parallel_style(layout)
+    for block in model.layers:
+        parallelize_module(block.attention.core, cp_mesh, style)
+
+
 def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The mesh fully_shard shards over: 1-D ``dp_shard`` when there is no replication,
-    else the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). With ``tp == cp == pp == 1`` it
-    covers the world, as fully_shard requires. Collective when it builds a group."""
+    else the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). With ``tp > 1`` it is a submesh
+    (one per tensor-parallel coordinate), over which fully_shard shards the TP-local
+    parameters. With ``cp > 1`` (``tp == dp_replicate == 1``): the flattened
+    ``(dp_shard, cp)`` mesh, so that the gradients of the parameters, replicated over
+    ``cp``, are averaged over the cp ranks too. Collective when it builds a group."""
+    if layout.cp > 1:
+        return mesh["dp_shard", "cp"].flatten("dp_shard_cp")
     if layout.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
@@ -89,7 +116,9 @@ def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout) -> Any:
         return model
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    if layout.dp > 1:
+    if layout.cp > 1:
+        apply_context_parallel(model, mesh["cp"], layout)
+    if layout.dp * layout.cp > 1:
         apply_fully_shard(model, fully_shard_mesh(mesh, layout))
     return model
 

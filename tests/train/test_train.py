@@ -1,9 +1,10 @@
 """``hyper-parallel train``: layouts against the single-process reference, torch against
 MindSpore, resume and cut-off checkpoints, configuration errors, and one real launch.
 
-Layouts tested: single rank, tensor parallel 2 and 4, fully_shard (dp-shard 2 and 4) and
-HSDP (dp-replicate 2 x dp-shard 2), the layouts whose features have landed; cp, pp and tp
-combined with data parallelism are refused until they land."""
+Layouts tested: single rank, tensor parallel 2 and 4, fully_shard (dp-shard 2 and 4),
+HSDP (dp-replicate 2 x dp-shard 2), tp 2 x dp-shard 2, cp 2 (all-gathered K/V) and
+dp-shard 2 x cp 2 (ring), the layouts whose features have landed; pp, and cp with tp,
+dp-replicate or the hybrid mode, are refused until they land."""
 
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ def test_layout_matches_single_process(run_on_ranks, tmp_path: Path, world_size:
 
 
 def test_data_parallel_matches_single_process(run_on_ranks, tmp_path: Path) -> None:
-    """fully_shard over 4 ranks (uneven, padded shards: see ``UNEVEN_MODEL``) and HSDP
-    (dp-replicate 2 x dp-shard 2) against the single-process reference."""
-    layouts = [{"dp_shard": 4}, {"dp_replicate": 2, "dp_shard": 2}]
+    """fully_shard over 4 ranks (uneven, padded shards: see ``UNEVEN_MODEL``), HSDP
+    (dp-replicate 2 x dp-shard 2) and dp-shard 2 x cp 2 (ring attention, load-balanced)
+    against the single-process reference."""
+    layouts = [{"dp_shard": 4}, {"dp_replicate": 2, "dp_shard": 2}, {"dp_shard": 2, "cp": 2, "cp_mode": "ring"}]
     results = run_on_ranks(check_data_parallel_parity, str(tmp_path), layouts, world_size=4, timeout_s=400)
     for other in results[1:]:  # every rank reports the loss of the whole batch
         np.testing.assert_array_equal(other, results[0])
@@ -96,13 +98,12 @@ def test_bad_configuration(flags: list[str], needles: list[str]) -> None:
 
 
 @pytest.mark.parametrize("flags, needles", [
-    (["--cp", "2"], ["context parallel (--cp)", "does not support yet", "sequence split", "--dp-shard S"]),
-    (["--cp", "2", "--dp-shard", "2"], ["needs context parallel (--cp),", "--tp N --nproc N"]),
+    (["--cp", "2", "--tp", "2"], ["combines context parallelism", "--tp 2", "does not support yet",
+                                  "--cp C --cp-mode ulysses|ring|allgather with --dp-shard S only"]),
+    (["--cp", "2", "--cp-mode", "hybrid"], ["--cp-mode hybrid", "2-D cp mesh"]),
+    (["--cp", "2", "--dp-replicate", "2"], ["--dp-replicate 2", "flattened (dp_shard, cp) mesh"]),
     (["--pp", "2", "--microbatches", "2"], ["pipeline parallel (--pp)", "composed with fully_shard",
                                             "--tp N --nproc N"]),
-    (["--tp", "2", "--dp-shard", "2"], ["combines --tp 2 with data parallelism", "not supported yet",
-                                        "fully_shard over the data-parallel submesh"]),
-    (["--tp", "2", "--dp-replicate", "2"], ["combines --tp 2 with data parallelism", "--dp-replicate 2"]),
 ])
 def test_unlanded_layouts_are_refused_before_any_rank(flags: list[str], needles: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
