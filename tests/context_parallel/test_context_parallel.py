@@ -112,7 +112,7 @@ def check_modes(only: tuple[str, ...] = ()) -> int:
     unshard and q/k/v gradients vs the float64 reference. The cases of a mode share one
     ``vjp``: MindSpore pays ~0.5 s per ``vjp``. No framework work runs between the
     collectives of one call but the cases' own: MindSpore's CPU collectives give up when a
-    peer arrives more than ~15 s late (``MS_NODE_TIMEOUT`` of the harness)."""
+    peer arrives more than ~5 s late (``MS_NODE_TIMEOUT`` of the harness)."""
     p = get_platform()
     cp, r = p.world_size(), p.rank()
     mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
