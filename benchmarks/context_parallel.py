@@ -26,8 +26,6 @@ default (on), so its data is in the same head-tail layout as ours with
 from __future__ import annotations
 
 import argparse
-import json
-import platform as host_platform
 import statistics
 import sys
 import time
@@ -35,6 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
 
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
 # name -> (ulysses_degree (None: all ranks), kv_exchange, load_balance)
@@ -207,14 +207,9 @@ def main() -> int:
     per_rank = run_on_ranks(rank_fn, args.world_size, args.seqs, args.iters, args.warmup, platform="torch-cpu",
                             timeout_s=3600)
     results = summarize(per_rank)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"world_size": args.world_size, "backend": "torch-cpu (gloo)", "iters": args.iters,
-            "warmup": args.warmup, "shape": [BATCH, "seq", HEADS, HEAD_DIM], "causal": True,
-            "host": host_platform.platform(), "python": sys.version.split()[0]}
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    table = markdown(results, args.world_size)
-    args.out.with_suffix(".md").write_text(table)
-    print(table)
+            "warmup": args.warmup, "shape": [BATCH, "seq", HEADS, HEAD_DIM], "causal": True, **host_meta()}
+    write_results(args.out, meta, results, markdown(results, args.world_size))
     return 0
 
 

@@ -14,15 +14,14 @@ the step's time is the slowest rank's; the median over ``--iters`` repetitions a
 from __future__ import annotations
 
 import argparse
-import json
-import platform as host_platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks._common import host_meta, timed, write_results  # noqa: E402  (after the path insert)
 
 # (name, source placement, target placement, the collective it takes)
 TRANSITIONS = [
@@ -79,15 +78,8 @@ def bench_rank(sizes_mib: list[float], iters: int, warmup: int) -> list[dict]:
                 float(out.reshape(-1)[0])
 
             for impl, fn in (("hyper_parallel", ours), ("torch", theirs)):
-                times = []
                 with torch.no_grad():
-                    for i in range(warmup + iters):
-                        dist.barrier()
-                        start = time.perf_counter()
-                        fn()
-                        elapsed = time.perf_counter() - start
-                        if i >= warmup:
-                            times.append(elapsed)
+                    times = timed(fn, warmup, iters, dist.barrier)
                 rows_out.append({"transition": name, "collective": collective, "size_mib": size_mib,
                                  "shape": list(shape), "impl": impl, "seconds": times})
     return rows_out
@@ -141,13 +133,9 @@ def main() -> int:
     per_rank = run_on_ranks(rank_fn, args.world_size, args.sizes_mib, args.iters, args.warmup,
                             platform="torch-cpu", timeout_s=1800)
     results = summarize(per_rank)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"world_size": args.world_size, "backend": "torch-cpu (gloo)", "iters": args.iters,
-            "warmup": args.warmup, "host": host_platform.platform(), "python": sys.version.split()[0]}
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    table = markdown(results, args.world_size)
-    args.out.with_suffix(".md").write_text(table)
-    print(table)
+            "warmup": args.warmup, **host_meta()}
+    write_results(args.out, meta, results, markdown(results, args.world_size))
     return 0
 
 

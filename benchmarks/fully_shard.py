@@ -17,8 +17,6 @@ median over ``--iters`` after ``--warmup``. Writes JSON and a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
-import platform as host_platform
 import statistics
 import sys
 import time
@@ -26,6 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
 
 
 def bench_rank(impl: str, blocks: int, dim: int, batch: int, seq: int, iters: int, warmup: int) -> dict:
@@ -144,15 +144,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fully_shard")
     args = parser.parse_args()
     rows = [run(impl, world, args) for world in args.worlds for impl in ("hyper_parallel", "torch")]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"blocks": args.blocks, "dim": args.dim, "batch": args.batch, "seq": args.seq, "iters": args.iters,
-            "warmup": args.warmup, "backend": "torch-cpu (gloo)", "host": host_platform.platform(),
-            "python": sys.version.split()[0]}
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows,
-                                                                "comparison": comparison(rows)}, indent=2))
-    table = markdown(rows, args)
-    args.out.with_suffix(".md").write_text(table)
-    print(table)
+            "warmup": args.warmup, "backend": "torch-cpu (gloo)", **host_meta()}
+    write_results(args.out, meta, rows, markdown(rows, args), comparison=comparison(rows))
     return 0
 
 

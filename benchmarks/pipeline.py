@@ -22,8 +22,6 @@ simulator on the same lowered schedule with those costs (``I`` and ``W`` half a 
 from __future__ import annotations
 
 import argparse
-import json
-import platform as host_platform
 import statistics
 import sys
 import time
@@ -31,6 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks._common import host_meta, timed, write_results  # noqa: E402  (after the path insert)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
 #: stages per rank of each schedule
@@ -120,14 +120,7 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
 
         measured = {}
         for impl, fn in (("hyper_parallel", run_ours), ("torch", run_theirs)):
-            times = []
-            for i in range(warmup + iters):
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                elapsed = time.perf_counter() - start
-                if i >= warmup:
-                    times.append(elapsed)
+            times = timed(fn, warmup, iters, dist.barrier)
             measured[impl] = statistics.median(_median_slowest(times))
         busy = n_microbatches * virtual * (f_cost + b_cost)
         # I and W: half the measured backward each (a linear layer's two matmuls)
@@ -185,13 +178,8 @@ def main() -> int:
                             args.iters, args.warmup, platform="torch-cpu", timeout_s=1800)
     rows = per_rank[0]
     meta = {"world_size": args.world_size, "backend": "torch-cpu (gloo)", "dim": args.dim, "layers": args.layers,
-            "batch": args.batch, "iters": args.iters, "warmup": args.warmup, "host": host_platform.platform(),
-            "python": sys.version.split()[0]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-    table = markdown(rows, args.world_size, meta)
-    args.out.with_suffix(".md").write_text(table)
-    print(table)
+            "batch": args.batch, "iters": args.iters, "warmup": args.warmup, **host_meta()}
+    write_results(args.out, meta, rows, markdown(rows, args.world_size, meta))
     return 0
 
 

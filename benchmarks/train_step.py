@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform as host_platform
 import statistics
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
 
 
 def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmup: int) -> list[dict]:
@@ -141,13 +142,8 @@ def main() -> int:
                             args.warmup, platform="torch-cpu", timeout_s=1800)
     results = summarize(per_rank, args.seq_len * args.batch_size)
     meta = {"world_size": args.world_size, "backend": "torch-cpu (gloo)", "model": args.model, "seq_len": args.seq_len,
-            "batch_size": args.batch_size, "iters": args.iters, "warmup": args.warmup,
-            "host": host_platform.platform(), "python": sys.version.split()[0]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    table = markdown(results, meta)
-    args.out.with_suffix(".md").write_text(table)
-    print(table)
+            "batch_size": args.batch_size, "iters": args.iters, "warmup": args.warmup, **host_meta()}
+    write_results(args.out, meta, results, markdown(results, meta))
     return 0
 
 

@@ -1,0 +1,41 @@
+"""What every benchmark script shares: timing a call across ranks and writing its results.
+
+Not a benchmark itself (``run_all.py`` skips ``_``-prefixed files)."""
+
+from __future__ import annotations
+
+import json
+import platform as host_platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def host_meta() -> dict[str, str]:
+    """The machine and Python a result came from (for the JSON ``meta``)."""
+    return {"host": host_platform.platform(), "python": sys.version.split()[0]}
+
+
+def timed(fn: Callable[[], Any], warmup: int, iters: int, barrier: Callable[[], Any]) -> list[float]:
+    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones; every call
+    starts right after ``barrier()`` so that the ranks start together."""
+    times = []
+    for i in range(warmup + iters):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def write_results(out: Path, meta: dict[str, Any], results: Any, table: str, **extra: Any) -> None:
+    """Write ``out.json`` (``{"meta", "results", **extra}``) and ``out.md`` (``table``), then
+    print the table."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results, **extra}, indent=2))
+    out.with_suffix(".md").write_text(table)
+    print(table)
