@@ -136,7 +136,41 @@ def test_compare_schedules() -> None:
     assert estimates["interleaved_1f1b"].bubble_fraction == pytest.approx(3 / 19)
     assert (estimates["gpipe"].peak_activations, estimates["1f1b"].peak_activations) == (8, 4)
     ranked = compare_schedules(4, 8, 2, memory_limit=4)
-    assert [e.name for e in ranked] == ["1f1b", "interleaved_1f1b", "gpipe"]  # the fastest that fits first
-    assert [e.name for e in compare_schedules(4, 8, 2)][0] == "interleaved_1f1b"
+    classic = ("gpipe", "1f1b", "interleaved_1f1b")  # the zero-bubble ones: test_compare_schedules_zero_bubble
+    assert [e.name for e in ranked if e.name in classic] == ["1f1b", "interleaved_1f1b", "gpipe"]  # fitting first
+    assert [e.name for e in compare_schedules(4, 8, 2) if e.name in classic][0] == "interleaved_1f1b"
     assert "| 1f1b | 4 |" in format_table(ranked)
     main(["--ranks", "2", "--microbatches", "4"])
+
+
+def test_compare_schedules_zero_bubble(capsys) -> None:
+    """The zero-bubble schedules are compared too, each estimate the simulator's result for
+    its generator (split backward: I = W = B / 2), DualPipeV only where it applies."""
+    from hyper_parallel.core.pipeline_parallel.schedules import (dualpipe_v, interleaved_zero_bubble, v_placement,
+                                                                 zbv_zero_bubble)
+    from hyper_parallel.core.pipeline_parallel.schedules.compare import compare_schedules, main
+
+    estimates = {e.name: e for e in compare_schedules(4, 8, 2)}
+    assert set(estimates) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble",
+                              "dualpipe_v"}
+    half = {A.F: 0.5, A.B: 1.0, A.I: 0.5, A.W: 0.5}  # two stages per rank: each half a rank's share
+    place = v_placement(4)
+    for name, compute, kwargs in (("interleaved_zero_bubble", interleaved_zero_bubble(4, 2, 8), {}),
+                                  ("zbv_zero_bubble", zbv_zero_bubble(4, 8), {"stage_to_rank": place}),
+                                  ("dualpipe_v", dualpipe_v(4, 8), {"stage_to_rank": place})):
+        want = simulate(compute, 8, costs=half, activation_size=0.5, **kwargs)
+        got = estimates[name]
+        assert (got.num_stages, got.step_time, got.peak_activations) == \
+            (8, want.step_time, max(want.peak_activations.values())), name
+        assert got.bubble_fraction == pytest.approx(want.bubble_fraction), name
+    assert estimates["zbv_zero_bubble"].bubble_fraction < estimates["interleaved_zero_bubble"].bubble_fraction \
+        < estimates["interleaved_1f1b"].bubble_fraction < estimates["1f1b"].bubble_fraction
+    zbh1 = {e.name: e for e in compare_schedules(4, 6, 1)}  # one stage per rank: ZB-H1; 6 < 2 x 4: no DualPipeV
+    assert set(zbh1) == {"gpipe", "1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"}
+    assert zbh1["interleaved_zero_bubble"].num_stages == 4
+    assert zbh1["interleaved_zero_bubble"].bubble_fraction < zbh1["1f1b"].bubble_fraction
+    assert zbh1["interleaved_zero_bubble"].peak_activations <= zbh1["1f1b"].peak_activations  # H1
+    main(["--ranks", "4", "--microbatches", "8", "--memory-limit", "4"])
+    table = capsys.readouterr().out
+    assert table.splitlines()[2].startswith("| zbv_zero_bubble | 8 |")  # the fastest that fits
+    assert "| dualpipe_v | 8 |" in table and "| interleaved_zero_bubble | 8 |" in table

@@ -1,6 +1,7 @@
 """Comparing schedules on the simulator: for given (ranks, microbatches, virtual stages,
-memory limit), each schedule's predicted step time, bubble fraction and peak activation
-memory, and whether it fits. ``python -m hyper_parallel.core.pipeline_parallel.schedules.compare
+memory limit), each schedule's (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble,
+ZB-V, DualPipeV) predicted step time, bubble fraction and peak activation memory, and
+whether it fits. ``python -m hyper_parallel.core.pipeline_parallel.schedules.compare
 --ranks 4 --microbatches 8 --virtual 2 --memory-limit 6`` prints the table."""
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType, Schedule
+from hyper_parallel.core.pipeline_parallel.schedules.dualpipe import dualpipe_v
 from hyper_parallel.core.pipeline_parallel.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
-from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication
+from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication, loop_placement
 from hyper_parallel.core.pipeline_parallel.schedules.simulator import DEFAULT_COSTS, simulate
+from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import (interleaved_zero_bubble, v_placement,
+                                                                         zbv_zero_bubble)
 
 
 @dataclass(frozen=True)
@@ -20,7 +24,8 @@ class ScheduleEstimate:
     """One schedule's prediction.
 
     Attributes:
-        name: the schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``).
+        name: the schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``,
+            ``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipe_v``).
         num_stages: stages of the pipeline it runs.
         step_time: seconds (in the units of the costs given).
         bubble_fraction: idle share of ``ranks x step_time``.
@@ -42,36 +47,54 @@ def compare_schedules(num_ranks: int, n_microbatches: int, n_virtual: int = 2, *
                       memory_limit: float | None = None,
                       costs: dict[ActionType, float] | Callable[[Action], float] | None = None,
                       comm_latency: float = 0.0) -> list[ScheduleEstimate]:
-    """Simulate GPipe, 1F1B (one stage per rank, each holding a rank's whole share of
-    the model) and interleaved 1F1B (``n_virtual`` stages per rank, each ``1 / n_virtual``
-    of it: its costs and activations are scaled down by ``n_virtual``), lowered with
-    point-to-point actions, and return their estimates, fastest first.
+    """Simulate every schedule that applies, lowered with point-to-point actions, and
+    return their estimates, the fastest that fits ``memory_limit`` first.
+
+    The model is one rank's share of the layers, split into the stages each schedule
+    runs: GPipe and 1F1B one stage per rank (the whole share); interleaved 1F1B and
+    interleaved zero-bubble ``n_virtual`` stages per rank (loop placement; with
+    ``n_virtual = 1`` the zero-bubble schedule is ZB-H1); ZB-V and DualPipeV two
+    stages per rank in a V. A stage holding ``1 / k`` of a rank's share has its costs
+    and activations scaled by ``1 / k``. Interleaved schedules with ``n_virtual > 1``
+    need ``n_microbatches`` to be a multiple of ``num_ranks`` and DualPipeV needs
+    ``n_microbatches >= 2 * num_ranks``; a schedule whose condition fails is left out.
 
     Args:
-        costs: seconds per action type of a rank's whole share (default: F 1, B 2).
+        costs: seconds per action type of a rank's whole share (default
+            ``DEFAULT_COSTS``: F 1, B 2, I 1, W 1; give I and W with B for the split
+            backwards of the zero-bubble schedules, whose ``B`` is ``I + W``).
         memory_limit: activation units a rank may hold (one unit: a microbatch's
             activations of a rank's whole share).
+        comm_latency: seconds from a send to its receive completing.
 
     Raises:
-        ValueError: arguments the generators reject (say, interleaving with
-            ``n_microbatches`` not a multiple of ``num_ranks``).
+        ValueError: ``num_ranks``, ``n_microbatches`` or ``n_virtual`` below 1 (from
+            the generators).
     """
-    candidates: list[tuple[str, Schedule, int, float]] = [
-        ("gpipe", gpipe(num_ranks, n_microbatches), num_ranks, 1.0),
-        ("1f1b", one_f_one_b(num_ranks, n_microbatches), num_ranks, 1.0),
+    loop = loop_placement(num_ranks)
+    vee = v_placement(num_ranks)
+    candidates: list[tuple[str, Schedule, int, float, Callable[[int], int]]] = [
+        ("gpipe", gpipe(num_ranks, n_microbatches), num_ranks, 1.0, loop),
+        ("1f1b", one_f_one_b(num_ranks, n_microbatches), num_ranks, 1.0, loop),
     ]
-    if n_virtual > 1 and n_microbatches % num_ranks == 0:
-        candidates.append(("interleaved_1f1b", interleaved_1f1b(num_ranks, n_virtual, n_microbatches),
-                           num_ranks * n_virtual, 1.0 / n_virtual))
+    if n_virtual == 1 or n_microbatches % num_ranks == 0:
+        if n_virtual > 1:
+            candidates.append(("interleaved_1f1b", interleaved_1f1b(num_ranks, n_virtual, n_microbatches),
+                               num_ranks * n_virtual, 1.0 / n_virtual, loop))
+        candidates.append(("interleaved_zero_bubble", interleaved_zero_bubble(num_ranks, n_virtual, n_microbatches),
+                           num_ranks * n_virtual, 1.0 / n_virtual, loop))
+    candidates.append(("zbv_zero_bubble", zbv_zero_bubble(num_ranks, n_microbatches), 2 * num_ranks, 0.5, vee))
+    if n_microbatches >= 2 * num_ranks:
+        candidates.append(("dualpipe_v", dualpipe_v(num_ranks, n_microbatches), 2 * num_ranks, 0.5, vee))
     out = []
-    for name, compute, num_stages, scale in candidates:
+    for name, compute, num_stages, scale, place in candidates:
         if callable(costs):
             cost: Callable[[Action], float] | dict[ActionType, float] = (lambda a, c=costs, k=scale: c(a) * k)
         else:
             table = {**DEFAULT_COSTS, **(costs or {})}
             cost = {kind: value * scale for kind, value in table.items()}
-        result = simulate(add_communication(compute, num_stages), num_stages, costs=cost,
-                          comm_latency=comm_latency, activation_size=scale)
+        result = simulate(add_communication(compute, num_stages, place), num_stages, stage_to_rank=place,
+                          costs=cost, comm_latency=comm_latency, activation_size=scale)
         peak = max(result.peak_activations.values())
         out.append(ScheduleEstimate(name, num_stages, result.step_time, result.bubble_fraction, peak,
                                     memory_limit is None or peak <= memory_limit))
@@ -94,9 +117,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-limit", type=float, default=None)
     parser.add_argument("--forward-cost", type=float, default=1.0)
     parser.add_argument("--backward-cost", type=float, default=2.0)
+    parser.add_argument("--input-grad-cost", type=float, default=None,
+                        help="cost of I (zero-bubble split backward); default half the backward cost")
+    parser.add_argument("--weight-grad-cost", type=float, default=None,
+                        help="cost of W (zero-bubble split backward); default half the backward cost")
     parser.add_argument("--comm-latency", type=float, default=0.0)
     args = parser.parse_args(argv)
-    costs = {ActionType.F: args.forward_cost, ActionType.B: args.backward_cost}
+    half = args.backward_cost / 2
+    costs = {ActionType.F: args.forward_cost, ActionType.B: args.backward_cost,
+             ActionType.I: half if args.input_grad_cost is None else args.input_grad_cost,
+             ActionType.W: half if args.weight_grad_cost is None else args.weight_grad_cost}
     print(format_table(compare_schedules(args.ranks, args.microbatches, args.virtual, memory_limit=args.memory_limit,
                                          costs=costs, comm_latency=args.comm_latency)))
 
