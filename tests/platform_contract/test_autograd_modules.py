@@ -293,3 +293,42 @@ def check_vjp_split_backward() -> None:
 
 def test_vjp_split_backward(run_on_ranks) -> None:
     run_on_ranks(check_vjp_split_backward, world_size=1)
+
+
+def check_linear_modules_and_replaced_forward() -> None:
+    """``named_modules(linear_only=True)`` lists the linear layers only;
+    ``register_forward_hook(replace_forward=True)`` runs the hook instead of the forward
+    (which it may call), inside the pre/post hooks, and ``remove`` restores it."""
+    p = get_platform()
+    weights = mlp_weights(4, 5, 3)
+    model = build_mlp(p, weights)
+    assert [name for name, _ in p.named_modules(model, linear_only=True)] == ["fc1", "fc2"]
+    assert [name for name, _ in p.named_modules(model.fc1, linear_only=True)] == [""]
+    x = rank_data(0, (6, 4))
+    events: list[str] = []
+
+    def twice(module, args, forward):
+        assert module is model.fc2 and len(args) == 1
+        events.append("replaced")
+        return forward(*args) * 2.0
+
+    pre = p.register_forward_pre_hook(model.fc2, lambda m, args: events.append("pre"))
+    post = p.register_forward_hook(model.fc2, lambda m, args, out: events.append("post"))
+    handle = p.register_forward_hook(model.fc2, twice, replace_forward=True)
+    close(p.to_numpy(model(p.from_numpy(x))), 2.0 * mlp_numpy(weights, x), "replaced forward")
+    assert events == ["pre", "replaced", "post"], events
+    inner = p.register_forward_hook(model.fc2, lambda m, args, forward: forward(*args) + 1.0, replace_forward=True)
+    with pytest.raises(RuntimeError, match="remove replacements in the reverse order"):
+        handle.remove()
+    close(p.to_numpy(model(p.from_numpy(x))), 2.0 * mlp_numpy(weights, x) + 1.0, "two replacements")
+    inner.remove()
+    handle.remove()
+    for h in (pre, post):
+        h.remove()
+    events.clear()
+    close(p.to_numpy(model(p.from_numpy(x))), mlp_numpy(weights, x), "forward restored")
+    assert events == []
+
+
+def test_linear_modules_and_replaced_forward(run_on_ranks) -> None:
+    run_on_ranks(check_linear_modules_and_replaced_forward, world_size=1)

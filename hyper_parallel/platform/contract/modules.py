@@ -23,8 +23,19 @@ class ModulesSection(ABC):
         """Call ``hook(module, args)`` before ``module``'s forward; a non-None return replaces ``args``."""
 
     @abstractmethod
-    def register_forward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        """Call ``hook(module, args, output)`` after the forward; a non-None return replaces ``output``."""
+    def register_forward_hook(self, module: Any, hook: Callable[..., Any], *,
+                              replace_forward: bool = False) -> RemovableHandle:
+        """Call ``hook(module, args, output)`` after the forward; a non-None return replaces ``output``.
+
+        With ``replace_forward=True``, ``hook(module, args, forward)`` runs *instead of*
+        the module's forward (torch ``forward``, MindSpore ``construct``) and its return
+        is the module's output; ``forward(*args)`` runs the forward it replaced (keyword
+        arguments of the call are bound into it). The module's pre- and post-forward
+        hooks still run around it. Only this module instance changes; ``remove()``
+        restores the replaced forward (several replacements of one module are removed
+        in reverse order, else ``RuntimeError``). The pipeline's weight-gradient split
+        routes linear layers through a custom autograd function this way.
+        """
 
     @abstractmethod
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
@@ -48,8 +59,15 @@ class ModulesSection(ABC):
         return replaces the gradient."""
 
     @abstractmethod
-    def named_modules(self, module: Any) -> Iterator[tuple[str, Any]]:
-        """``(fqn, submodule)`` pairs, the root first as ``""``, then depth-first."""
+    def named_modules(self, module: Any, *, linear_only: bool = False) -> Iterator[tuple[str, Any]]:
+        """``(fqn, submodule)`` pairs, the root first as ``""``, then depth-first.
+
+        With ``linear_only=True``, only the framework's dense linear layers, whose
+        forward is ``y = x @ weight^T + bias`` on ``x [..., in]`` with parameters
+        ``weight [out, in]`` and ``bias [out]`` (or no bias): torch ``nn.Linear`` and
+        subclasses that keep its forward; MindSpore ``mint.nn.Linear`` and ``nn.Dense``
+        without activation, likewise. A subclass with its own forward is not listed.
+        """
 
     @abstractmethod
     def named_parameters(self, module: Any) -> Iterator[tuple[str, Any]]:

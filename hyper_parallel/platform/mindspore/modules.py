@@ -12,6 +12,7 @@ from typing import Any
 
 from hyper_parallel.platform.contract.common import RemovableHandle
 from hyper_parallel.platform.contract.modules import ModulesSection
+from hyper_parallel.platform.forward_replacement import ForwardReplacement
 
 
 class MindSporeModules(ModulesSection):
@@ -23,8 +24,12 @@ class MindSporeModules(ModulesSection):
         """``Cell.register_forward_pre_hook``."""
         return module.register_forward_pre_hook(hook)
 
-    def register_forward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        """``Cell.register_forward_hook``."""
+    def register_forward_hook(self, module: Any, hook: Callable[..., Any], *,
+                              replace_forward: bool = False) -> RemovableHandle:
+        """``Cell.register_forward_hook``; ``replace_forward=True`` sets the Cell
+        instance's ``construct`` (what ``Cell.__call__`` runs in PyNative mode)."""
+        if replace_forward:
+            return ForwardReplacement(module, "construct", hook)
         return module.register_forward_hook(hook)
 
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
@@ -50,9 +55,17 @@ class MindSporeModules(ModulesSection):
         """``Tensor.register_hook``."""
         return tensor.register_hook(hook)
 
-    def named_modules(self, module: Any) -> Iterator[tuple[str, Any]]:
-        """``Cell.cells_and_names()`` (root ``""`` first, depth-first, each Cell once)."""
-        yield from module.cells_and_names()
+    def named_modules(self, module: Any, *, linear_only: bool = False) -> Iterator[tuple[str, Any]]:
+        """``Cell.cells_and_names()`` (root ``""`` first, depth-first, each Cell once);
+        ``linear_only``: ``mint.nn.Linear`` and ``nn.Dense`` without activation
+        (``construct`` not overridden)."""
+        linear = (self._ms.mint.nn.Linear, self._ms.nn.Dense)
+        for name, cell in module.cells_and_names():
+            if not linear_only:
+                yield name, cell
+            elif any(type(cell).construct is cls.construct for cls in linear if isinstance(cell, cls)) and \
+                    getattr(cell, "activation", None) is None:
+                yield name, cell
 
     def named_parameters(self, module: Any) -> Iterator[tuple[str, Any]]:
         """``Cell.parameters_and_names()``: attribute paths, each Parameter once."""

@@ -17,6 +17,7 @@ from hyper_parallel.platform import group_partition, host_memory, host_streams
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
 from hyper_parallel.platform.base import Capability, CustomFunction, Platform, RemovableHandle, VjpFn
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
+from hyper_parallel.platform.forward_replacement import ForwardReplacement
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.collectives import TorchCollectives
 from hyper_parallel.platform.validation import check_group_ranks, check_local_op, check_vjp_part, normalize_dim
@@ -254,7 +255,10 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
         return module.register_forward_pre_hook(hook)
 
-    def register_forward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
+    def register_forward_hook(self, module: Any, hook: Callable[..., Any], *,
+                              replace_forward: bool = False) -> RemovableHandle:
+        if replace_forward:
+            return ForwardReplacement(module, "forward", hook)
         return module.register_forward_hook(hook)
 
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
@@ -269,8 +273,12 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
         return tensor.register_hook(hook)
 
-    def named_modules(self, module: Any) -> Iterator[tuple[str, Any]]:
-        return module.named_modules()
+    def named_modules(self, module: Any, *, linear_only: bool = False) -> Iterator[tuple[str, Any]]:
+        if not linear_only:
+            return module.named_modules()
+        return ((name, sub) for name, sub in module.named_modules()
+                if isinstance(sub, torch.nn.Linear) and type(sub).forward is torch.nn.Linear.forward
+                and not isinstance(sub.weight, torch.nn.parameter.UninitializedParameter))
 
     def named_parameters(self, module: Any) -> Iterator[tuple[str, Any]]:
         return module.named_parameters()
