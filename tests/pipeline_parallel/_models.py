@@ -18,7 +18,8 @@ def layer_weights(n_layers: int, dim: int = DIM, seed: int = 3) -> list[tuple[np
 
 
 def build_chain(p: Any, weights: list[tuple[np.ndarray, np.ndarray]]) -> Any:
-    """``x -> tanh(x @ W_i^T + b_i)`` for each layer, parameters ``layers.{i}.weight/bias``."""
+    """``x -> tanh(x @ W_i^T + b_i)`` for each layer (the framework's linear layer),
+    parameters ``layers.{i}.weight/bias``."""
     if p.framework == "torch":
         import torch
 
@@ -39,19 +40,16 @@ def build_chain(p: Any, weights: list[tuple[np.ndarray, np.ndarray]]) -> Any:
         return Chain()
     import mindspore as ms
 
-    class Linear(ms.nn.Cell):
-        def __init__(self, w: np.ndarray, b: np.ndarray) -> None:
-            super().__init__()
-            self.weight = ms.Parameter(ms.Tensor(w), name="weight")
-            self.bias = ms.Parameter(ms.Tensor(b), name="bias")
-
-        def construct(self, x: Any) -> Any:
-            return ms.mint.matmul(x, self.weight.T) + self.bias
+    def linear(w: np.ndarray, b: np.ndarray) -> Any:
+        layer = ms.mint.nn.Linear(w.shape[1], w.shape[0])  # MindSpore's linear layer, like torch.nn.Linear
+        layer.weight.set_data(ms.Tensor(w))
+        layer.bias.set_data(ms.Tensor(b))
+        return layer
 
     class MSChain(ms.nn.Cell):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = ms.nn.CellList([Linear(w, b) for w, b in weights])
+            self.layers = ms.nn.CellList([linear(w, b) for w, b in weights])
 
         def construct(self, x: Any) -> Any:
             for layer in self.layers:

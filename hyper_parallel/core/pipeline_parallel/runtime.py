@@ -7,9 +7,11 @@ point-to-point actions (``schedules.lowering``), validate the result
 
 A forward ``F`` runs the stage under ``platform.vjp``, which keeps what its backward
 needs; ``B`` runs that backward with the output gradient received from the next stage
-(the last stage starts from its loss). Zero-bubble schedules split ``B`` into ``I``
-(``backward(..., part="input")``: the input gradient, sent on at once) and a later ``W``
-(``part="weight"``: the parameter gradients); the recording lives until ``W``. Gradients of a step are summed over
+(the last stage starts from its loss). Zero-bubble schedules split ``B`` into ``I`` (the
+input gradient, sent on at once) and a later ``W`` (the parameter gradients): their stages'
+linear layers go through ``weight_grad.LinearWeightSplit``, whose ``I`` computes only
+the input-gradient matmuls and stores the weight gradients' operands for ``W``; other
+parameters use ``vjp``'s ``part="input"``/``part="weight"``. Gradients of a step are summed over
 microbatches, scaled by ``1 / n_microbatches`` by default (a mean loss over the batch
 then gives the unpipelined model's gradients).
 """
@@ -30,6 +32,7 @@ from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communi
 from hyper_parallel.core.pipeline_parallel.schedules.validate import validate
 from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import interleaved_zero_bubble, zbv_zero_bubble
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.weight_grad import Capture
 from hyper_parallel.platform import Work
 
 A = ActionType
@@ -92,6 +95,9 @@ class PipelineSchedule:
         if overlap is None and any(a.type is A.OVERLAP_B_F for a in self.schedule[self._rank]):
             raise ValueError(f"{type(self).__name__}: the schedule has OVERLAP_B_F actions; pass overlap="
                              "CommComputeOverlap() (the one whose wrap_dispatch/wrap_combine the model uses)")
+        if any(a.type is A.W for a in self.schedule[self._rank]):
+            for stage in stages:  # split backwards: I computes no weight gradient of linear layers
+                stage._split_weight_grads()
         self._incoming = self._incoming_messages()
         self._specs_known = False
         #: after a step: the most (stage, microbatch) forwards this rank held for their
@@ -215,7 +221,9 @@ class _StepState:
         self.targets = targets
         self.mailbox = Mailbox(self.p, schedule.group, schedule._incoming, schedule._message_spec)
         self.inputs: dict[tuple[int, int], tuple[Any, ...]] = {}  # F's inputs (received or handed over)
-        self.backward: dict[tuple[int, int], Callable[..., Any]] = {}  # vjp backward of each F
+        # vjp backward of each F (None after an I that left W nothing to re-walk)
+        self.backward: dict[tuple[int, int], Callable[..., Any] | None] = {}
+        self.captures: dict[tuple[int, int], Capture] = {}  # split linear layers' deferred operands
         self.outputs_to_send: dict[tuple[int, int], tuple[Any, ...]] = {}
         self.output_grads: dict[tuple[int, int], tuple[Any, ...]] = {}  # B's output gradients
         self.input_grads_to_send: dict[tuple[int, int], tuple[Any, ...]] = {}
@@ -258,11 +266,22 @@ class _StepState:
         stage = sched._stages[s]
         args, kwargs = self.microbatches[m] if s == 0 else (self.inputs.pop((s, m)), {})
         params = [param for _, param in stage.named_params]
+        split = stage.weight_split
+        capture = None if split is None else Capture()
+        if capture is not None:
+            self.captures[(s, m)] = capture
+
+        def module(*xs: Any) -> Any:
+            if split is None:
+                return stage.submodule(*xs, **kwargs)
+            with split.recording(capture):  # also on a recompute inside a MindSpore backward
+                return stage.submodule(*xs, **kwargs)
+
         if stage.is_last:
             target = self.targets[m]
 
             def fn(*xs: Any) -> Any:
-                out = stage.submodule(*xs, **kwargs)
+                out = module(*xs)
                 return (sched.loss_fn(out, target),) + (out if isinstance(out, tuple) else (out,))
 
             result, backward = p.vjp(fn, args, params)
@@ -271,7 +290,7 @@ class _StepState:
             self.outputs[m] = outs[1:] if len(outs) > 2 else outs[1]
             self.last_outputs[m] = (outs[0], list(outs[1:]))
         else:
-            result, backward = p.vjp(lambda *xs: stage.submodule(*xs, **kwargs), args, params)
+            result, backward = p.vjp(module, args, params)
             outs = tuple(p.detach(t) for t in (result if isinstance(result, tuple) else (result,)))
             if sched._place(s + 1) == sched._rank:
                 self.inputs[(s + 1, m)] = outs
@@ -293,14 +312,26 @@ class _StepState:
         the recording and its output gradients wait for ``W``)."""
         sched = self.schedule
         grads_out = self._grads_of_outputs(s, m)
+        capture = self.captures.get((s, m)) if part == "input" else self.captures.pop((s, m), None)
         if part == "input":
             backward = self.backward[(s, m)]  # held until W: the activations stay alive
+            assert backward is not None, "F ran"
             self.weight_pending[(s, m)] = grads_out
         else:
             backward = self.backward.pop((s, m))
-        input_grads, param_grads = backward(grads_out, part=part)
+            assert backward is not None, "F ran"
+        if capture is not None and part == "input":
+            capture.deferring = True  # split linear layers store (x, grad_y) for W
+        try:
+            input_grads, param_grads = backward(grads_out, part=part)
+        finally:
+            if capture is not None:
+                capture.deferring = False
         if part == "all":
             sched._stages[s]._accumulate(param_grads)
+        split = sched._stages[s].weight_split
+        if capture is not None and part == "input" and split is not None and not split.rewalk_needed(capture):
+            self.backward[(s, m)] = None  # W needs only the stored operands: free the recording
         if s > 0:
             grads = tuple(input_grads)
             if sched._place(s - 1) == sched._rank:
@@ -309,9 +340,21 @@ class _StepState:
                 self.input_grads_to_send[(s, m)] = grads
 
     def backward_weight(self, s: int, m: int) -> None:
-        """``W``: the parameter gradients of a backward whose ``I`` ran."""
-        _, param_grads = self.backward.pop((s, m))(self.weight_pending.pop((s, m)), part="weight")
-        self.schedule._stages[s]._accumulate(param_grads)
+        """``W``: the parameter gradients of a backward whose ``I`` ran: the split linear
+        layers' stored weight-gradient matmuls, and ``vjp``'s ``part="weight"`` for the
+        other parameters (when there are any)."""
+        stage = self.schedule._stages[s]
+        backward, grads_out = self.backward.pop((s, m)), self.weight_pending.pop((s, m))
+        capture = self.captures.pop((s, m), None)
+        params = [param for _, param in stage.named_params]
+        grads: list[Any] = [None] * len(params)
+        if backward is not None:
+            grads = list(backward(grads_out, part="weight")[1])
+        if capture is not None and stage.weight_split is not None:
+            landed = stage.weight_split.land(capture, params)
+            grads = [own if new is None else (new if own is None else own + new) for own, new in zip(grads, landed)]
+        stage._accumulate([self.p.zeros(tuple(param.shape), param.dtype) if grad is None else grad
+                           for grad, param in zip(grads, params)])
 
 
 def _single_stage(name: str, stage: PipelineStage) -> list[PipelineStage]:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
+from hyper_parallel.core.pipeline_parallel.weight_grad import LinearWeightSplit
 from hyper_parallel.platform import Platform, get_platform
 
 
@@ -39,6 +40,9 @@ class PipelineStage:
     Attributes:
         input_spec, output_spec: shapes and dtypes of one microbatch's tensors received
             from the previous stage and sent to the next one, known after the first step.
+        weight_split: the weight-gradient split of the submodule's linear layers, set up
+            by a schedule with ``W`` actions (zero-bubble, DualPipeV); ``None`` before.
+            ``weight_split.remove()`` gives the layers their own forward back.
 
     Raises:
         ValueError: ``stage_index`` outside ``[0, num_stages)``; ``num_stages`` not a
@@ -78,6 +82,7 @@ class PipelineStage:
         self.output_spec: tuple[TensorSpec, ...] | None = None
         self.named_params: list[tuple[str, Any]] = list(platform.named_parameters(submodule))
         self._grads: list[Any] | None = None  # per parameter: this step's accumulated gradient
+        self.weight_split: LinearWeightSplit | None = None
 
     @property
     def is_first(self) -> bool:
@@ -104,6 +109,10 @@ class PipelineStage:
         if self._grads is None:
             return {name: self.platform.zeros(tuple(param.shape), param.dtype) for name, param in self.named_params}
         return {name: grad for (name, _), grad in zip(self.named_params, self._grads)}
+
+    def _split_weight_grads(self) -> None:
+        if self.weight_split is None:
+            self.weight_split = LinearWeightSplit(self.platform, self.submodule)
 
     def _reset_grads(self) -> None:
         self._grads = None
