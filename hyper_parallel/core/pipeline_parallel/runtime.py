@@ -434,7 +434,9 @@ class ScheduleInterleavedZeroBubble(PipelineSchedule):
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) on ``v`` interleaved
     stages per rank (stage ``s`` on rank ``s % group_size``; ``v = 1`` is plain ZB-H1):
     backwards split into ``I`` and ``W`` (``schedules.zero_bubble``), no more activation
-    memory than interleaved 1F1B, a smaller bubble.
+    memory than interleaved 1F1B, a smaller bubble. The stages' linear layers get the
+    weight-gradient split (``stage.weight_split``, ``weight_grad.LinearWeightSplit``), as
+    with ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``.
 
     Raises:
         TypeError: ``stages`` is not a non-empty list of ``PipelineStage``.
