@@ -132,10 +132,11 @@ def check_gain_parity(configs: list[tuple[str, int]]) -> None:
                                        **TOL, err_msg=what)
         for st in stages:
             got = st.param_grads()
-            names = [name for name, _ in st.named_params]
-            for name, want in zip(names, ref_grads[st.stage_index]):
+            for (name, param), want in zip(st.named_params, ref_grads[st.stage_index]):
                 np.testing.assert_allclose(p.to_numpy(got[name]), want, **TOL,
                                            err_msg=f"{what}: stage {st.stage_index} {name}")
+                if p.framework == "torch":  # landed like any gradient: accumulated into param.grad
+                    np.testing.assert_array_equal(p.to_numpy(param.grad), p.to_numpy(got[name]), err_msg=name)
             split = st.weight_split
             split.remove()  # the layers' own forward is back: a backward runs no split matmul
             before = (split.input_grad_matmuls, split.weight_grad_matmuls)
