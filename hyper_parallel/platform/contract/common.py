@@ -50,7 +50,6 @@ class Capability(enum.Enum):
     ASYNC_COLLECTIVES = "collectives with async_op=True run in the background"
     STREAMS = "device streams and events (not no-ops)"
     FUSED_ATTENTION = "attention output from a fused kernel"
-    STORAGE_RESIZE = "free_storage/alloc_storage release and re-acquire memory in place"
 
 
 class Work(Protocol):

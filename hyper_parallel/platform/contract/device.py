@@ -15,15 +15,12 @@ class DeviceSection(ABC):
         """``"cpu"``, ``"cuda"``, ``"npu"`` or ``"ascend"``."""
 
     @abstractmethod
-    def device_count(self) -> int:
-        """Devices of ``device_type`` visible to this process (1 for CPU)."""
-
-    @abstractmethod
     def set_device(self, local_rank: int) -> None:
         """Bind this process to device ``local_rank`` (no-op on CPU).
 
         Raises:
-            ValueError: ``local_rank`` is not below ``device_count()``.
+            ValueError: ``local_rank`` is not below the number of visible devices of
+                ``device_type`` (1 on CPU).
         """
 
     @abstractmethod

@@ -117,20 +117,18 @@ class MindSporePlatform(
         raise ValueError(f"dtype_name: {dtype} has no name in DTYPE_NAMES ({', '.join(DTYPE_NAMES)})")
 
     def capabilities(self) -> frozenset[Capability]:
-        """Ascend: everything. CPU: only ``STORAGE_RESIZE``. Its AlltoAll, ReduceScatter,
+        """Ascend: everything. CPU: nothing. Its AlltoAll, ReduceScatter,
         AllGatherIntoTensor and batched p2p are emulated (see [Note: CPU collectives]);
         PyNative runs every operation on one queue, so an async collective delays the
         compute issued after it instead of overlapping it; streams are host no-ops; and
-        attention is plain operations. ``untyped_storage().resize_`` does return memory
-        to MindSpore's CPU allocator, where later tensors reuse it."""
+        attention is plain operations."""
         if self._device_type == "ascend":
             return frozenset({
                 Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
                 Capability.ASYNC_COLLECTIVES, Capability.STREAMS, Capability.FUSED_ATTENTION,
-                Capability.STORAGE_RESIZE,
             })
-        return frozenset({Capability.STORAGE_RESIZE})
+        return frozenset()
 
     # -- device --------------------------------------------------------------------------
 
@@ -138,15 +136,9 @@ class MindSporePlatform(
     def device_type(self) -> str:
         return self._device_type
 
-    def device_count(self) -> int:
-        """``mindspore.device_context.ascend.device_count()`` on Ascend; 1 on CPU."""
-        if self._device_type == "cpu":
-            return 1
-        return int(self._ms.device_context.ascend.device_count())
-
     def set_device(self, local_rank: int) -> None:
         """``mindspore.set_device("Ascend", local_rank)``; no-op on CPU."""
-        count = self.device_count()
+        count = 1 if self._device_type == "cpu" else int(self._ms.device_context.ascend.device_count())
         if not isinstance(local_rank, int) or isinstance(local_rank, bool) or not 0 <= local_rank < count:
             raise ValueError(f"set_device: local_rank={local_rank!r} is not a {self._device_type} device of this "
                              f"process; use an int in [0, {count})")

@@ -119,7 +119,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
-                Capability.ASYNC_COLLECTIVES, Capability.STORAGE_RESIZE}
+                Capability.ASYNC_COLLECTIVES}
         if self._device_type != "cpu":
             caps |= {Capability.STREAMS, Capability.FUSED_ATTENTION}
         return frozenset(caps)
@@ -260,12 +260,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
         return module.register_full_backward_pre_hook(hook)
 
-    def register_full_backward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        return module.register_full_backward_hook(hook)
-
-    def register_post_accumulate_grad_hook(self, param: Any, hook: Callable[[Any, Any], None]) -> RemovableHandle:
-        return param.register_post_accumulate_grad_hook(lambda p: hook(p, p.grad))
-
     def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
         return tensor.register_hook(hook)
 
@@ -287,9 +281,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         setattr(module.get_submodule(owner_path), leaf, param)
 
     # -- tensor ops --------------------------------------------------------------------
-    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
-        return torch.empty(tuple(shape), dtype=dtype, device=self._device)
-
     def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
         return torch.zeros(tuple(shape), dtype=dtype, device=self._device)
 
@@ -300,7 +291,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return torch.arange(start, end, dtype=dtype, device=self._device)
 
     def from_numpy(self, array: np.ndarray) -> Any:
-        # clone(): a torch-owned storage, resizable by free_storage (numpy's is not).
+        # clone(): a torch-owned storage, not a view of the caller's numpy buffer.
         return torch.from_numpy(np.ascontiguousarray(array)).clone().to(self._device)
 
     def to_numpy(self, tensor: Any) -> np.ndarray:
@@ -314,9 +305,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
         return torch.stack(list(tensors), dim=dim)
-
-    def chunk(self, tensor: Any, chunks: int, dim: int = 0) -> list[Any]:
-        return list(torch.chunk(tensor, chunks, dim=dim))
 
     def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
         dim = normalize_dim(dim, tensor.ndim)
@@ -340,17 +328,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def clone(self, tensor: Any) -> Any:
         return tensor.clone()
-
-    def free_storage(self, tensor: Any) -> None:
-        storage = tensor.untyped_storage()
-        if storage.size() != 0:
-            storage.resize_(0)
-
-    def alloc_storage(self, tensor: Any) -> None:
-        storage = tensor.untyped_storage()
-        nbytes = tensor.numel() * tensor.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
 
     def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
                   mask: Any = None) -> tuple[Any, Any]:
@@ -412,11 +389,8 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def device_type(self) -> str:
         return self._device_type
 
-    def device_count(self) -> int:
-        return 1 if self._device_type == "cpu" else int(self._device_module().device_count())
-
     def set_device(self, local_rank: int) -> None:
-        count = self.device_count()
+        count = 1 if self._device_type == "cpu" else int(self._device_module().device_count())
         if not 0 <= local_rank < count:
             raise ValueError(f"set_device: local_rank={local_rank} but {count} {self._device_type} device(s) are visible")
         if self._device_type != "cpu":
