@@ -31,10 +31,6 @@ class GroupsSection(ABC):
         """
 
     @abstractmethod
-    def is_initialized(self) -> bool:
-        """True between ``init_process_group`` and ``destroy_process_group``."""
-
-    @abstractmethod
     def destroy_process_group(self) -> None:
         """Leave the world and drop every group this platform created."""
 

@@ -111,9 +111,6 @@ class MindSporeGroups(GroupsSection):
             self._comm.init()
         self._initialized = True
 
-    def is_initialized(self) -> bool:
-        return self._initialized
-
     def destroy_process_group(self) -> None:
         """Drop every group this platform created and leave the world.
 

@@ -88,18 +88,6 @@ class MindSporePlatform(
     def framework(self) -> str:
         return "mindspore"
 
-    @property
-    def tensor_type(self) -> type:
-        return self._ms.Tensor
-
-    @property
-    def parameter_type(self) -> type:
-        return self._ms.Parameter
-
-    @property
-    def module_type(self) -> type:
-        return self._ms.nn.Cell
-
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, self._ms.Tensor)
 

@@ -90,18 +90,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def framework(self) -> str:
         return "torch"
 
-    @property
-    def tensor_type(self) -> type:
-        return torch.Tensor
-
-    @property
-    def parameter_type(self) -> type:
-        return torch.nn.Parameter
-
-    @property
-    def module_type(self) -> type:
-        return torch.nn.Module
-
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, torch.Tensor)
 
@@ -136,9 +124,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             self.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(DEVICE_BACKENDS[self._device_type],
                                 timeout=datetime.timedelta(seconds=timeout_s))
-
-    def is_initialized(self) -> bool:
-        return dist.is_initialized()
 
     def destroy_process_group(self) -> None:
         if dist.is_initialized():
