@@ -40,6 +40,13 @@ def check_factories_and_shape_ops() -> None:
     assert p.is_tensor(t) and not p.is_tensor(a)
     np.testing.assert_array_equal(p.to_numpy(p.cat([t, t], 1)), np.concatenate([a, a], 1))
     np.testing.assert_array_equal(p.to_numpy(p.stack([t, t], 0)), np.stack([a, a]))
+    np.testing.assert_array_equal(p.to_numpy(p.stack([t, t * 2.0], -1)), np.stack([a, a * 2.0], -1))
+    try:
+        p.stack([t, p.narrow(t, 0, 0, 3)])
+    except ValueError as err:
+        assert "shapes differ" in str(err), str(err)
+    else:
+        raise AssertionError("stack accepted tensors of different shapes")
     pieces = p.split(t, [3, 0, 4], 0)
     assert [tuple(c.shape) for c in pieces] == [(3, 5), (0, 5), (4, 5)]
     np.testing.assert_array_equal(p.to_numpy(pieces[2]), a[3:])
@@ -192,6 +199,7 @@ def check_streams_device() -> dict:
     p.synchronize()
     assert p.to_numpy(y).tolist() == [2.0, 2.0, 2.0]
     assert p.device_type in ("cpu", "cuda", "npu", "ascend")
+    assert p.name == f"{p.framework}-{p.device_type}", (p.name, p.framework, p.device_type)
     p.set_device(0)
     try:
         p.set_device(1 << 20)  # past any machine's device count
@@ -199,7 +207,8 @@ def check_streams_device() -> dict:
         assert "local_rank" in str(err)
     else:
         raise AssertionError("set_device accepted a device index past the visible devices")
-    used, peak = p.memory_allocated(), p.max_memory_allocated()
+    stats = p.memory_stats()
+    used, peak = stats.allocated, stats.peak
     # On CPU both are read from Linux counters that are synced lazily per thread, so two
     # reads taken microseconds apart may disagree by a few pages (seen: 0.1%).
     assert used > 0 and peak >= 0.99 * used, (used, peak)

@@ -5,14 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from hyper_parallel.platform.contract.common import MemoryStats
+
 
 class DeviceSection(ABC):
     """The device this process computes on, and its memory use."""
-
-    @property
-    @abstractmethod
-    def device_type(self) -> str:
-        """``"cpu"``, ``"cuda"``, ``"npu"`` or ``"ascend"``."""
 
     @abstractmethod
     def set_device(self, local_rank: int) -> None:
@@ -24,13 +21,12 @@ class DeviceSection(ABC):
         """
 
     @abstractmethod
-    def memory_allocated(self) -> int:
-        """Bytes in use now: device memory held by tensors, or the process's resident
-        set size on CPU."""
-
-    @abstractmethod
-    def max_memory_allocated(self) -> int:
-        """Peak of ``memory_allocated`` in bytes since the process started (CPU: peak RSS)."""
+    def memory_stats(self) -> MemoryStats:
+        """This process's memory use in bytes: ``allocated`` now (device memory held by
+        tensors; the process's resident set size on CPU) and its ``peak`` since the
+        process started (CPU: peak RSS). torch: ``torch.cuda``/``torch.npu``
+        ``memory_allocated()`` and ``max_memory_allocated()``; MindSpore Ascend:
+        ``mindspore.runtime`` ones of the same names."""
 
     @abstractmethod
     def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:

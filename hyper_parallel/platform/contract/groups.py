@@ -56,16 +56,5 @@ class GroupsSection(ABC):
         """
 
     @abstractmethod
-    def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
-        """Create one group per part of ``partition`` (disjoint global rank lists that
-        together cover the world) and return the one this rank belongs to.
-
-        Called by every rank with the same partition (a collective over the world).
-
-        Raises:
-            ValueError: the parts overlap, miss a rank or name one outside the world.
-        """
-
-    @abstractmethod
     def group_ranks(self, group: Any = None) -> list[int]:
         """The global ranks of ``group`` in group-rank order."""

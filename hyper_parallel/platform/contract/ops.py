@@ -59,10 +59,6 @@ class OpsSection(ABC):
         """Concatenate along ``dim``; differentiable."""
 
     @abstractmethod
-    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
-        """Stack along a new ``dim``; differentiable."""
-
-    @abstractmethod
     def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
         """Pieces of the given sizes (zero allowed) along ``dim``; differentiable.
 

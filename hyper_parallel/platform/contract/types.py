@@ -22,11 +22,6 @@ class TypesSection(ABC):
         """The backend name, one of the folders of ``platform/`` (``"torch-cpu"``,
         ``"torch-cuda"``, ``"torch-npu"``, ``"mindspore-cpu"``, ``"mindspore-ascend"``)."""
 
-    @property
-    @abstractmethod
-    def framework(self) -> str:
-        """``"torch"`` or ``"mindspore"``."""
-
     @abstractmethod
     def is_tensor(self, obj: Any) -> bool:
         """True when ``obj`` is a framework tensor (parameters included)."""

@@ -73,16 +73,6 @@ class MindSporeOps(OpsSection):
             raise ValueError("cat: tensors is empty; give at least one tensor")
         return self._mint.cat(tensors, normalize_dim(dim, tensors[0].ndim))
 
-    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
-        """``cat`` of tensors unsqueezed at ``dim`` (``mint.stack`` has no CPU kernel)."""
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("stack: tensors is empty; give at least one tensor")
-        dim = normalize_dim(dim, tensors[0].ndim + 1)
-        if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
-            raise ValueError(f"stack: shapes differ ({[tuple(t.shape) for t in tensors]}); stack needs equal shapes")
-        return self._mint.cat([t.unsqueeze(dim) for t in tensors], dim)
-
     def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
         """``mint.split`` with a list of sizes."""
         dim = normalize_dim(dim, tensor.ndim)

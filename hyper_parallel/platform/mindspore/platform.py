@@ -12,7 +12,7 @@ from typing import Any
 
 from hyper_parallel.platform import host_memory
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
-from hyper_parallel.platform.base import Capability, Platform
+from hyper_parallel.platform.base import Capability, MemoryStats, Platform
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.mindspore.autograd import MindSporeAutograd
 from hyper_parallel.platform.mindspore.collectives import MindSporeCollectives
@@ -84,10 +84,6 @@ class MindSporePlatform(
     def name(self) -> str:
         return f"mindspore-{self._device_type}"
 
-    @property
-    def framework(self) -> str:
-        return "mindspore"
-
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, self._ms.Tensor)
 
@@ -120,10 +116,6 @@ class MindSporePlatform(
 
     # -- device --------------------------------------------------------------------------
 
-    @property
-    def device_type(self) -> str:
-        return self._device_type
-
     def set_device(self, local_rank: int) -> None:
         """``mindspore.set_device("Ascend", local_rank)``; no-op on CPU."""
         count = 1 if self._device_type == "cpu" else int(self._ms.device_context.ascend.device_count())
@@ -134,18 +126,13 @@ class MindSporePlatform(
             self._ms.set_device("Ascend", local_rank)
             self._device_id = local_rank
 
-    def memory_allocated(self) -> int:
-        """Ascend: ``mindspore.runtime.memory_allocated()``. CPU: the process RSS (MindSpore
-        reports 0 for CPU tensors)."""
+    def memory_stats(self) -> MemoryStats:
+        """Ascend: ``mindspore.runtime.memory_allocated()`` and ``max_memory_allocated()``.
+        CPU: the process RSS and its peak (MindSpore reports 0 for CPU tensors)."""
         if self._device_type == "cpu":
-            return host_memory.rss_bytes()
-        return int(self._ms.runtime.memory_allocated())
-
-    def max_memory_allocated(self) -> int:
-        """Ascend: ``mindspore.runtime.max_memory_allocated()``. CPU: the peak RSS."""
-        if self._device_type == "cpu":
-            return host_memory.peak_rss_bytes()
-        return int(self._ms.runtime.max_memory_allocated())
+            return host_memory.host_memory_stats()
+        runtime = self._ms.runtime
+        return MemoryStats(allocated=int(runtime.memory_allocated()), peak=int(runtime.max_memory_allocated()))
 
     def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
         """Ascend: ``Tensor.move_to("CPU" | "Ascend")``. MindSpore has no call that

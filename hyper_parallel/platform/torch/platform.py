@@ -13,9 +13,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.platform import group_partition, host_memory, host_streams
+from hyper_parallel.platform import host_memory, host_streams
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
-from hyper_parallel.platform.base import Capability, CustomFunction, Platform, RemovableHandle, VjpFn
+from hyper_parallel.platform.base import Capability, CustomFunction, MemoryStats, Platform, RemovableHandle, VjpFn
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.collectives import TorchCollectives
@@ -86,10 +86,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def name(self) -> str:
         return f"torch-{self._device_type}"
 
-    @property
-    def framework(self) -> str:
-        return "torch"
-
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, torch.Tensor)
 
@@ -143,9 +139,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         if key not in self._groups:
             self._groups[key] = dist.new_group(list(key))
         return self._groups[key]
-
-    def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
-        return group_partition.split_group(self, partition)
 
     def group_ranks(self, group: Any = None) -> list[int]:
         if group is None:
@@ -288,9 +281,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def cat(self, tensors: Sequence[Any], dim: int = 0) -> Any:
         return torch.cat(list(tensors), dim=dim)
 
-    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
-        return torch.stack(list(tensors), dim=dim)
-
     def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
         dim = normalize_dim(dim, tensor.ndim)
         if sum(sizes) != tensor.shape[dim]:
@@ -370,10 +360,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             self._device_module().synchronize()
 
     # -- device ------------------------------------------------------------------------
-    @property
-    def device_type(self) -> str:
-        return self._device_type
-
     def set_device(self, local_rank: int) -> None:
         count = 1 if self._device_type == "cpu" else int(self._device_module().device_count())
         if not 0 <= local_rank < count:
@@ -382,15 +368,11 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             self._device_module().set_device(local_rank)
             self._device = torch.device(self._device_type, local_rank)
 
-    def memory_allocated(self) -> int:
+    def memory_stats(self) -> MemoryStats:
         if self._device_type == "cpu":
-            return host_memory.rss_bytes()
-        return int(self._device_module().memory_allocated())
-
-    def max_memory_allocated(self) -> int:
-        if self._device_type == "cpu":
-            return host_memory.peak_rss_bytes()
-        return int(self._device_module().max_memory_allocated())
+            return host_memory.host_memory_stats()
+        module = self._device_module()
+        return MemoryStats(allocated=int(module.memory_allocated()), peak=int(module.max_memory_allocated()))
 
     def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
         if device not in ("cpu", self._device_type):
