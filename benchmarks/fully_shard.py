@@ -6,7 +6,7 @@ Model: ``--blocks`` (default 8) residual MLP blocks ``x + W2 relu(W1 x)`` of wid
 ``--dim`` and hidden ``4 * dim``, float32, each block a fully_shard unit, then the root;
 AdamW; input ``[batch, seq, dim]`` per rank. gloo ranks on CPU (torch-cpu). Each
 configuration runs in a fresh pool of rank processes, so the peak resident set size
-(``max_memory_allocated``: the process peak RSS on CPU) belongs to that run alone; the
+(``memory_stats().peak``: the process peak RSS on CPU) belongs to that run alone; the
 table gives the peak minus the RSS before the model was built (the model, its
 gradients, optimizer state and activations). Step time: barrier, step, slowest rank,
 median over ``--iters`` after ``--warmup``. Writes JSON and a markdown table.
@@ -38,7 +38,7 @@ def bench_rank(impl: str, blocks: int, dim: int, batch: int, seq: int, iters: in
     p = hp.get_platform()
     n, r = p.world_size(), p.rank()
     torch.manual_seed(0)
-    base = p.memory_allocated()
+    base = p.memory_stats().allocated
 
     class Block(torch.nn.Module):
         def __init__(self) -> None:
@@ -87,7 +87,7 @@ def bench_rank(impl: str, blocks: int, dim: int, batch: int, seq: int, iters: in
         elapsed = time.perf_counter() - start
         if step >= warmup:
             seconds.append(elapsed)
-    return {"seconds": seconds, "peak_bytes": p.max_memory_allocated() - base,
+    return {"seconds": seconds, "peak_bytes": p.memory_stats().peak - base,
             "params": sum(int(t.numel()) for t in model.parameters())}
 
 

@@ -23,21 +23,13 @@ import os
 import sys
 import threading
 
-from hyper_parallel.platform.base import Capability, P2POp, Platform, ReduceOp, Work
+from hyper_parallel.platform.base import BACKENDS, Capability, P2POp, Platform, ReduceOp, Work
 
 __all__ = ["BACKENDS", "Capability", "P2POp", "Platform", "ReduceOp", "Work", "get_platform", "init",
            "installed_frameworks", "reset_platform"]
 
 ENV_VAR = "HYPER_PARALLEL_PLATFORM"
 
-#: backend name -> (framework, device type)
-BACKENDS: dict[str, tuple[str, str]] = {
-    "torch-cpu": ("torch", "cpu"),
-    "torch-cuda": ("torch", "cuda"),
-    "torch-npu": ("torch", "npu"),
-    "mindspore-cpu": ("mindspore", "cpu"),
-    "mindspore-ascend": ("mindspore", "ascend"),
-}
 _FRAMEWORKS = ("torch", "mindspore")
 
 _log = logging.getLogger(__name__)

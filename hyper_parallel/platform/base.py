@@ -3,9 +3,15 @@
 Each section lives in its own module under ``hyper_parallel.platform.contract``; this
 module composes them. A backend subclasses ``Platform`` and implements every member;
 ``DifferentiableCollectives`` supplies the differentiable section once for all backends.
+``Platform`` itself adds a few concrete members derived from the abstract ones
+(``framework``, ``device_type``, ``split_group``, ``stack``), written once here so no backend
+repeats them; a backend may still override one with a native implementation.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 from hyper_parallel.platform.contract.autograd import AutogradSection, VjpFn
 from hyper_parallel.platform.contract.collectives import CollectivesSection
@@ -14,6 +20,7 @@ from hyper_parallel.platform.contract.common import (
     CompletedWork,
     CustomFunction,
     HandleWork,
+    MemoryStats,
     P2POp,
     ReduceOp,
     RemovableHandle,
@@ -26,11 +33,23 @@ from hyper_parallel.platform.contract.modules import ModulesSection
 from hyper_parallel.platform.contract.ops import LOCAL_OPS, TENSOR_METHODS, OpsSection
 from hyper_parallel.platform.contract.streams import StreamsSection
 from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
+from hyper_parallel.platform.validation import check_partition, normalize_dim
 
 __all__ = [
-    "DTYPE_NAMES", "LOCAL_OPS", "TENSOR_METHODS", "Capability", "CompletedWork", "CustomFunction", "HandleWork",
-    "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work", "contract_members",
+    "BACKENDS", "DTYPE_NAMES", "LOCAL_OPS", "TENSOR_METHODS", "Capability", "CompletedWork", "CustomFunction",
+    "HandleWork", "MemoryStats", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
+    "contract_members",
 ]
+
+#: backend name (``Platform.name``; the folders of the repository's ``platform/``) ->
+#: (framework, device type)
+BACKENDS: dict[str, tuple[str, str]] = {
+    "torch-cpu": ("torch", "cpu"),
+    "torch-cuda": ("torch", "cuda"),
+    "torch-npu": ("torch", "npu"),
+    "mindspore-cpu": ("mindspore", "cpu"),
+    "mindspore-ascend": ("mindspore", "ascend"),
+}
 
 
 class Platform(
@@ -52,6 +71,55 @@ class Platform(
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+    # -- derived from the abstract members, for every backend ---------------------------
+    @property
+    def framework(self) -> str:
+        """``"torch"`` or ``"mindspore"``: the framework half of ``name`` (see ``BACKENDS``)."""
+        return BACKENDS[self.name][0]
+
+    @property
+    def device_type(self) -> str:
+        """``"cpu"``, ``"cuda"``, ``"npu"`` or ``"ascend"``: the device half of ``name``
+        (see ``BACKENDS``)."""
+        return BACKENDS[self.name][1]
+
+    def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
+        """Create one group per part of ``partition`` (disjoint global rank lists that
+        together cover the world) and return the one this rank belongs to.
+
+        Called by every rank with the same partition (a collective over the world):
+        each rank calls ``create_group`` for every part in partition order, because
+        ``create_group`` is collective over the world on torch.
+
+        Raises:
+            ValueError: the parts overlap, miss a rank or name one outside the world
+                (before any group is created).
+        """
+        parts = check_partition(partition, self.world_size())
+        own = self.rank()
+        mine = None
+        for part in parts:
+            group = self.create_group(part)
+            if own in part:
+                mine = group
+        return mine
+
+    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
+        """Stack equal-shaped tensors along a new ``dim`` (``[*shape]`` each ->
+        ``[..., len(tensors) at dim, ...]``): a ``cat`` of the tensors unsqueezed at
+        ``dim`` (MindSpore 2.10 has no CPU kernel for ``mint.stack``); differentiable.
+
+        Raises:
+            ValueError: ``tensors`` is empty, or their shapes differ.
+        """
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("stack: tensors is empty; give at least one tensor")
+        dim = normalize_dim(dim, tensors[0].ndim + 1)
+        if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
+            raise ValueError(f"stack: shapes differ ({[tuple(t.shape) for t in tensors]}); stack needs equal shapes")
+        return self.cat([t.unsqueeze(dim) for t in tensors], dim)
 
 
 def contract_members() -> dict[str, str]:

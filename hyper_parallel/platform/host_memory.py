@@ -1,9 +1,11 @@
-"""Host memory statistics: what ``memory_allocated`` means on a CPU backend."""
+"""Host memory statistics: what ``memory_stats`` means on a CPU backend."""
 
 from __future__ import annotations
 
 import os
 import resource
+
+from hyper_parallel.platform.contract.common import MemoryStats
 
 
 def rss_bytes() -> int:
@@ -20,3 +22,9 @@ def peak_rss_bytes() -> int:
     current RSS for a moment; the larger of the two is the peak.
     """
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes())
+
+
+def host_memory_stats() -> MemoryStats:
+    """``Platform.memory_stats`` of a CPU backend: the resident set size now and its peak."""
+    allocated = rss_bytes()
+    return MemoryStats(allocated=allocated, peak=max(peak_rss_bytes(), allocated))

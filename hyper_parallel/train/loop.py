@@ -65,10 +65,10 @@ def _mean_over_dp(run: _Run, value: float) -> float:
 
 
 def _peak_memory(run: _Run) -> list[int]:
-    """Every rank's ``max_memory_allocated`` in bytes, gathered over the run's world as an
+    """Every rank's peak memory (``memory_stats().peak``) in bytes, gathered over the run's world as an
     all-reduce (sum) of one-hot vectors: all-reduce is native on every backend (MindSpore's
     CPU all-gather-into-tensor is emulated), and float64 holds byte counts exactly."""
-    mine = float(run.p.max_memory_allocated())
+    mine = float(run.p.memory_stats().peak)
     if run.world == 1:
         return [int(mine)]
     slots = np.zeros(run.world, np.float64)

@@ -7,7 +7,7 @@ One line of ``metrics.jsonl`` per optimizer step::
 
 ``loss`` and ``val_loss`` are mean next-byte cross-entropies in nats; ``tokens_per_s``
 counts the tokens of the whole (global) batch; ``peak_memory_bytes`` holds each rank's
-``platform.max_memory_allocated()`` (device memory, or peak RSS on CPU).
+``platform.memory_stats().peak`` (device memory, or peak RSS on CPU).
 """
 
 from __future__ import annotations

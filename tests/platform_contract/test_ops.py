@@ -1,5 +1,5 @@
-"""Conformance: tensor ops, the documented tensor methods, dtypes, attention, storage,
-streams and device queries. World size 1."""
+"""Conformance: tensor ops, the documented tensor methods, dtypes, attention, streams and
+device queries. World size 1."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ def check_dtypes() -> None:
 def check_factories_and_shape_ops() -> None:
     p = get_platform()
     f32, i64 = p.dtype("float32"), p.dtype("int64")
-    assert tuple(p.empty((2, 3), f32).shape) == (2, 3)
     np.testing.assert_array_equal(p.to_numpy(p.zeros((2, 3), f32)), np.zeros((2, 3), np.float32))
     np.testing.assert_array_equal(p.to_numpy(p.full((2,), 7.0, f32)), [7.0, 7.0])
     np.testing.assert_array_equal(p.to_numpy(p.arange(2, 6, i64)), [2, 3, 4, 5])
@@ -41,9 +40,13 @@ def check_factories_and_shape_ops() -> None:
     assert p.is_tensor(t) and not p.is_tensor(a)
     np.testing.assert_array_equal(p.to_numpy(p.cat([t, t], 1)), np.concatenate([a, a], 1))
     np.testing.assert_array_equal(p.to_numpy(p.stack([t, t], 0)), np.stack([a, a]))
-    chunks = p.chunk(t, 4, 0)
-    assert [tuple(c.shape) for c in chunks] == [(2, 5), (2, 5), (2, 5), (1, 5)]
-    assert len(p.chunk(p.from_numpy(rank_data(0, (5, 2))), 4, 0)) == 3, "torch.chunk gives 3 pieces of 5 rows"
+    np.testing.assert_array_equal(p.to_numpy(p.stack([t, t * 2.0], -1)), np.stack([a, a * 2.0], -1))
+    try:
+        p.stack([t, p.narrow(t, 0, 0, 3)])
+    except ValueError as err:
+        assert "shapes differ" in str(err), str(err)
+    else:
+        raise AssertionError("stack accepted tensors of different shapes")
     pieces = p.split(t, [3, 0, 4], 0)
     assert [tuple(c.shape) for c in pieces] == [(3, 5), (0, 5), (4, 5)]
     np.testing.assert_array_equal(p.to_numpy(pieces[2]), a[3:])
@@ -183,13 +186,8 @@ def test_attention(run_on_ranks, kv_heads: int, causal: bool, masked: bool) -> N
     run_on_ranks(check_attention, kv_heads, causal, masked, world_size=1)
 
 
-def check_storage_streams_device() -> dict:
+def check_streams_device() -> dict:
     p = get_platform()
-    t = p.from_numpy(rank_data(0, (64, 64)))
-    p.free_storage(t)
-    assert tuple(t.shape) == (64, 64)
-    p.alloc_storage(t)
-    assert p.to_numpy(t).shape == (64, 64)  # values are undefined after re-allocation
     stream = p.new_stream()
     event = p.new_event()
     with p.stream(stream):
@@ -201,15 +199,16 @@ def check_storage_streams_device() -> dict:
     p.synchronize()
     assert p.to_numpy(y).tolist() == [2.0, 2.0, 2.0]
     assert p.device_type in ("cpu", "cuda", "npu", "ascend")
-    assert p.device_count() >= 1
+    assert p.name == f"{p.framework}-{p.device_type}", (p.name, p.framework, p.device_type)
     p.set_device(0)
     try:
-        p.set_device(p.device_count())
+        p.set_device(1 << 20)  # past any machine's device count
     except ValueError as err:
         assert "local_rank" in str(err)
     else:
-        raise AssertionError("set_device accepted a device index past device_count()")
-    used, peak = p.memory_allocated(), p.max_memory_allocated()
+        raise AssertionError("set_device accepted a device index past the visible devices")
+    stats = p.memory_stats()
+    used, peak = stats.allocated, stats.peak
     # On CPU both are read from Linux counters that are synced lazily per thread, so two
     # reads taken microseconds apart may disagree by a few pages (seen: 0.1%).
     assert used > 0 and peak >= 0.99 * used, (used, peak)
@@ -229,8 +228,8 @@ def check_storage_streams_device() -> dict:
     return {"caps": sorted(c.name for c in p.capabilities()), "name": p.name}
 
 
-def test_storage_streams_device(run_on_ranks) -> None:
-    (result,) = run_on_ranks(check_storage_streams_device, world_size=1)
+def test_streams_device(run_on_ranks) -> None:
+    (result,) = run_on_ranks(check_streams_device, world_size=1)
     assert set(result["caps"]) <= {c.name for c in Capability}
 
 

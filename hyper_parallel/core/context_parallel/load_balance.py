@@ -100,7 +100,7 @@ def context_parallel_shard(tensors: Sequence[Any], seq_dims: Sequence[int], devi
     out = []
     for t, d in zip(tensors, dims):
         parts = 2 * cp if load_balance else cp
-        pieces = p.chunk(t, parts, d)
+        pieces = p.split(t, [int(t.shape[d]) // parts] * parts, d)  # check_seq_len: divisible
         if load_balance:
             out.append(p.cat([pieces[index], pieces[2 * cp - 1 - index]], d).contiguous())
         else:
@@ -133,7 +133,8 @@ def context_parallel_unshard(tensors: Sequence[Any], seq_dims: Sequence[int], de
     for t, d in zip(tensors, dims):
         full = p.differentiable_all_gather(t.contiguous(), d, group=group) if cp > 1 else t
         if load_balance and cp > 1:
-            pieces = p.chunk(full, 2 * cp, d)  # rank c's pieces sit at 2c (head) and 2c + 1 (tail)
+            # rank c's pieces sit at 2c (head) and 2c + 1 (tail); each local shard holds two equal halves
+            pieces = p.split(full, [int(full.shape[d]) // (2 * cp)] * (2 * cp), d)
             order = [pieces[2 * c] for c in range(cp)] + [pieces[2 * c + 1] for c in reversed(range(cp))]
             full = p.cat(order, d)
         out.append(full)

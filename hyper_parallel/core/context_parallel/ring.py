@@ -34,7 +34,7 @@ from hyper_parallel.platform.contract.common import CustomFunction, Work
 
 def _shift(p: Any, x: Any, group: Any, to: int, frm: int) -> list[Work]:
     """Start sending ``x`` to group rank ``to`` and receiving a tensor like it from ``frm``."""
-    buffer = p.empty(tuple(x.shape), x.dtype)
+    buffer = p.zeros(tuple(x.shape), x.dtype)
     return p.batch_isend_irecv([P2POp("isend", x.contiguous(), to, group), P2POp("irecv", buffer, frm, group)])
 
 

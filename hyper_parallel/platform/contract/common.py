@@ -1,4 +1,5 @@
-"""Value types shared by every section of the contract: ReduceOp, Capability, Work, P2POp."""
+"""Value types shared by every section of the contract: ReduceOp, Capability, MemoryStats, Work,
+P2POp."""
 
 from __future__ import annotations
 
@@ -50,7 +51,20 @@ class Capability(enum.Enum):
     ASYNC_COLLECTIVES = "collectives with async_op=True run in the background"
     STREAMS = "device streams and events (not no-ops)"
     FUSED_ATTENTION = "attention output from a fused kernel"
-    STORAGE_RESIZE = "free_storage/alloc_storage release and re-acquire memory in place"
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory use of this process, in bytes (``Platform.memory_stats``).
+
+    Attributes:
+        allocated: bytes in use now: device memory held by tensors, or the process's
+            resident set size on CPU.
+        peak: the peak of ``allocated`` since the process started (CPU: peak RSS).
+    """
+
+    allocated: int
+    peak: int
 
 
 class Work(Protocol):

@@ -5,35 +5,28 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from hyper_parallel.platform.contract.common import MemoryStats
+
 
 class DeviceSection(ABC):
     """The device this process computes on, and its memory use."""
-
-    @property
-    @abstractmethod
-    def device_type(self) -> str:
-        """``"cpu"``, ``"cuda"``, ``"npu"`` or ``"ascend"``."""
-
-    @abstractmethod
-    def device_count(self) -> int:
-        """Devices of ``device_type`` visible to this process (1 for CPU)."""
 
     @abstractmethod
     def set_device(self, local_rank: int) -> None:
         """Bind this process to device ``local_rank`` (no-op on CPU).
 
         Raises:
-            ValueError: ``local_rank`` is not below ``device_count()``.
+            ValueError: ``local_rank`` is not below the number of visible devices of
+                ``device_type`` (1 on CPU).
         """
 
     @abstractmethod
-    def memory_allocated(self) -> int:
-        """Bytes in use now: device memory held by tensors, or the process's resident
-        set size on CPU."""
-
-    @abstractmethod
-    def max_memory_allocated(self) -> int:
-        """Peak of ``memory_allocated`` in bytes since the process started (CPU: peak RSS)."""
+    def memory_stats(self) -> MemoryStats:
+        """This process's memory use in bytes: ``allocated`` now (device memory held by
+        tensors; the process's resident set size on CPU) and its ``peak`` since the
+        process started (CPU: peak RSS). torch: ``torch.cuda``/``torch.npu``
+        ``memory_allocated()`` and ``max_memory_allocated()``; MindSpore Ascend:
+        ``mindspore.runtime`` ones of the same names."""
 
     @abstractmethod
     def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:

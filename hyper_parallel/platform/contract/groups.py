@@ -31,10 +31,6 @@ class GroupsSection(ABC):
         """
 
     @abstractmethod
-    def is_initialized(self) -> bool:
-        """True between ``init_process_group`` and ``destroy_process_group``."""
-
-    @abstractmethod
     def destroy_process_group(self) -> None:
         """Leave the world and drop every group this platform created."""
 
@@ -57,17 +53,6 @@ class GroupsSection(ABC):
 
         Raises:
             ValueError: ``ranks`` is empty, has duplicates or a rank outside the world.
-        """
-
-    @abstractmethod
-    def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
-        """Create one group per part of ``partition`` (disjoint global rank lists that
-        together cover the world) and return the one this rank belongs to.
-
-        Called by every rank with the same partition (a collective over the world).
-
-        Raises:
-            ValueError: the parts overlap, miss a rank or name one outside the world.
         """
 
     @abstractmethod

@@ -2,8 +2,7 @@
 
 Hook signatures follow torch (MindSpore Cells use the same ones):
 ``pre_hook(module, args) -> args | None``; ``hook(module, args, output) -> output | None``;
-``backward_pre_hook(module, grad_output) -> grad_output | None``;
-``backward_hook(module, grad_input, grad_output) -> grad_input | None``.
+``backward_pre_hook(module, grad_output) -> grad_output | None``.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from hyper_parallel.platform.contract.common import RemovableHandle
 
 
 class ModulesSection(ABC):
-    """Hooks on modules, parameters and tensors; walking and editing a module tree."""
+    """Hooks on modules and tensors; walking and editing a module tree."""
 
     @abstractmethod
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
@@ -41,17 +40,6 @@ class ModulesSection(ABC):
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
         """Call ``hook(module, grad_output)`` (a tuple) before the module's backward;
         a non-None return replaces ``grad_output``."""
-
-    @abstractmethod
-    def register_full_backward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        """Call ``hook(module, grad_input, grad_output)`` once the gradients of the
-        module's inputs are computed."""
-
-    @abstractmethod
-    def register_post_accumulate_grad_hook(self, param: Any, hook: Callable[[Any, Any], None]) -> RemovableHandle:
-        """Call ``hook(param, grad)`` once ``param``'s gradient of the current backward
-        is final. Under ``vjp`` ``grad`` is this backward's gradient on every backend; in
-        a plain torch ``loss.backward()`` it is ``param.grad`` (accumulated)."""
 
     @abstractmethod
     def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:

@@ -32,11 +32,7 @@ LOCAL_OPS: tuple[str, ...] = (
 
 
 class OpsSection(ABC):
-    """Tensor factories, shape ops, conversions, storage and local attention."""
-
-    @abstractmethod
-    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
-        """An uninitialised tensor of ``shape`` and framework ``dtype``."""
+    """Tensor factories, shape ops, conversions and local attention."""
 
     @abstractmethod
     def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
@@ -61,15 +57,6 @@ class OpsSection(ABC):
     @abstractmethod
     def cat(self, tensors: Sequence[Any], dim: int = 0) -> Any:
         """Concatenate along ``dim``; differentiable."""
-
-    @abstractmethod
-    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
-        """Stack along a new ``dim``; differentiable."""
-
-    @abstractmethod
-    def chunk(self, tensor: Any, chunks: int, dim: int = 0) -> list[Any]:
-        """torch.chunk semantics: pieces of ``ceil(size / chunks)`` along ``dim``, the
-        last smaller, possibly fewer than ``chunks`` pieces; differentiable."""
 
     @abstractmethod
     def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
@@ -100,17 +87,6 @@ class OpsSection(ABC):
     def clone(self, tensor: Any) -> Any:
         """A copy of ``tensor`` in its own memory; differentiable (the gradient passes
         through unchanged)."""
-
-    @abstractmethod
-    def free_storage(self, tensor: Any) -> None:
-        """Release ``tensor``'s memory while keeping the tensor object (its shape is
-        kept; its values are gone until ``alloc_storage``). Used to reshard parameters
-        without rebinding them. Without ``Capability.STORAGE_RESIZE`` the memory is
-        not returned, but the call is still valid."""
-
-    @abstractmethod
-    def alloc_storage(self, tensor: Any) -> None:
-        """Re-acquire the memory released by ``free_storage`` (values undefined)."""
 
     @abstractmethod
     def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,

@@ -22,26 +22,6 @@ class TypesSection(ABC):
         """The backend name, one of the folders of ``platform/`` (``"torch-cpu"``,
         ``"torch-cuda"``, ``"torch-npu"``, ``"mindspore-cpu"``, ``"mindspore-ascend"``)."""
 
-    @property
-    @abstractmethod
-    def framework(self) -> str:
-        """``"torch"`` or ``"mindspore"``."""
-
-    @property
-    @abstractmethod
-    def tensor_type(self) -> type:
-        """The framework tensor class (``torch.Tensor``, ``mindspore.Tensor``)."""
-
-    @property
-    @abstractmethod
-    def parameter_type(self) -> type:
-        """The framework parameter class (``torch.nn.Parameter``, ``mindspore.Parameter``)."""
-
-    @property
-    @abstractmethod
-    def module_type(self) -> type:
-        """The framework module class (``torch.nn.Module``, ``mindspore.nn.Cell``)."""
-
     @abstractmethod
     def is_tensor(self, obj: Any) -> bool:
         """True when ``obj`` is a framework tensor (parameters included)."""

@@ -19,7 +19,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from hyper_parallel.platform import group_partition
 from hyper_parallel.platform.contract.groups import GroupsSection
 from hyper_parallel.platform.validation import check_group_ranks
 
@@ -111,9 +110,6 @@ class MindSporeGroups(GroupsSection):
             self._comm.init()
         self._initialized = True
 
-    def is_initialized(self) -> bool:
-        return self._initialized
-
     def destroy_process_group(self) -> None:
         """Drop every group this platform created and leave the world.
 
@@ -166,9 +162,6 @@ class MindSporeGroups(GroupsSection):
             self._groups[members] = name
             self._group_ranks[name] = members
         return name
-
-    def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
-        return group_partition.split_group(self, partition)
 
     def group_ranks(self, group: Any = None) -> list[int]:
         if group is None or group == self._world_name():

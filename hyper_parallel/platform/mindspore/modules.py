@@ -36,21 +36,6 @@ class MindSporeModules(ModulesSection):
         """``Cell.register_backward_pre_hook``."""
         return module.register_backward_pre_hook(hook)
 
-    def register_full_backward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        """``Cell.register_backward_hook`` (MindSpore's backward hook is a full one: it
-        receives the gradients of the Cell's inputs and outputs)."""
-        return module.register_backward_hook(hook)
-
-    def register_post_accumulate_grad_hook(self, param: Any, hook: Callable[[Any, Any], None]) -> RemovableHandle:
-        """A ``Parameter.register_hook`` calling ``hook(param, grad)``: MindSpore calls a
-        parameter's hook once, with the sum over every use of the parameter in this
-        backward, which is its final gradient (nothing accumulates across backwards)."""
-
-        def on_grad(grad: Any) -> None:
-            hook(param, grad)  # returning None leaves the gradient unchanged
-
-        return param.register_hook(on_grad)
-
     def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
         """``Tensor.register_hook``."""
         return tensor.register_hook(hook)

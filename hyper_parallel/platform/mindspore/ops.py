@@ -38,10 +38,6 @@ class MindSporeOps(OpsSection):
     _ops: Any
     _device_type: str
 
-    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
-        """``mint.empty``."""
-        return self._mint.empty(_shape(shape), dtype=dtype)
-
     def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
         """``mint.zeros``."""
         return self._mint.zeros(_shape(shape), dtype=dtype)
@@ -76,22 +72,6 @@ class MindSporeOps(OpsSection):
         if not tensors:
             raise ValueError("cat: tensors is empty; give at least one tensor")
         return self._mint.cat(tensors, normalize_dim(dim, tensors[0].ndim))
-
-    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
-        """``cat`` of tensors unsqueezed at ``dim`` (``mint.stack`` has no CPU kernel)."""
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("stack: tensors is empty; give at least one tensor")
-        dim = normalize_dim(dim, tensors[0].ndim + 1)
-        if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
-            raise ValueError(f"stack: shapes differ ({[tuple(t.shape) for t in tensors]}); stack needs equal shapes")
-        return self._mint.cat([t.unsqueeze(dim) for t in tensors], dim)
-
-    def chunk(self, tensor: Any, chunks: int, dim: int = 0) -> list[Any]:
-        """``mint.chunk`` (torch.chunk semantics)."""
-        if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks <= 0:
-            raise ValueError(f"chunk: chunks={chunks!r} must be a positive int")
-        return list(self._mint.chunk(tensor, chunks, normalize_dim(dim, tensor.ndim)))
 
     def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
         """``mint.split`` with a list of sizes."""
@@ -137,21 +117,6 @@ class MindSporeOps(OpsSection):
     def clone(self, tensor: Any) -> Any:
         """A one-piece ``mint.cat``: MindSpore 2.10 has no CPU kernel for ``clone``."""
         return self._mint.cat([tensor])
-
-    def free_storage(self, tensor: Any) -> None:
-        """``tensor.untyped_storage().resize_(0)``: the memory goes back to MindSpore's
-        allocator and is reused by later tensors (the process RSS does not shrink, the
-        pool keeps it). Reading the tensor before ``alloc_storage`` is undefined."""
-        storage = tensor.untyped_storage()
-        if storage.size() != 0:
-            storage.resize_(0)
-
-    def alloc_storage(self, tensor: Any) -> None:
-        """``tensor.untyped_storage().resize_(numel * itemsize)``; values are undefined."""
-        storage = tensor.untyped_storage()
-        nbytes = int(tensor.numel()) * int(tensor.itemsize)
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
 
     def local_op(self, name: str) -> Callable[..., Any]:
         """``mint`` where it has CPU kernels; ``ops.log_softmax``, ``ops.gather`` (for

@@ -12,7 +12,7 @@ from typing import Any
 
 from hyper_parallel.platform import host_memory
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
-from hyper_parallel.platform.base import Capability, Platform
+from hyper_parallel.platform.base import Capability, MemoryStats, Platform
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.mindspore.autograd import MindSporeAutograd
 from hyper_parallel.platform.mindspore.collectives import MindSporeCollectives
@@ -84,22 +84,6 @@ class MindSporePlatform(
     def name(self) -> str:
         return f"mindspore-{self._device_type}"
 
-    @property
-    def framework(self) -> str:
-        return "mindspore"
-
-    @property
-    def tensor_type(self) -> type:
-        return self._ms.Tensor
-
-    @property
-    def parameter_type(self) -> type:
-        return self._ms.Parameter
-
-    @property
-    def module_type(self) -> type:
-        return self._ms.nn.Cell
-
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, self._ms.Tensor)
 
@@ -117,36 +101,24 @@ class MindSporePlatform(
         raise ValueError(f"dtype_name: {dtype} has no name in DTYPE_NAMES ({', '.join(DTYPE_NAMES)})")
 
     def capabilities(self) -> frozenset[Capability]:
-        """Ascend: everything. CPU: only ``STORAGE_RESIZE``. Its AlltoAll, ReduceScatter,
+        """Ascend: everything. CPU: nothing. Its AlltoAll, ReduceScatter,
         AllGatherIntoTensor and batched p2p are emulated (see [Note: CPU collectives]);
         PyNative runs every operation on one queue, so an async collective delays the
         compute issued after it instead of overlapping it; streams are host no-ops; and
-        attention is plain operations. ``untyped_storage().resize_`` does return memory
-        to MindSpore's CPU allocator, where later tensors reuse it."""
+        attention is plain operations."""
         if self._device_type == "ascend":
             return frozenset({
                 Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
                 Capability.ASYNC_COLLECTIVES, Capability.STREAMS, Capability.FUSED_ATTENTION,
-                Capability.STORAGE_RESIZE,
             })
-        return frozenset({Capability.STORAGE_RESIZE})
+        return frozenset()
 
     # -- device --------------------------------------------------------------------------
 
-    @property
-    def device_type(self) -> str:
-        return self._device_type
-
-    def device_count(self) -> int:
-        """``mindspore.device_context.ascend.device_count()`` on Ascend; 1 on CPU."""
-        if self._device_type == "cpu":
-            return 1
-        return int(self._ms.device_context.ascend.device_count())
-
     def set_device(self, local_rank: int) -> None:
         """``mindspore.set_device("Ascend", local_rank)``; no-op on CPU."""
-        count = self.device_count()
+        count = 1 if self._device_type == "cpu" else int(self._ms.device_context.ascend.device_count())
         if not isinstance(local_rank, int) or isinstance(local_rank, bool) or not 0 <= local_rank < count:
             raise ValueError(f"set_device: local_rank={local_rank!r} is not a {self._device_type} device of this "
                              f"process; use an int in [0, {count})")
@@ -154,18 +126,13 @@ class MindSporePlatform(
             self._ms.set_device("Ascend", local_rank)
             self._device_id = local_rank
 
-    def memory_allocated(self) -> int:
-        """Ascend: ``mindspore.runtime.memory_allocated()``. CPU: the process RSS (MindSpore
-        reports 0 for CPU tensors)."""
+    def memory_stats(self) -> MemoryStats:
+        """Ascend: ``mindspore.runtime.memory_allocated()`` and ``max_memory_allocated()``.
+        CPU: the process RSS and its peak (MindSpore reports 0 for CPU tensors)."""
         if self._device_type == "cpu":
-            return host_memory.rss_bytes()
-        return int(self._ms.runtime.memory_allocated())
-
-    def max_memory_allocated(self) -> int:
-        """Ascend: ``mindspore.runtime.max_memory_allocated()``. CPU: the peak RSS."""
-        if self._device_type == "cpu":
-            return host_memory.peak_rss_bytes()
-        return int(self._ms.runtime.max_memory_allocated())
+            return host_memory.host_memory_stats()
+        runtime = self._ms.runtime
+        return MemoryStats(allocated=int(runtime.memory_allocated()), peak=int(runtime.max_memory_allocated()))
 
     def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
         """Ascend: ``Tensor.move_to("CPU" | "Ascend")``. MindSpore has no call that

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.platform import group_partition, host_memory, host_streams
+from hyper_parallel.platform import host_memory, host_streams
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
-from hyper_parallel.platform.base import Capability, CustomFunction, Platform, RemovableHandle, VjpFn
+from hyper_parallel.platform.base import Capability, CustomFunction, MemoryStats, Platform, RemovableHandle, VjpFn
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
 from hyper_parallel.platform.torch import attention as attn
@@ -87,22 +87,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def name(self) -> str:
         return f"torch-{self._device_type}"
 
-    @property
-    def framework(self) -> str:
-        return "torch"
-
-    @property
-    def tensor_type(self) -> type:
-        return torch.Tensor
-
-    @property
-    def parameter_type(self) -> type:
-        return torch.nn.Parameter
-
-    @property
-    def module_type(self) -> type:
-        return torch.nn.Module
-
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, torch.Tensor)
 
@@ -120,7 +104,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
-                Capability.ASYNC_COLLECTIVES, Capability.STORAGE_RESIZE}
+                Capability.ASYNC_COLLECTIVES}
         if self._device_type != "cpu":
             caps |= {Capability.STREAMS, Capability.FUSED_ATTENTION}
         return frozenset(caps)
@@ -137,9 +121,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             self.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(DEVICE_BACKENDS[self._device_type],
                                 timeout=datetime.timedelta(seconds=timeout_s))
-
-    def is_initialized(self) -> bool:
-        return dist.is_initialized()
 
     def destroy_process_group(self) -> None:
         if dist.is_initialized():
@@ -159,9 +140,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         if key not in self._groups:
             self._groups[key] = dist.new_group(list(key))
         return self._groups[key]
-
-    def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
-        return group_partition.split_group(self, partition)
 
     def group_ranks(self, group: Any = None) -> list[int]:
         if group is None:
@@ -264,12 +242,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
         return module.register_full_backward_pre_hook(hook)
 
-    def register_full_backward_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        return module.register_full_backward_hook(hook)
-
-    def register_post_accumulate_grad_hook(self, param: Any, hook: Callable[[Any, Any], None]) -> RemovableHandle:
-        return param.register_post_accumulate_grad_hook(lambda p: hook(p, p.grad))
-
     def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
         return tensor.register_hook(hook)
 
@@ -295,9 +267,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         setattr(module.get_submodule(owner_path), leaf, param)
 
     # -- tensor ops --------------------------------------------------------------------
-    def empty(self, shape: Sequence[int], dtype: Any) -> Any:
-        return torch.empty(tuple(shape), dtype=dtype, device=self._device)
-
     def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
         return torch.zeros(tuple(shape), dtype=dtype, device=self._device)
 
@@ -308,7 +277,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return torch.arange(start, end, dtype=dtype, device=self._device)
 
     def from_numpy(self, array: np.ndarray) -> Any:
-        # clone(): a torch-owned storage, resizable by free_storage (numpy's is not).
+        # clone(): a torch-owned storage, not a view of the caller's numpy buffer.
         return torch.from_numpy(np.ascontiguousarray(array)).clone().to(self._device)
 
     def to_numpy(self, tensor: Any) -> np.ndarray:
@@ -319,12 +288,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def cat(self, tensors: Sequence[Any], dim: int = 0) -> Any:
         return torch.cat(list(tensors), dim=dim)
-
-    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
-        return torch.stack(list(tensors), dim=dim)
-
-    def chunk(self, tensor: Any, chunks: int, dim: int = 0) -> list[Any]:
-        return list(torch.chunk(tensor, chunks, dim=dim))
 
     def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
         dim = normalize_dim(dim, tensor.ndim)
@@ -348,17 +311,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def clone(self, tensor: Any) -> Any:
         return tensor.clone()
-
-    def free_storage(self, tensor: Any) -> None:
-        storage = tensor.untyped_storage()
-        if storage.size() != 0:
-            storage.resize_(0)
-
-    def alloc_storage(self, tensor: Any) -> None:
-        storage = tensor.untyped_storage()
-        nbytes = tensor.numel() * tensor.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
 
     def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
                   mask: Any = None) -> tuple[Any, Any]:
@@ -416,30 +368,19 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             self._device_module().synchronize()
 
     # -- device ------------------------------------------------------------------------
-    @property
-    def device_type(self) -> str:
-        return self._device_type
-
-    def device_count(self) -> int:
-        return 1 if self._device_type == "cpu" else int(self._device_module().device_count())
-
     def set_device(self, local_rank: int) -> None:
-        count = self.device_count()
+        count = 1 if self._device_type == "cpu" else int(self._device_module().device_count())
         if not 0 <= local_rank < count:
             raise ValueError(f"set_device: local_rank={local_rank} but {count} {self._device_type} device(s) are visible")
         if self._device_type != "cpu":
             self._device_module().set_device(local_rank)
             self._device = torch.device(self._device_type, local_rank)
 
-    def memory_allocated(self) -> int:
+    def memory_stats(self) -> MemoryStats:
         if self._device_type == "cpu":
-            return host_memory.rss_bytes()
-        return int(self._device_module().memory_allocated())
-
-    def max_memory_allocated(self) -> int:
-        if self._device_type == "cpu":
-            return host_memory.peak_rss_bytes()
-        return int(self._device_module().max_memory_allocated())
+            return host_memory.host_memory_stats()
+        module = self._device_module()
+        return MemoryStats(allocated=int(module.memory_allocated()), peak=int(module.max_memory_allocated()))
 
     def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
         if device not in ("cpu", self._device_type):
