@@ -73,7 +73,8 @@ class AsyncContextParallel(ContextParallel):
         name = type(module).__name__
         for proj_name, proj in projections.items():
             p.register_forward_hook(proj, lambda m, args, out, pn=proj_name: self._launch(plan, slots, pn, out))
-        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook_async(plan, slots, name, m, args))
+        p.register_forward_pre_hook(module, lambda m, args, kwargs: self._pre_hook_async(plan, slots, name, m, args,
+                                                                                          kwargs), with_kwargs=True)
         p.register_forward_hook(module, lambda m, args, out: self._post_hook(plan, name, out))
         return module
 
@@ -101,14 +102,14 @@ class AsyncContextParallel(ContextParallel):
         return grad + work.wait()
 
     def _pre_hook_async(self, plan: Plan, slots: _Slots, name: str, module: Any,
-                        args: tuple[Any, ...]) -> tuple[Any, ...]:
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         p, n, s, h = get_platform(), plan.ulysses_size, self.seq_dim, self.head_dim
-        q, k, v = self._qkv(name, args)
+        q, k, v = self._qkv(name, args, kwargs)
         missing = [pn for pn in PROJECTIONS if pn not in slots.launched]
         if missing:
             raise RuntimeError(f"AsyncContextParallel on {name}: no all-to-all was launched by the {'/'.join(missing)} "
                                "projection(s) this step; the attention's q, k, v must come from the hooked projections")
-        seq_len = self.check(plan, name, q, k, v)
+        seq_len = self.check(plan, name, q, k, v, kwargs)
         sync_kv = int(k.shape[h]) % n != 0  # GQA replication: see the class doc
         out = []
         for proj_name, t in zip(PROJECTIONS, (q, k, v)):
@@ -123,7 +124,4 @@ class AsyncContextParallel(ContextParallel):
             bshd = y.reshape(y.shape[0], y.shape[1], int(t.shape[h]) // n, int(t.shape[3]))
             out.append(bshd if (s, h) == (1, 2) else bshd.transpose(1, 2))
         push_frame(Frame(name, plan, seq_len, module_call_site(module)))
-        new = list(args)
-        for i, t in zip(self.qkv_indices, out):
-            new[i] = t
-        return tuple(new)
+        return self._replace(args, kwargs, out)
