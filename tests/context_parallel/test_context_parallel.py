@@ -208,3 +208,46 @@ def check_keywords() -> int:
 
 def test_keyword_arguments(run_on_ranks) -> None:
     assert run_on_ranks(check_keywords, world_size=2, timeout_s=300) == [6, 6]
+
+
+def _saved_bytes(p, ctx) -> int:
+    """Bytes of every tensor a custom function's ``ctx`` keeps (attributes and tuples)."""
+    total = 0
+    for value in vars(ctx).values():
+        for item in value if isinstance(value, tuple) else (value,):
+            if p.is_tensor(item):
+                total += p.to_numpy(item).nbytes
+    return total
+
+
+def check_ring_saved_state() -> list[int]:
+    """Ring attention keeps for backward this rank's q, k, v, output and float32 lse, and
+    nothing else of tensor size: the bytes kept halve from cp = 2 to cp = 4 for one global
+    sequence (keeping the K/V blocks of other ranks would keep them constant)."""
+    from types import SimpleNamespace
+
+    from hyper_parallel.core.context_parallel.ring import RingAttention, RingSpec
+
+    p = get_platform()
+    seq, kv_heads = 32, 2
+    rng = np.random.default_rng(5)
+    world = init_device_mesh(p.device_type, (2, 2), mesh_dim_names=("dp", "cp"))
+    measured = []
+    for mesh in (world["cp"], init_device_mesh(p.device_type, (4,), mesh_dim_names=("cp",))):
+        cp = mesh.size()
+        plan = hp.ContextParallel(ulysses_degree=1, kv_exchange="ring", load_balance=True).resolve(mesh)
+        q = p.from_numpy(rng.standard_normal((B, seq // cp, H, D)).astype(np.float32))
+        k, v = (p.from_numpy(rng.standard_normal((B, seq // cp, kv_heads, D)).astype(np.float32)) for _ in "kv")
+        ctx = SimpleNamespace()
+        with p.no_grad():
+            out = RingAttention.forward(ctx, p, q, k, v, RingSpec(plan, seq, True, None, None))
+        expected = sum(p.to_numpy(t).nbytes for t in (q, k, v, out)) + B * H * (seq // cp) * 4  # lse: float32
+        assert _saved_bytes(p, ctx) == expected, (cp, _saved_bytes(p, ctx), expected)
+        measured.append(_saved_bytes(p, ctx))
+    assert measured[0] == 2 * measured[1], measured
+    return measured
+
+
+def test_ring_saves_only_local_blocks(run_on_ranks) -> None:
+    per_rank = (B * 16 * (2 * H + 2 * 2) * D + B * H * 16) * 4  # cp = 2: q, out, k, v, lse of 16 positions
+    assert run_on_ranks(check_ring_saved_state, world_size=4) == [[per_rank, per_rank // 2]] * 4
