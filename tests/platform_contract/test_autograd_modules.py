@@ -117,14 +117,17 @@ def check_forward_pre_hook_with_kwargs() -> None:
     handle.remove()
 
     observed: list[str] = []
-    handles = [p.register_forward_pre_hook(model, lambda m, args, kwargs: observed.append("kw"), with_kwargs=True),
-               p.register_forward_pre_hook(model, lambda m, args: observed.append("plain"))]
-    close(p.to_numpy(model(p.from_numpy(x), scale=p.from_numpy(s))), x * s, "a hook returning None changes nothing")
-    assert observed == ["kw", "plain"], observed
+    handles = [p.register_forward_pre_hook(model, lambda m, args, kwargs: observed.append("none"), with_kwargs=True),
+               p.register_forward_pre_hook(model, lambda m, args, kwargs: observed.append("kw") or
+                                           ((args[0] * 2.0,), kwargs), with_kwargs=True),
+               p.register_forward_pre_hook(model, lambda m, args: observed.append("plain") or (args[0] + 1.0,))]
+    # in registration order, each seeing the previous one's result; None changes nothing
+    close(p.to_numpy(model(p.from_numpy(x), scale=p.from_numpy(s))), (2 * x + 1) * s, "chained pre-hooks")
+    assert observed == ["none", "kw", "plain"], observed
     for h in handles:
         h.remove()
     model(p.from_numpy(x), scale=p.from_numpy(s))
-    assert observed == ["kw", "plain"], "removed hooks still fired"
+    assert observed == ["none", "kw", "plain"], "removed hooks still fired"
 
 
 def test_forward_pre_hook_with_kwargs(run_on_ranks) -> None:

@@ -63,9 +63,9 @@ class ContextParallel(ParallelStyle):
     in row-major order. A call of the module with a keyword argument ``cu_seqlens``
     (packed documents, passed on by its forward to ``scaled_dot_product_attention``) has
     it validated against the global sequence length in the pre-hook, on every rank
-    before any collective (in particular before the Ulysses all-to-all). A module whose forward does not call
-    ``hyper_parallel.scaled_dot_product_attention`` can use pure Ulysses only; in other
-    modes its forward raises ``RuntimeError``.
+    before any collective (in particular before the Ulysses all-to-all). A module whose
+    forward does not call ``hyper_parallel.scaled_dot_product_attention`` can use pure
+    Ulysses only; in other modes its forward raises ``RuntimeError``.
 
     Raises:
         ValueError: invalid arguments (at construction); a mesh or q/k/v shapes that do

@@ -23,7 +23,7 @@ class ModulesSection(ABC):
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
                                   with_kwargs: bool = False) -> RemovableHandle:
         """Call ``hook(module, args)`` before ``module``'s forward; a non-None return
-        replaces ``args`` (a tuple; a single non-tuple value is wrapped).
+        replaces ``args`` (a tuple).
 
         With ``with_kwargs=True`` the hook is ``hook(module, args, kwargs)``: ``args`` the
         positional arguments (tuple), ``kwargs`` the keyword arguments (dict) of the call;
