@@ -53,6 +53,11 @@ def check_errors() -> dict[str, str]:
             keyword_attention(p, causal=True), mesh)(key=t(1, 4, 2, 2), value=t(1, 4, 2, 2), query=t(1, 4, 2, 2))),
         "cu_seqlens_ulysses": _message(lambda: hp.ContextParallel().apply(keyword_attention(p, causal=True), mesh)(
             t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2), cu_seqlens=[0, 5, 3])),
+        # Taken from a closure, cu_seqlens reaches only the functional, after the Ulysses
+        # all-to-all: every rank still raises the same error, and the collectives below
+        # still work (nothing hangs or is left half-done).
+        "cu_seqlens_closure_ulysses": _message(lambda: run(hp.ContextParallel(), t(1, 4, 2, 2), t(1, 4, 2, 2),
+                                                           t(1, 4, 2, 2), cu_seqlens=[0, 5, 3])),
         "shard": _message(lambda: hp.context_parallel_shard([t(1, 6, 2)], [1], mesh, load_balance=True)),
         "layout": _message(lambda: hp.scaled_dot_product_attention(t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2),
                                                                    layout="SBHD")),
@@ -95,6 +100,7 @@ EXPECTED = {
     "odd_lb": "sequence length 6 does not split into 2 * cp = 4 chunks (load_balance=True); pad the sequence",
     "cu_seqlens": "cu_seqlens=[0, 5, 3] must be integers starting at 0, strictly increasing and ending at the full "
                   "sequence length 8",
+    "cu_seqlens_closure_ulysses": "scaled_dot_product_attention: cu_seqlens=[0, 5, 3] must be integers",
     "not_functional": "CoreAttention: the forward never called hyper_parallel.scaled_dot_product_attention, so "
                       "K/V were never exchanged (kv_exchange='ring' over 2 ranks)",
     "shard": "context_parallel_shard: sequence length 6 does not split into 2 * cp = 4 chunks",
