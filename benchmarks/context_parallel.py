@@ -7,7 +7,9 @@ Per mode and sequence length: barrier, forward and backward (gradients of q, k, 
 materialized), timed on every rank; a repetition's time is the slowest rank's and the
 median over ``--iters`` repetitions after ``--warmup`` is reported. Memory is the bytes
 of activations saved for backward on one rank (``torch.autograd.graph.saved_tensors_hooks``,
-deduplicated by storage), which is what context parallelism divides by ``cp``; process RSS
+plus the tensors our custom autograd functions keep on ``ctx.saved``, which those hooks do
+not see: ring attention keeps its q, k, v, output and log-sum-exp there; deduplicated by
+storage), which is what context parallelism divides by ``cp``; process RSS
 on a shared CPU host is too noisy to read. ``single device`` is the whole sequence on one
 rank (``platform.attention``), the memory reference.
 
@@ -126,6 +128,8 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
                 start = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = fn(q, k, v)
+                for t in _ctx_saved(out):
+                    pack(t)
                 out.backward(dout)
                 float(q.grad.reshape(-1)[0] + k.grad.reshape(-1)[0] + v.grad.reshape(-1)[0])
                 elapsed = time.perf_counter() - start
@@ -135,6 +139,22 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
             rows.append({"mode": name, "seq": seq, "seconds": times, "saved_bytes": saved, "rank": r,
                          "max_diff_ours_vs_torch_ring": max_diff})
     return rows
+
+
+def _ctx_saved(out) -> list:
+    """Tensors kept as ``ctx.saved`` by the custom autograd functions in ``out``'s graph (on
+    torch a custom function's graph node is its ``ctx``)."""
+    import torch
+
+    found, seen, todo = [], set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        found += [t for t in getattr(node, "saved", ()) if isinstance(t, torch.Tensor)]
+        todo += [next_fn for next_fn, _ in node.next_functions]
+    return found
 
 
 def _module():

@@ -36,6 +36,31 @@ def core_attention(p: Any, *, causal: bool, cu_seqlens: Any = None, layout: str 
     return MSCoreAttention()
 
 
+def keyword_attention(p: Any, *, causal: bool) -> Any:
+    """A module ``forward(query, key=None, value=None, cu_seqlens=None)`` (q, k, v and the
+    packed-document boundaries by keyword or position) computed by
+    ``hp.scaled_dot_product_attention``."""
+
+    def forward(query: Any, key: Any, value: Any, cu_seqlens: Any) -> Any:
+        return hp.scaled_dot_product_attention(query, key, value, is_causal=causal, cu_seqlens=cu_seqlens)
+
+    if p.framework == "torch":
+        import torch
+
+        class KeywordAttention(torch.nn.Module):
+            def forward(self, query: Any, key: Any = None, value: Any = None, cu_seqlens: Any = None) -> Any:
+                return forward(query, key, value, cu_seqlens)
+
+        return KeywordAttention()
+    from mindspore import nn
+
+    class MSKeywordAttention(nn.Cell):
+        def construct(self, query: Any, key: Any = None, value: Any = None, cu_seqlens: Any = None) -> Any:
+            return forward(query, key, value, cu_seqlens)
+
+    return MSKeywordAttention()
+
+
 def block_weights(dim: int, heads: int, kv_heads: int, head_dim: int, hidden: int) -> dict[str, Any]:
     import numpy as np
 

@@ -20,7 +20,7 @@ import pytest
 import hyper_parallel as hp
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.platform import get_platform
-from tests.context_parallel._models import core_attention
+from tests.context_parallel._models import core_attention, keyword_attention
 
 B, S, H, D = 2, 16, 4, 8
 DOCS = [0, 3, 9, 16]  # documents crossing shard boundaries for cp = 2 and 4, with and without load balance
@@ -170,3 +170,84 @@ def check_modes(only: tuple[str, ...] = ()) -> int:
 def test_modes_match_single_device(run_on_ranks, world_size: int, only: tuple[str, ...]) -> None:
     expected = len([c for c in cases(world_size) if not only or c[0] in only])
     assert run_on_ranks(check_modes, only, world_size=world_size, timeout_s=600) == [expected] * world_size
+
+
+def check_keywords() -> int:
+    """q/k/v passed by keyword (all three, or k/v only with q positional) and ``cu_seqlens``
+    as a keyword of the module call, in each mode of a 1-D mesh: output and q/k/v
+    gradients vs the float64 reference."""
+    p = get_platform()
+    cp, r = p.world_size(), p.rank()
+    mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
+    rng = np.random.default_rng(11)
+    calls = {  # qkv_kwarg_names -> how the module is called
+        ("query", "key", "value"): lambda m, q, k, v: m(query=q, key=k, value=v, cu_seqlens=DOCS),
+        (None, "key", "value"): lambda m, q, k, v: m(q, key=k, value=v, cu_seqlens=DOCS),
+    }
+    count = 0
+    for mode in ("ulysses", "allgather", "ring"):
+        for names, call in calls.items():
+            ud_frac, exchange = MODES[mode]
+            lb = mode == "ring"
+            style = hp.ContextParallel(ulysses_degree=cp if ud_frac == "all" else ud_frac, kv_exchange=exchange,
+                                       qkv_kwarg_names=names, load_balance=lb)
+            module = style.apply(keyword_attention(p, causal=True), mesh)
+            q, k, v, dout = (rng.standard_normal((B, S, h, D)).astype(np.float32) for h in (H, 2, 2, H))
+            ref = reference(q, k, v, dout, reference_mask(S, True, DOCS))
+            shards = hp.context_parallel_shard([p.from_numpy(a) for a in (q, k, v, dout)], [1] * 4, mesh,
+                                               load_balance=lb)
+            out, back = p.vjp(lambda q_, k_, v_: call(module, q_, k_, v_), shards[:3])
+            grads, _ = back([shards[3]])
+            pos = positions(S, cp, r, lb)
+            for name, value, want in zip(("out", "dq", "dk", "dv"), [out, *grads], ref):
+                np.testing.assert_allclose(p.to_numpy(value), want[:, pos], **_tol(p),
+                                           err_msg=f"{name}: {mode} qkv_kwarg_names={names}")
+            count += 1
+    return count
+
+
+def test_keyword_arguments(run_on_ranks) -> None:
+    assert run_on_ranks(check_keywords, world_size=2, timeout_s=300) == [6, 6]
+
+
+def _saved_bytes(p, ctx) -> int:
+    """Bytes of every tensor a custom function's ``ctx`` keeps (attributes and tuples)."""
+    total = 0
+    for value in vars(ctx).values():
+        for item in value if isinstance(value, tuple) else (value,):
+            if p.is_tensor(item):
+                total += p.to_numpy(item).nbytes
+    return total
+
+
+def check_ring_saved_state() -> list[int]:
+    """Ring attention keeps for backward this rank's q, k, v, output and float32 lse, and
+    nothing else of tensor size: the bytes kept halve from cp = 2 to cp = 4 for one global
+    sequence (keeping the K/V blocks of other ranks would keep them constant)."""
+    from types import SimpleNamespace
+
+    from hyper_parallel.core.context_parallel.ring import RingAttention, RingSpec
+
+    p = get_platform()
+    seq, kv_heads = 32, 2
+    rng = np.random.default_rng(5)
+    world = init_device_mesh(p.device_type, (2, 2), mesh_dim_names=("dp", "cp"))
+    measured = []
+    for mesh in (world["cp"], init_device_mesh(p.device_type, (4,), mesh_dim_names=("cp",))):
+        cp = mesh.size()
+        plan = hp.ContextParallel(ulysses_degree=1, kv_exchange="ring", load_balance=True).resolve(mesh)
+        q = p.from_numpy(rng.standard_normal((B, seq // cp, H, D)).astype(np.float32))
+        k, v = (p.from_numpy(rng.standard_normal((B, seq // cp, kv_heads, D)).astype(np.float32)) for _ in "kv")
+        ctx = SimpleNamespace()
+        with p.no_grad():
+            out = RingAttention.forward(ctx, p, q, k, v, RingSpec(plan, seq, True, None, None))
+        expected = sum(p.to_numpy(t).nbytes for t in (q, k, v, out)) + B * H * (seq // cp) * 4  # lse: float32
+        assert _saved_bytes(p, ctx) == expected, (cp, _saved_bytes(p, ctx), expected)
+        measured.append(_saved_bytes(p, ctx))
+    assert measured[0] == 2 * measured[1], measured
+    return measured
+
+
+def test_ring_saves_only_local_blocks(run_on_ranks) -> None:
+    per_rank = (B * 16 * (2 * H + 2 * 2) * D + B * H * 16) * 4  # cp = 2: q, out, k, v, lse of 16 positions
+    assert run_on_ranks(check_ring_saved_state, world_size=4) == [[per_rank, per_rank // 2]] * 4

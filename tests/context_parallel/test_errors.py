@@ -9,7 +9,7 @@ import pytest
 import hyper_parallel as hp
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.platform import get_platform
-from tests.context_parallel._models import core_attention
+from tests.context_parallel._models import core_attention, keyword_attention
 
 
 def _message(fn) -> str:
@@ -45,6 +45,19 @@ def check_errors() -> dict[str, str]:
                                            t(1, 4, 2, 2), cu_seqlens=[0, 5, 3])),
         "not_functional": _message(lambda: run(hp.ContextParallel(ulysses_degree=1, kv_exchange="ring"),
                                                t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2), functional=False)),
+        # The pre-hook checks a named q/k/v keyword and a cu_seqlens keyword before the
+        # Ulysses all-to-all (the message names ContextParallel, not the functional).
+        "kwarg_missing": _message(lambda: hp.ContextParallel(qkv_kwarg_names=("query", "key", "value")).apply(
+            keyword_attention(p, causal=True), mesh)(t(1, 4, 2, 2), key=t(1, 4, 2, 2), value=t(1, 4, 2, 2))),
+        "index_missing": _message(lambda: hp.ContextParallel(qkv_kwarg_names=(None, "key", "value")).apply(
+            keyword_attention(p, causal=True), mesh)(key=t(1, 4, 2, 2), value=t(1, 4, 2, 2), query=t(1, 4, 2, 2))),
+        "cu_seqlens_ulysses": _message(lambda: hp.ContextParallel().apply(keyword_attention(p, causal=True), mesh)(
+            t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2), cu_seqlens=[0, 5, 3])),
+        # Taken from a closure, cu_seqlens reaches only the functional, after the Ulysses
+        # all-to-all: every rank still raises the same error, and the collectives below
+        # still work (nothing hangs or is left half-done).
+        "cu_seqlens_closure_ulysses": _message(lambda: run(hp.ContextParallel(), t(1, 4, 2, 2), t(1, 4, 2, 2),
+                                                           t(1, 4, 2, 2), cu_seqlens=[0, 5, 3])),
         "shard": _message(lambda: hp.context_parallel_shard([t(1, 6, 2)], [1], mesh, load_balance=True)),
         "layout": _message(lambda: hp.scaled_dot_product_attention(t(1, 4, 2, 2), t(1, 4, 2, 2), t(1, 4, 2, 2),
                                                                    layout="SBHD")),
@@ -74,13 +87,20 @@ def check_errors() -> dict[str, str]:
 
 EXPECTED = {
     "exchange": "ValueError: ContextParallel: kv_exchange='p2p'; use 'allgather' or 'ring'",
-    "kwargs": "positional arguments only; pass q, k, v positionally",
+    "kwargs": "qkv_kwarg_names=('query',) must be () or three entries (for q, k, v)",
+    "kwarg_missing": "KeywordAttention: q is expected as keyword argument 'query' (qkv_kwarg_names=('query', 'key', "
+                     "'value')) but the call passed keywords ['key', 'value']",
+    "index_missing": "KeywordAttention: q is expected as positional argument 0 (qkv_indices=(0, 1, 2)) but forward got "
+                     "0 positional arguments",
+    # named after the module: raised by the pre-hook (the functional names itself)
+    "cu_seqlens_ulysses": "KeywordAttention: cu_seqlens=[0, 5, 3] must be integers starting at 0",
     "ulysses_lb": "pure Ulysses (ulysses_degree=2 == cp) attends over whole sequences and is balanced already",
     "heads": "q has 3 heads, not divisible by the Ulysses degree 2",
     "kv_heads": "k/v have 3 heads and the Ulysses degree is 2; one must divide the other",
     "odd_lb": "sequence length 6 does not split into 2 * cp = 4 chunks (load_balance=True); pad the sequence",
     "cu_seqlens": "cu_seqlens=[0, 5, 3] must be integers starting at 0, strictly increasing and ending at the full "
                   "sequence length 8",
+    "cu_seqlens_closure_ulysses": "scaled_dot_product_attention: cu_seqlens=[0, 5, 3] must be integers",
     "not_functional": "CoreAttention: the forward never called hyper_parallel.scaled_dot_product_attention, so "
                       "K/V were never exchanged (kv_exchange='ring' over 2 ranks)",
     "shard": "context_parallel_shard: sequence length 6 does not split into 2 * cp = 4 chunks",

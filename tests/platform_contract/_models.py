@@ -56,3 +56,28 @@ def build_mlp(p: Any, weights: dict[str, np.ndarray]) -> Any:
     for name, value in weights.items():
         p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
     return model
+
+
+def build_keyword_scale(p: Any) -> Any:
+    """A parameter-free module ``forward(x, *, scale, shift=None) -> x * scale (+ shift)``
+    (keyword-only arguments) as a torch Module or a MindSpore Cell."""
+
+    def forward(x: Any, scale: Any, shift: Any) -> Any:
+        out = x * scale
+        return out if shift is None else out + shift
+
+    if p.framework == "torch":
+        import torch
+
+        class KeywordScale(torch.nn.Module):
+            def forward(self, x: Any, *, scale: Any, shift: Any = None) -> Any:
+                return forward(x, scale, shift)
+
+        return KeywordScale()
+    from mindspore import nn
+
+    class KeywordScaleCell(nn.Cell):  # type: ignore[no-redef]
+        def construct(self, x: Any, *, scale: Any, shift: Any = None) -> Any:
+            return forward(x, scale, shift)
+
+    return KeywordScaleCell()

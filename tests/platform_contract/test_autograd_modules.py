@@ -12,7 +12,7 @@ import pytest
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import CustomFunction
 from tests.platform_contract._data import close, rank_data
-from tests.platform_contract._models import build_mlp, mlp_numpy, mlp_weights
+from tests.platform_contract._models import build_keyword_scale, build_mlp, mlp_numpy, mlp_weights
 
 
 class _ScaleAndShift(CustomFunction):
@@ -86,6 +86,45 @@ def check_vjp_and_hooks() -> None:
 
 def test_vjp_and_module_hooks(run_on_ranks) -> None:
     run_on_ranks(check_vjp_and_hooks, world_size=1)
+
+
+def check_forward_pre_hook_with_kwargs() -> None:
+    p = get_platform()
+    model = build_keyword_scale(p)
+    x, s, t = (rank_data(i, (2, 3)) for i in range(3))
+    seen: list[tuple[int, list[str]]] = []
+
+    def swap(module, args, kwargs):
+        # sees the call's positional and keyword arguments; replaces both
+        seen.append((len(args), sorted(kwargs)))
+        assert module is model
+        return (args[0] * 2.0,), dict(kwargs, shift=kwargs["scale"])
+
+    handle = p.register_forward_pre_hook(model, swap, with_kwargs=True)
+    out, backward = p.vjp(lambda x_, s_: model(x_, scale=s_), [p.from_numpy(x), p.from_numpy(s)])
+    assert seen == [(1, ["scale"])], seen
+    close(p.to_numpy(out), 2 * x * s + s, "forward with replaced args and kwargs")
+    (gx, gs), _ = backward([p.from_numpy(t)])
+    close(p.to_numpy(gx), 2 * s * t, "gradient through a replaced positional argument")
+    close(p.to_numpy(gs), (2 * x + 1) * t, "gradient through a replaced keyword argument")
+    handle.remove()
+
+    observed: list[str] = []
+    handles = [p.register_forward_pre_hook(model, lambda m, args, kwargs: observed.append("none"), with_kwargs=True),
+               p.register_forward_pre_hook(model, lambda m, args, kwargs: observed.append("kw") or
+                                           ((args[0] * 2.0,), kwargs), with_kwargs=True),
+               p.register_forward_pre_hook(model, lambda m, args: observed.append("plain") or (args[0] + 1.0,))]
+    # in registration order, each seeing the previous one's result; None changes nothing
+    close(p.to_numpy(model(p.from_numpy(x), scale=p.from_numpy(s))), (2 * x + 1) * s, "chained pre-hooks")
+    assert observed == ["none", "kw", "plain"], observed
+    for h in handles:
+        h.remove()
+    model(p.from_numpy(x), scale=p.from_numpy(s))
+    assert observed == ["none", "kw", "plain"], "removed hooks still fired"
+
+
+def test_forward_pre_hook_with_kwargs(run_on_ranks) -> None:
+    run_on_ranks(check_forward_pre_hook_with_kwargs, world_size=1)
 
 
 def check_tensor_hook_and_set_parameter() -> None:

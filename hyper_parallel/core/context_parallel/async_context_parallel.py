@@ -8,17 +8,18 @@ GEMMs of k and v. The attention module's pre-hook waits for each, inside autogra
 (``platform.differentiable_async_a2a_wait``), and hands the head-sharded tensors to the
 module in place of the q/k/v it was called with.
 Backward: the wait's backward launches the reverse all-to-all of the gradient
-asynchronously and appends its handle to the projection's slot list (the handle box); a
-gradient hook on the projection's output, which runs when that output's gradient is
-complete, i.e. just before the projection's own backward GEMM, waits for it and adds it
-to the incoming gradient (which is zero on that path). This is a tensor hook rather than
-a module backward pre-hook because torch applies a module's forward hooks before it
-wraps the output for its full backward hooks: the output the forward hook launched
-from, whose gradient carries the all-to-all, is not the one the module backward
-pre-hook watches. Every handle is consumed in the step that produced it: forward slots
-by the attention pre-hook, backward slots by the output's gradient hook, so nothing
-carries over to the next iteration (a projection that runs twice before the attention
-raises).
+asynchronously, appends its handle to the projection's slot list (the handle box) and
+returns a zero gradient. The wait's autograd input is the tensor the attention was called
+with (rearranged to the projection's output layout), so that zero gradient flows back to
+the projection's output as the module returned it; the projection's backward pre-hook,
+which runs just before its own backward GEMM, waits for the handle and adds its result to
+that gradient. (torch runs a module's forward hooks before it wraps the output for its
+backward hooks, so the output the forward hook launched from is not the one the backward
+pre-hook watches: the gradient must come through the attention's argument, which was
+derived from the wrapped output.) Every handle is consumed in the step that produced it:
+forward slots by the attention pre-hook, backward slots by the projection's backward
+pre-hook, so nothing carries over to the next iteration (a projection that runs twice
+before the attention raises).
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ class AsyncContextParallel(ContextParallel):
     ``ContextParallel``; see [Note: async all-to-all slots].
 
     Projections must return ``[batch, seq, heads * head_dim]`` (heads major in the last
-    dim, as ``reshape(batch, seq, heads, head_dim)`` reads it). Falls back to synchronous
+    dim, as ``reshape(batch, seq, heads, head_dim)`` reads it), and q, k, v must reach the
+    attention as that reshape (for BNSD, and a transpose) of them: what is exchanged is
+    the projection's output, so anything applied in between (RoPE, a norm) would be lost;
+    do it inside the projection module or use ``ContextParallel``. Falls back to synchronous
     ``ContextParallel`` (with a warning) when a projection is not given or the mode has no
     all-to-all (``ulysses_degree == 1``); k/v with fewer heads than the Ulysses degree
     (GQA replication) take the synchronous path for k and v.
@@ -73,7 +77,10 @@ class AsyncContextParallel(ContextParallel):
         name = type(module).__name__
         for proj_name, proj in projections.items():
             p.register_forward_hook(proj, lambda m, args, out, pn=proj_name: self._launch(plan, slots, pn, out))
-        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook_async(plan, slots, name, m, args))
+            p.register_full_backward_pre_hook(proj, lambda m, grad_out, box=slots.boxes[proj_name]:
+                                              self._finish_grad(box, grad_out))
+        p.register_forward_pre_hook(module, lambda m, args, kwargs: self._pre_hook_async(plan, slots, name, m, args,
+                                                                                          kwargs), with_kwargs=True)
         p.register_forward_hook(module, lambda m, args, out: self._post_hook(plan, name, out))
         return module
 
@@ -87,28 +94,25 @@ class AsyncContextParallel(ContextParallel):
                              f"not divisible by the Ulysses degree {n}; use ContextParallel")
         send = split_leading(out, out.ndim - 1, n)  # [n, batch, seq/n, features/n]
         slots.launched[proj_name] = (out, p.all_to_all_single(send, group=plan.ulysses_group, async_op=True))
-        if p.grad_enabled():
-            box = slots.boxes[proj_name]
-            p.register_tensor_hook(out, lambda grad: self._finish_grad(box, grad))
 
     @staticmethod
-    def _finish_grad(box: list[tuple[Work, Any]], grad: Any) -> Any:
-        """The projection output's gradient plus the reverse all-to-all autograd launched
-        for it, if any (none on the synchronous k/v path)."""
+    def _finish_grad(box: list[tuple[Work, Any]], grad_output: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The projection's backward pre-hook: its output gradient plus the reverse
+        all-to-all autograd launched for it, if any (none on the synchronous k/v path)."""
         if not box:
             return None
         work, _send = box.pop()
-        return grad + work.wait()
+        return (grad_output[0] + work.wait(),) + tuple(grad_output[1:])
 
     def _pre_hook_async(self, plan: Plan, slots: _Slots, name: str, module: Any,
-                        args: tuple[Any, ...]) -> tuple[Any, ...]:
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         p, n, s, h = get_platform(), plan.ulysses_size, self.seq_dim, self.head_dim
-        q, k, v = self._qkv(name, args)
+        q, k, v = self._qkv(name, args, kwargs)
         missing = [pn for pn in PROJECTIONS if pn not in slots.launched]
         if missing:
             raise RuntimeError(f"AsyncContextParallel on {name}: no all-to-all was launched by the {'/'.join(missing)} "
                                "projection(s) this step; the attention's q, k, v must come from the hooked projections")
-        seq_len = self.check(plan, name, q, k, v)
+        seq_len = self.check(plan, name, q, k, v, kwargs)
         sync_kv = int(k.shape[h]) % n != 0  # GQA replication: see the class doc
         out = []
         for proj_name, t in zip(PROJECTIONS, (q, k, v)):
@@ -118,12 +122,13 @@ class AsyncContextParallel(ContextParallel):
                 out.append(seq_to_heads(p, replicate_heads(p, t, h, n), s, h, plan.ulysses_group))
                 continue
             grad_box = slots.boxes[proj_name] if p.grad_enabled() else None
-            y = p.differentiable_async_a2a_wait(x, work, None, plan.ulysses_group, n, x.ndim - 2, x.ndim - 1,
+            # The wait's autograd input is the tensor the attention was called with, in the
+            # projection's output layout: its gradient reaches the projection's output as
+            # the module returned it, which its backward pre-hook watches.
+            flat = (t if (s, h) == (1, 2) else t.transpose(1, 2)).reshape(*(int(d) for d in x.shape))
+            y = p.differentiable_async_a2a_wait(flat, work, None, plan.ulysses_group, n, x.ndim - 2, x.ndim - 1,
                                                 grad_box)  # [batch, seq, features / n]
             bshd = y.reshape(y.shape[0], y.shape[1], int(t.shape[h]) // n, int(t.shape[3]))
             out.append(bshd if (s, h) == (1, 2) else bshd.transpose(1, 2))
         push_frame(Frame(name, plan, seq_len, module_call_site(module)))
-        new = list(args)
-        for i, t in zip(self.qkv_indices, out):
-            new[i] = t
-        return tuple(new)
+        return self._replace(args, kwargs, out)

@@ -28,6 +28,7 @@ import numpy as np
 from hyper_parallel.core.context_parallel.context import (Frame, Plan, find_frame, module_call_site, pop_frame,
                                                           push_frame)
 from hyper_parallel.core.context_parallel.load_balance import check_seq_len
+from hyper_parallel.core.context_parallel.masks import document_ids
 from hyper_parallel.core.context_parallel.ulysses import check_heads, heads_to_seq, replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
@@ -46,21 +47,30 @@ class ContextParallel(ParallelStyle):
             (pure Ulysses). On a 2-D mesh it must equal the mesh's second axis.
         kv_exchange: ``"allgather"`` or ``"ring"``: how K/V are exchanged when
             ``ulysses_degree < cp``.
-        qkv_indices: positions of q, k, v in the module's positional arguments.
-        qkv_kwarg_names: must be empty: the platform's module hooks see positional
-            arguments only; pass q, k, v positionally.
+        qkv_indices: positions of q, k, v in the module's positional arguments (an
+            entry is unused where ``qkv_kwarg_names`` names that tensor).
+        qkv_kwarg_names: ``()`` (q, k, v positional), or three entries, one each for q,
+            k, v: the keyword the module is called with for that tensor, or ``None`` for
+            one passed positionally at its ``qkv_indices`` entry. For example
+            ``("query", "key", "value")`` for ``attn(x, query=q, key=k, value=v)``, or
+            ``(None, "key", "value")`` for ``attn(q, key=k, value=v)``. A named keyword
+            missing from a call raises ``ValueError`` there, before any collective.
         load_balance: the head-tail sequence layout (``context_parallel_shard(...,
             load_balance=True)``) that balances causal work for ``"ring"`` and
             ``"allgather"``. Not for pure Ulysses, which is balanced already.
 
     Inputs are sequence-sharded as ``context_parallel_shard`` does, over the mesh's ranks
-    in row-major order. A module whose forward does not call
-    ``hyper_parallel.scaled_dot_product_attention`` can use pure Ulysses only; in other
-    modes its forward raises ``RuntimeError``.
+    in row-major order. A call of the module with a keyword argument ``cu_seqlens``
+    (packed documents, passed on by its forward to ``scaled_dot_product_attention``) has
+    it validated against the global sequence length in the pre-hook, on every rank
+    before any collective (in particular before the Ulysses all-to-all). A module whose
+    forward does not call ``hyper_parallel.scaled_dot_product_attention`` can use pure
+    Ulysses only; in other modes its forward raises ``RuntimeError``.
 
     Raises:
         ValueError: invalid arguments (at construction); a mesh or q/k/v shapes that do
-            not fit (at ``apply`` / in the pre-hook, before any collective).
+            not fit, a missing q/k/v argument or an invalid ``cu_seqlens`` keyword (at
+            ``apply`` / in the pre-hook, before any collective).
     """
 
     def __init__(self, seq_dim: int = 1, head_dim: int = 2, ulysses_degree: int | None = None,
@@ -75,15 +85,19 @@ class ContextParallel(ParallelStyle):
             raise ValueError(f"ContextParallel: ulysses_degree={ulysses_degree!r} must be a positive int or None")
         if len(tuple(qkv_indices)) != 3 or len(set(qkv_indices)) != 3:
             raise ValueError(f"ContextParallel: qkv_indices={qkv_indices!r} must be three distinct argument positions")
-        if tuple(qkv_kwarg_names):
-            raise ValueError(f"ContextParallel: qkv_kwarg_names={tuple(qkv_kwarg_names)!r} is not supported: the "
-                             "platform's forward pre-hooks see positional arguments only; pass q, k, v positionally "
-                             "and name their positions in qkv_indices")
+        names = tuple(qkv_kwarg_names)
+        given = [n for n in names if n is not None]
+        if names and (len(names) != 3 or not all(isinstance(n, str) and n for n in given)
+                      or len(set(given)) != len(given)):
+            raise ValueError(f"ContextParallel: qkv_kwarg_names={names!r} must be () or three entries (for q, k, v), "
+                             "each a distinct keyword name or None for a tensor passed positionally at its "
+                             "qkv_indices entry; e.g. ('query', 'key', 'value')")
         self.seq_dim = seq_dim
         self.head_dim = head_dim
         self.ulysses_degree = ulysses_degree
         self.kv_exchange = kv_exchange
         self.qkv_indices: tuple[int, int, int] = tuple(qkv_indices)  # type: ignore[assignment]
+        self.qkv_kwarg_names: tuple[str | None, ...] = names
         self.load_balance = load_balance
 
     # -- mesh -> plan ------------------------------------------------------------------
@@ -142,26 +156,55 @@ class ContextParallel(ParallelStyle):
         plan = self.resolve(device_mesh)
         p = get_platform()
         name = type(module).__name__
-        p.register_forward_pre_hook(module, lambda m, args: self._pre_hook(plan, name, m, args))
+        p.register_forward_pre_hook(module, lambda m, args, kwargs: self._pre_hook(plan, name, m, args, kwargs),
+                                    with_kwargs=True)
         p.register_forward_hook(module, lambda m, args, out: self._post_hook(plan, name, out))
         return module
 
     # -- hooks -------------------------------------------------------------------------
-    def _qkv(self, name: str, args: tuple[Any, ...]) -> list[Any]:
+    def _slots(self) -> list[tuple[str, int, str | None]]:
+        """``(label, positional index, keyword name or None)`` of q, k, v."""
+        names = self.qkv_kwarg_names or (None, None, None)
+        return list(zip("qkv", self.qkv_indices, names))
+
+    def _qkv(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """q, k, v from the module call's arguments (no communication)."""
         p = get_platform()
-        if max(self.qkv_indices) >= len(args):
-            raise ValueError(f"ContextParallel on {name}: qkv_indices={self.qkv_indices} but forward got "
-                             f"{len(args)} positional arguments; pass q, k, v positionally")
-        qkv = [args[i] for i in self.qkv_indices]
-        for label, t in zip("qkv", qkv):
+        qkv = []
+        for label, index, kw in self._slots():
+            if kw is not None:
+                if kw not in kwargs:
+                    raise ValueError(f"ContextParallel on {name}: {label} is expected as keyword argument {kw!r} "
+                                     f"(qkv_kwarg_names={self.qkv_kwarg_names}) but the call passed keywords "
+                                     f"{sorted(kwargs)}; call the module with {kw}=<{label}> or change "
+                                     "qkv_kwarg_names")
+                t = kwargs[kw]
+            else:
+                if index >= len(args):
+                    raise ValueError(f"ContextParallel on {name}: {label} is expected as positional argument {index} "
+                                     f"(qkv_indices={self.qkv_indices}) but forward got {len(args)} positional "
+                                     f"arguments; pass it there, or name its keyword in qkv_kwarg_names")
+                t = args[index]
             if not p.is_tensor(t) or t.ndim != 4:
                 raise ValueError(f"ContextParallel on {name}: {label} must be a 4-D tensor, got "
                                  f"{getattr(t, 'shape', type(t).__name__)}")
+            qkv.append(t)
         return qkv
 
-    def check(self, plan: Plan, name: str, q: Any, k: Any, v: Any) -> int:
-        """Validate q/k/v for ``plan`` (every rank, before any collective); returns the
-        global sequence length."""
+    def _replace(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 qkv: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments with q, k, v replaced by ``qkv``."""
+        new_args, new_kwargs = list(args), dict(kwargs)
+        for (_, index, kw), t in zip(self._slots(), qkv):
+            if kw is None:
+                new_args[index] = t
+            else:
+                new_kwargs[kw] = t
+        return tuple(new_args), new_kwargs
+
+    def check(self, plan: Plan, name: str, q: Any, k: Any, v: Any, kwargs: dict[str, Any]) -> int:
+        """Validate q/k/v and a ``cu_seqlens`` keyword of the call for ``plan`` (every
+        rank, before any collective); returns the global sequence length."""
         s, h = self.seq_dim, self.head_dim
         if not q.shape[s] == k.shape[s] == v.shape[s]:
             raise ValueError(f"ContextParallel on {name}: q, k, v sequence lengths {q.shape[s]}, {k.shape[s]}, "
@@ -170,21 +213,21 @@ class ContextParallel(ParallelStyle):
         check_seq_len(seq_len, plan.cp, plan.load_balance, f"ContextParallel on {name}")
         if plan.ulysses_size > 1:
             check_heads(int(q.shape[h]), int(k.shape[h]), plan.ulysses_size, f"ContextParallel on {name}")
+        if kwargs.get("cu_seqlens") is not None:
+            document_ids(kwargs["cu_seqlens"], seq_len, f"ContextParallel on {name}")
         return seq_len
 
-    def _pre_hook(self, plan: Plan, name: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        q, k, v = self._qkv(name, args)
-        seq_len = self.check(plan, name, q, k, v)
+    def _pre_hook(self, plan: Plan, name: str, module: Any, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        q, k, v = self._qkv(name, args, kwargs)
+        seq_len = self.check(plan, name, q, k, v, kwargs)
         if plan.ulysses_size > 1:
             p = get_platform()
             n, s, h = plan.ulysses_size, self.seq_dim, self.head_dim
             k, v = replicate_heads(p, k, h, n), replicate_heads(p, v, h, n)
             q, k, v = (seq_to_heads(p, t, s, h, plan.ulysses_group) for t in (q, k, v))
         push_frame(Frame(name, plan, seq_len, module_call_site(module)))
-        new = list(args)
-        for i, t in zip(self.qkv_indices, (q, k, v)):
-            new[i] = t
-        return tuple(new)
+        return self._replace(args, kwargs, [q, k, v])
 
     def _post_hook(self, plan: Plan, name: str, out: Any) -> Any:
         frame = find_frame(plan)

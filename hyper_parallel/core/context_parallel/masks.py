@@ -28,12 +28,13 @@ import numpy as np
 from hyper_parallel.platform import get_platform
 
 
-def document_ids(cu_seqlens: Any, seq_len: int) -> np.ndarray:
+def document_ids(cu_seqlens: Any, seq_len: int, where: str = "scaled_dot_product_attention") -> np.ndarray:
     """The document index of each of ``seq_len`` global positions (int64 ``[seq_len]``).
 
     Args:
         cu_seqlens: cumulative document lengths ``[0, l0, l0 + l1, ..., seq_len]`` (a
             sequence of ints, a numpy array or a 1-D integer tensor of any backend).
+        where: the caller named in the error message.
 
     Raises:
         ValueError: not starting at 0, not strictly increasing, or not ending at
@@ -45,7 +46,7 @@ def document_ids(cu_seqlens: Any, seq_len: int) -> np.ndarray:
     cu = np.asarray(cu_seqlens).reshape(-1)
     if cu.size < 2 or not np.issubdtype(cu.dtype, np.integer) or cu[0] != 0 or cu[-1] != seq_len \
             or np.any(np.diff(cu) <= 0):
-        raise ValueError(f"scaled_dot_product_attention: cu_seqlens={cu.tolist()} must be integers starting at 0, "
+        raise ValueError(f"{where}: cu_seqlens={cu.tolist()} must be integers starting at 0, "
                          f"strictly increasing and ending at the full sequence length {seq_len} (cumulative "
                          "document lengths of the packed sequence; with context parallelism, of the whole "
                          "sequence, not of one rank's shard)")

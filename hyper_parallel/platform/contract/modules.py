@@ -1,7 +1,8 @@
 """Contract section: module hooks, module tree walk, parameter replacement.
 
 Hook signatures follow torch (MindSpore Cells use the same ones):
-``pre_hook(module, args) -> args | None``; ``hook(module, args, output) -> output | None``;
+``pre_hook(module, args) -> args | None`` (with ``with_kwargs=True``:
+``pre_hook(module, args, kwargs) -> (args, kwargs) | None``); ``hook(module, args, output) -> output | None``;
 ``backward_pre_hook(module, grad_output) -> grad_output | None``.
 """
 
@@ -18,8 +19,17 @@ class ModulesSection(ABC):
     """Hooks on modules and tensors; walking and editing a module tree."""
 
     @abstractmethod
-    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        """Call ``hook(module, args)`` before ``module``'s forward; a non-None return replaces ``args``."""
+    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
+                                  with_kwargs: bool = False) -> RemovableHandle:
+        """Call ``hook(module, args)`` before ``module``'s forward; a non-None return
+        replaces ``args`` (a tuple).
+
+        With ``with_kwargs=True`` the hook is ``hook(module, args, kwargs)``: ``args`` the
+        positional arguments (tuple), ``kwargs`` the keyword arguments (dict) of the call;
+        it returns ``None`` (both unchanged) or a pair ``(args, kwargs)`` that replaces
+        both (torch ``Module.register_forward_pre_hook(..., with_kwargs=True)``, MindSpore
+        ``Cell.register_forward_pre_hook(..., with_kwargs=True)``). Hooks run in
+        registration order, each seeing the previous one's result."""
 
     @abstractmethod
     def register_forward_hook(self, module: Any, hook: Callable[..., Any], *,

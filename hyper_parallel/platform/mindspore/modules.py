@@ -20,9 +20,10 @@ class MindSporeModules(ModulesSection):
 
     _ms: Any
 
-    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        """``Cell.register_forward_pre_hook``."""
-        return module.register_forward_pre_hook(hook)
+    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
+                                  with_kwargs: bool = False) -> RemovableHandle:
+        """``Cell.register_forward_pre_hook``; ``with_kwargs`` is MindSpore's own."""
+        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
 
     def register_forward_hook(self, module: Any, hook: Callable[..., Any], *,
                               replace_forward: bool = False) -> RemovableHandle:

@@ -230,8 +230,9 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return outputs, backward
 
     # -- module hooks and tree ---------------------------------------------------------
-    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        return module.register_forward_pre_hook(hook)
+    def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
+                                  with_kwargs: bool = False) -> RemovableHandle:
+        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
 
     def register_forward_hook(self, module: Any, hook: Callable[..., Any], *,
                               replace_forward: bool = False) -> RemovableHandle:
