@@ -202,6 +202,7 @@ def _assign_local(p: Any, module: Any, fqn: str, param: Any, hp: HSDPParam | Non
         p.set_parameter(module, fqn, new)
         return
     hp.sharded = new
-    hp.unsharded = hp.block = None  # gathered from the old values
+    hp.drop_unsharded()  # gathered from the old values
+    hp.block = None
     for owner, name in hp.uses:
         p.set_parameter(owner, name, new)
