@@ -252,8 +252,17 @@ def check_state_dict_save(path: str) -> None:
             assert full == {}
         # full -> sharded
         other = _fresh(p, mesh)
-        load_full_state_dict(other, full if p.rank() == 0 else None)
+        load_full_state_dict(other, full if p.rank() == 0 else None)  # broadcast_from_rank0 (default)
         _assert_full(p, other, expected, f"{shape}: full state dict loaded")
+        other = _fresh(p, mesh)  # every rank holds the full dict: no broadcast
+        load_full_state_dict(other, expected, broadcast_from_rank0=False)
+        _assert_full(p, other, expected, f"{shape}: full state dict loaded without broadcast")
+        try:  # rank 0 lacks a parameter: every rank raises, before any value is sent
+            load_full_state_dict(other, {k: v for k, v in full.items() if k != sorted(expected)[0]})
+        except KeyError as err:
+            assert "rank 0's state_dict lacks 1 parameters" in str(err), str(err)
+        else:
+            raise AssertionError("load_full_state_dict accepted a dict lacking a parameter")
         # sharded -> files -> sharded, the same world
         where = os.path.join(path, f"mesh{len(shape)}")
         save_sharded_state_dict(model, where)

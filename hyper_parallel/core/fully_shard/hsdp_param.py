@@ -72,6 +72,12 @@ class HSDPParam:
         self.buffer: Any = None  # the pooled buffer behind ``pending`` / ``unsharded``
         self.pending_reduce: Any = None  # a Work of this parameter's reduce-scatter in flight
         self.reduce_src: Any = None  # WaitReduce's output for this step's GatherParam (see hsdp_state)
+        # (tp mesh, Shard, global shape) when tensor parallelism sharded ``param`` first
+        # (set by fully_shard from the style's record; used by the state dicts).
+        self.tp: tuple[Any, Shard, tuple[int, ...]] | None = None
+        # The tp group of a SequenceParallel module's parameter (set by fully_shard): its
+        # full gradient is a partial sum over the sequence shards, all-reduced there first.
+        self.sequence_parallel_group: Any = None
 
     # -- views ---------------------------------------------------------------------------
     def to_home(self, tensor: Any) -> Any:
@@ -163,6 +169,8 @@ class HSDPParam:
         p = get_platform()
         with p.no_grad():
             g = p.to_dtype(grad, reduce_dtype)
+            if self.sequence_parallel_group is not None:
+                g = p.all_reduce(g, group=self.sequence_parallel_group).wait()
             if self.dim:
                 g = g.transpose(0, self.dim)
             g = p.pad(g, 0, 0, self.chunk * self.shard_size - self.shape[self.dim]).contiguous()
