@@ -126,7 +126,8 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
                 state.set_requires_gradient_sync(i == accum - 1)
             loss += trainer.backward(x, 1.0 / accum)
             # Every asynchronous reduce-scatter was collected by the end of the backward.
-            assert all(hp.pending_reduce is None for state in _units(model, config) for hp in state.params), \
+            assert all(hp.pending_reduce is None and hp.reduced is None
+                       for state in _units(model, config) for hp in state.params), \
                 f"{config}: a reduce-scatter is still pending after the backward of step {step}"
         if pool is not None:
             # The same buffers serve every step, all given back after the backward.

@@ -112,7 +112,9 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         mesh: default: a 1-D mesh over the world. A submesh (``mesh2d["dp"]``) shards
             over its ranks only: after ``parallelize_module(module, mesh2d["tp"], plan)``
             each parameter is this rank's tensor-parallel shard, and fully_shard shards
-            that local tensor further (see ``docs/fully_shard.md``, composition with TP).
+            that local tensor further (see ``docs/fully_shard.md``, composition with TP);
+            a ``SequenceParallel`` module's parameters get their tp all-reduce on the
+            gathered parameter's gradient, before the reduce-scatter over dp.
         reshard_after_forward: ``True``; ``False``; or an int ``k`` dividing the shard
             axis size: after the forward each rank keeps the ``k`` shards of its block
             of ``k`` consecutive shard ranks (``k / N`` of each parameter) and the

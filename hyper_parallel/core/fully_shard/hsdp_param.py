@@ -71,6 +71,7 @@ class HSDPParam:
         self.pool: Any = None  # a GatherBufferPool for the gathers' outputs (weight_parallel), or None
         self.buffer: Any = None  # the pooled buffer behind ``pending`` / ``unsharded``
         self.pending_reduce: Any = None  # a Work of this parameter's reduce-scatter in flight
+        self.reduced: Any = None  # its result, when waited for before WaitReduce ran (see unshard)
         self.reduce_src: Any = None  # WaitReduce's output for this step's GatherParam (see hsdp_state)
         # (tp mesh, Shard, global shape) when tensor parallelism sharded ``param`` first
         # (set by fully_shard from the style's record; used by the state dicts).
@@ -165,7 +166,9 @@ class HSDPParam:
 
     def start_reduce(self, grad: Any, reduce_dtype: Any, stream: Any) -> None:
         """Issue the **reduce-scatter** (sum) of the full gradient ``grad`` over the shard
-        axis, asynchronously on the reduce-scatter ``stream``; ``finish_reduce`` waits."""
+        axis, asynchronously on the reduce-scatter ``stream``; ``finish_reduce`` waits.
+        A ``SequenceParallel`` parameter's gradient is first **all-reduced** (sum) over
+        its tp group (each tp rank saw part of the sequence)."""
         p = get_platform()
         with p.no_grad():
             g = p.to_dtype(grad, reduce_dtype)
@@ -212,9 +215,12 @@ class WaitReduce(CustomFunction):
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
         hp = ctx.hsdp_param
-        if hp.pending_reduce is None:
+        if hp.pending_reduce is not None:
+            hp.reduced = hp.finish_reduce()
+        if hp.reduced is None:
             return grad, None
-        return hp.finish_reduce(), None
+        result, hp.reduced = hp.reduced, None
+        return result, None
 
 
 class GatherParam(CustomFunction):

@@ -39,7 +39,9 @@ stream. The orderings that matter, and how each is kept:
    unit's reduce-scatter at the next unit's). This is the latest safe point: the
    gradient is read right after. Units with no predecessor (the first step, the first
    unit) create their own. A reduce-scatter still in flight when its unit unshards
-   again (a backward cut short) is waited for there, so nothing leaks across steps.
+   (an explicit backward prefetch of a unit already done) is waited for there and its
+   result kept for ``WaitReduce``; one never collected (a backward cut short) is
+   waited for and dropped at the root's next forward, so nothing leaks across steps.
 
 [Note: parameter substitution]
 During the forward a module reads ``module.<name>``; the sharded parameter stays
@@ -142,8 +144,9 @@ class HSDPState:
         use waits for them."""
         for hp in self.params:
             if hp.pending_reduce is not None:
-                # A gradient never collected (a backward cut short): wait so nothing leaks.
-                hp.finish_reduce()
+                # Waited for here (an explicit backward prefetch of a unit whose backward is
+                # done), kept for its WaitReduce; dropped at the next step if never collected.
+                hp.reduced = hp.finish_reduce()
             if hp.unsharded is None and hp.pending is None:
                 hp.start_gather(self._param_dtype or hp.sharded.dtype, self.context.streams()[0])
         if not async_op:
@@ -201,6 +204,9 @@ class HSDPState:
             for state in context.last_pre_forward_order:
                 for hp in state.params:
                     hp.reduce_src = None  # made for a unit that did not run
+                    if hp.pending_reduce is not None:  # a gradient never collected (a backward
+                        hp.finish_reduce()  # cut short): wait, drop, so nothing leaks across steps
+                    hp.reduced = None
         context.pre_forward_order.append(self)
         self.training_state = TrainingState.FORWARD
         self.unshard()
@@ -300,7 +306,8 @@ class HSDPState:
                     grad = p.to_dtype(grad, reduce_dtype) + hp.grad_accum
                 hp.grad_accum = None
             if hp.pending_reduce is not None:
-                hp.finish_reduce()  # a gradient never collected (see unshard)
+                hp.finish_reduce()  # a gradient never collected (see _pre_forward): dropped
+            hp.reduced = None
             hp.start_reduce(grad, reduce_dtype, self.context.streams()[1])
             result = hp.to_home(p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype))
         # This parameter's gradient is final: its gathered copies are no longer needed.
