@@ -139,7 +139,8 @@ def check_tp_fully_shard(path: str) -> None:
         mesh = init_device_mesh(p.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
         dp, ndp = mesh.get_local_rank("dp"), 2
     tp, rows = mesh.get_local_rank("tp"), 4 // ndp
-    for kind in ("mlp", "attention", "sp_block"):
+    # CI budget (MindSpore pays ~35 s per kind on 8 ranks): the MLP, the simplest, on 4 only.
+    for kind in ("mlp", "attention", "sp_block") if ndp == 2 else ("attention", "sp_block"):
         sp = kind == "sp_block"
         ref_losses, ref_grads, ref_params = _reference(p, kind)
         model, units = _tp_fully_shard(p, kind, mesh, weights(kind))
