@@ -226,9 +226,10 @@ class WaitReduce(CustomFunction):
 class GatherParam(CustomFunction):
     """``full = GatherParam(sharded, hsdp_param, state)``: hands the module the gathered
     parameter (all-gathered beforehand by the unit's unshard) while recording the
-    sharded parameter as its source. Backward: the full gradient goes to
-    ``state.on_grad``, which reduce-scatters it to the shard (or accumulates it when
-    gradient sync is off). Nothing is saved here (SimpleFSDP, arXiv 2411.00284)."""
+    sharded parameter (through ``WaitReduce``) as its source. Backward: the full gradient
+    goes to ``state.on_grad``, which issues its reduce-scatter (collected by
+    ``WaitReduce``) or accumulates it when gradient sync is off. Nothing is saved here
+    (SimpleFSDP, arXiv 2411.00284)."""
 
     @staticmethod
     def forward(ctx: Any, sharded: Any, hsdp_param: HSDPParam, state: Any) -> Any:
