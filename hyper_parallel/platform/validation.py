@@ -104,3 +104,22 @@ def check_vjp_part(part: str, ran: list[str]) -> None:
         raise RuntimeError(f"vjp backward: part={part!r} after {ran or 'nothing'}; a backward runs once as 'all', "
                            "or as 'input' then 'weight'")
     ran.append(part)
+
+
+def check_gather_out(out: Any, tensor: Any, group_size: int, *, member: str) -> None:
+    """Validate the ``out=`` buffer of an all-gather along dim 0: shape
+    ``[group_size * d0, *rest]``, ``tensor``'s dtype, contiguous.
+
+    Raises:
+        ValueError: naming the expected and the given shape/dtype, or the layout.
+    """
+    want = (group_size * int(tensor.shape[0]), *(int(d) for d in tensor.shape[1:]))
+    got = tuple(int(d) for d in out.shape)
+    if got != want:
+        raise ValueError(f"{member}: out has shape {got}; an all-gather of {tuple(tensor.shape)} over "
+                         f"{group_size} ranks needs {want}; allocate out with that shape")
+    if out.dtype != tensor.dtype:
+        raise ValueError(f"{member}: out has dtype {out.dtype} but tensor has {tensor.dtype}; "
+                         "allocate out with the input's dtype")
+    if not out.is_contiguous():
+        raise ValueError(f"{member}: out is not contiguous; pass a contiguous buffer (the collective writes it whole)")

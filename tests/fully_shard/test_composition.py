@@ -1,8 +1,11 @@
 """fully_shard composed with tensor parallelism (torchtitan's order: parallelize_module
 over ``mesh2d["tp"]``, then fully_shard over ``mesh2d["dp"]``) on a (dp 2, tp 2) mesh:
 AdamW steps beside a single-process copy: losses each step, the sharded gradients of
-the first step, the parameters at the end; an MLP (fc1 its own unit) and a causal
-attention block (``reshard_after_forward=1``: blocks over the dp submesh).
+the first step, the parameters at the end; an MLP (fc1 its own unit), a causal
+attention block (``reshard_after_forward=1``: blocks over the dp submesh) and a
+sequence-parallel block (norm under ``SequenceParallel`` on sequence slices). Then the
+state dicts of each trained model: full (gathered over dp, then tp, on rank 0) and
+sharded files, loaded back into fresh TP x fully_shard models and into a plain one.
 
 Tolerance: as in test_fully_shard (rtol 2e-4 / atol 2e-5): the tensor-parallel
 partial sums and the data-parallel gradient sums add in another order than the
@@ -12,11 +15,14 @@ reduction is off by O(1)."""
 from __future__ import annotations
 
 import fnmatch
+import os
 
 import numpy as np
+import pytest
 
 from hyper_parallel.core.dtensor import Replicate, Shard, init_device_mesh
-from hyper_parallel.core.fully_shard import full_state_dict, fully_shard, hsdp_state
+from hyper_parallel.core.fully_shard import (full_state_dict, fully_shard, hsdp_state, load_full_state_dict,
+                                             load_sharded_state_dict, save_sharded_state_dict)
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from hyper_parallel.platform import get_platform
 from tests.dtensor._reference import chunk
@@ -26,7 +32,11 @@ from tests.tensor_parallel._models import build, weights
 TOL = dict(rtol=2e-4, atol=2e-5)
 STEPS = 4
 PLANS = {"mlp": {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
-         "attention": {"w[qkv]": ColwiseParallel(), "wo": RowwiseParallel()}}
+         "attention": {"w[qkv]": ColwiseParallel(), "wo": RowwiseParallel()},
+         # sequence parallel: the norm on this rank's slice of the sequence, whose
+         # gradient all-reduce over tp fully_shard does on the gathered parameter
+         "sp_block": {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
+                      "fc2": RowwiseParallel(output_layouts=Shard(1))}}
 
 
 def _data(step: int) -> np.ndarray:
@@ -62,60 +72,108 @@ def _reference(p, kind: str) -> tuple[list[float], dict, dict]:
     return losses, grads, {name: p.to_numpy(param) for name, param in p.named_parameters(ref)}
 
 
-def check_tp_fully_shard() -> None:
+def _dp_mesh(mesh):
+    """The data-parallel submesh: ``dp`` (1-D), or ``(replicate, shard)`` for HSDP x TP."""
+    return mesh["replicate", "shard"] if mesh.ndim == 3 else mesh["dp"]
+
+
+def _tp_fully_shard(p, kind: str, mesh, values: dict) -> tuple:
+    """parallelize_module over tp, then fully_shard over dp; ``(model, units)``."""
+    model = build(p, kind, values)
+    parallelize_module(model, mesh["tp"], PLANS[kind])
+    dp_mesh = _dp_mesh(mesh)
+    units = []
+    if kind == "mlp":  # a unit on a module that also carries tensor-parallel hooks
+        units.append(fully_shard(model.fc1, mesh=dp_mesh))
+        units.append(fully_shard(model, mesh=dp_mesh))
+    else:
+        units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=1))
+    return model, units
+
+
+def _check_state_dicts(p, kind: str, mesh, model, ref_params: dict, path: str, x0: np.ndarray) -> None:
+    """Full and sharded state dicts of the TP x fully_shard model: the full dict (on
+    rank 0) is the whole trained model; loaded back (broadcast from rank 0) and through
+    sharded files into fresh models, every rank's pieces are the trained ones
+    exactly; the files also load into a plain single-process model."""
+    full = full_state_dict(model)
+    if p.rank() == 0:
+        assert sorted(full) == sorted(ref_params)
+        for name, value in full.items():
+            np.testing.assert_allclose(value, ref_params[name], **TOL, err_msg=f"{kind}: full {name}")
+    else:
+        assert full == {}
+    mine = {name: p.to_numpy(hp.local_tensor()) for name, hp in
+            zip([n for n, _ in p.named_parameters(model)], _hsdp_params(p, model))}
+    zeros = {k: np.zeros_like(v) for k, v in weights(kind).items()}
+    other, _ = _tp_fully_shard(p, kind, mesh, zeros)
+    load_full_state_dict(other, full if p.rank() == 0 else None)  # broadcast_from_rank0
+    for (name, _), hp in zip(p.named_parameters(other), _hsdp_params(p, other)):
+        np.testing.assert_array_equal(p.to_numpy(hp.local_tensor()), mine[name], err_msg=f"{kind}: full->{name}")
+    save_sharded_state_dict(model, path)
+    p.barrier().wait()
+    other, _ = _tp_fully_shard(p, kind, mesh, zeros)
+    load_sharded_state_dict(other, path)
+    for (name, _), hp in zip(p.named_parameters(other), _hsdp_params(p, other)):
+        np.testing.assert_array_equal(p.to_numpy(hp.local_tensor()), mine[name], err_msg=f"{kind}: files->{name}")
+    Trainer(p, other).backward(x0)  # the loaded model runs (its new parameters are wired)
+    plain = build(p, kind, zeros)
+    load_sharded_state_dict(plain, path)
+    for name, param in p.named_parameters(plain):
+        np.testing.assert_allclose(p.to_numpy(param), ref_params[name], **TOL, err_msg=f"{kind}: files->plain {name}")
+
+
+def _hsdp_params(p, model) -> list:
+    managed = {id(hp.sharded): hp for _, sub in p.named_modules(model) if "_hsdp_state" in vars(sub)
+               for hp in hsdp_state(sub).params}
+    return [managed[id(param)] for _, param in p.named_parameters(model)]
+
+
+def check_tp_fully_shard(path: str) -> None:
+    """World 4: (dp 2, tp 2); world 8: HSDP x TP, (replicate 2, shard 2, tp 2)."""
     p = get_platform()
-    mesh = init_device_mesh(p.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
-    dp, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    for kind in ("mlp", "attention"):
+    if p.world_size() == 8:
+        mesh = init_device_mesh(p.device_type, (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        dp, ndp = 2 * mesh.get_local_rank("replicate") + mesh.get_local_rank("shard"), 4
+    else:
+        mesh = init_device_mesh(p.device_type, (2, 2), mesh_dim_names=("dp", "tp"))
+        dp, ndp = mesh.get_local_rank("dp"), 2
+    tp, rows = mesh.get_local_rank("tp"), 4 // ndp
+    # CI budget (MindSpore pays ~35 s per kind on 8 ranks): the MLP, the simplest, on 4 only.
+    for kind in ("mlp", "attention", "sp_block") if ndp == 2 else ("attention", "sp_block"):
+        sp = kind == "sp_block"
         ref_losses, ref_grads, ref_params = _reference(p, kind)
-        model = build(p, kind, weights(kind))
-        parallelize_module(model, mesh["tp"], PLANS[kind])
-        units = []
-        if kind == "mlp":  # a unit on a module that also carries tensor-parallel hooks
-            units.append(fully_shard(model.fc1, mesh=mesh["dp"]))
-            units.append(fully_shard(model, mesh=mesh["dp"]))
-        else:
-            units.append(fully_shard(model, mesh=mesh["dp"], reshard_after_forward=1))
+        model, units = _tp_fully_shard(p, kind, mesh, weights(kind))
         managed = {id(hp.sharded): hp for unit in units for hp in hsdp_state(unit).params}
         names = [name for name, _ in p.named_parameters(model)]
         placements = _placements(kind, names)
         trainer = Trainer(p, model)
         for step in range(STEPS):
-            loss = trainer.backward(_data(step)[2 * dp:2 * dp + 2])
+            x = _data(step)[rows * dp:rows * dp + rows]
+            if sp:  # this tp rank's half of the sequence; its loss is half of the dp batch's mean
+                x = x[:, 2 * tp:2 * tp + 2]
+            loss = trainer.backward(x, 0.5 if sp else 1.0)
             if step == 0:
                 for name, param, grad in zip(names, trainer.params, trainer.grad_arrays()):
                     hp = managed[id(param)]
                     expected = _tp_local(ref_grads[name], placements.get(name, Replicate()), 2, tp)
                     assert hp.shape == expected.shape, (kind, name, hp.shape, expected.shape)
-                    start, length = chunk(hp.shape[0], 2, dp)
+                    start, length = chunk(hp.shape[0], hp.shard_size, hp.shard_rank)
                     expected = np.pad(expected[start:start + length], [(0, hp.chunk - length)] +
                                       [(0, 0)] * (expected.ndim - 1))
                     np.testing.assert_allclose(grad, expected, **TOL, err_msg=f"{kind}: gradient of {name} at step 0")
             trainer.step()
-            # tp ranks of a dp group hold the same loss: the world mean is the dp mean
-            total = float(p.to_numpy(p.all_reduce(p.from_numpy(np.array([loss], np.float32))).wait())[0]) / 4
+            # tp ranks of a dp group hold the same loss (sequence parallel: halves of it)
+            total = float(p.to_numpy(p.all_reduce(p.from_numpy(np.array([loss], np.float32))).wait())[0])
+            total /= ndp if sp else ndp * 2
             np.testing.assert_allclose(total, ref_losses[step], **TOL, err_msg=f"{kind}: loss of step {step}")
         for name, param in p.named_parameters(model):
             full = p.to_numpy(managed[id(param)].to_dtensor().full_tensor())  # gathered over dp: the TP shard
             expected = _tp_local(ref_params[name], placements.get(name, Replicate()), 2, tp)
             np.testing.assert_allclose(full, expected, **TOL, err_msg=f"{kind}: {name} after training")
-        try:
-            full_state_dict(model)
-        except ValueError as err:
-            assert "sharded over a submesh" in str(err), str(err)
-        else:
-            raise AssertionError("full_state_dict of a submesh-sharded model accepted")
-    # SequenceParallel's gradient all-reduce is a hook on the parameter object: refused.
-    model = build(p, "sp_block", weights("sp_block"))
-    parallelize_module(model, mesh["tp"], {"norm": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=Shard(1)),
-                                           "fc2": RowwiseParallel(output_layouts=Shard(1))})
-    try:
-        fully_shard(model, mesh=mesh["dp"])
-    except ValueError as err:
-        assert "norm.weight belongs to a SequenceParallel module" in str(err), str(err)
-    else:
-        raise AssertionError("fully_shard over SequenceParallel parameters accepted")
+        _check_state_dicts(p, kind, mesh, model, ref_params, os.path.join(path, kind), x)
 
 
-def test_tp_then_fully_shard(run_on_ranks) -> None:
-    run_on_ranks(check_tp_fully_shard, world_size=4, timeout_s=600)
+@pytest.mark.parametrize("world", [4, 8], ids=["dp2_tp2", "hsdp2x2_tp2"])
+def test_tp_then_fully_shard(run_on_ranks, tmp_path, world: int) -> None:
+    run_on_ranks(check_tp_fully_shard, str(tmp_path), world_size=world, timeout_s=600)

@@ -54,7 +54,8 @@ def _tol(p, config: dict) -> dict:
 
 def _shard_model(p, model, mesh, config: dict):
     if "isp" in config:
-        return weight_parallel(model, mesh, prefetch_blocks=config["isp"], ignored_params=[model.gain])
+        return weight_parallel(model, mesh, prefetch_blocks=config["isp"], ignored_params=[model.gain],
+                               buffer_pool=config.get("pool", False))
     reshard = config.get("reshard", True)
     # CPU offload: on the CPU backends host and device are one memory (no copy), so this
     # checks that the policy's paths (shard, gradient, zero gradient) keep parity.
@@ -115,6 +116,8 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
     trainer = Trainer(p, model)  # after fully_shard: the optimizer binds the shards
     _check_memory_model(p, model, config)
     accum = config.get("accum", 1)
+    pool = hsdp_state(model.blocks[0].fc1).params[0].pool if config.get("pool") else None
+    pool_buffers = None
     for step in range(STEPS):
         local = _local_batch(step, n, r, config)
         loss = 0.0
@@ -122,6 +125,17 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
             for state in _units(model, config):
                 state.set_requires_gradient_sync(i == accum - 1)
             loss += trainer.backward(x, 1.0 / accum)
+            # Every asynchronous reduce-scatter was collected by the end of the backward.
+            assert all(hp.pending_reduce is None and hp.reduced is None
+                       for state in _units(model, config) for hp in state.params), \
+                f"{config}: a reduce-scatter is still pending after the backward of step {step}"
+        if pool is not None:
+            # The same buffers serve every step, all given back after the backward.
+            ids = [id(b) for b in pool.buffers]
+            assert pool_buffers is None or ids == pool_buffers, f"{config}: the pool allocated again at step {step}"
+            assert pool.free_count() == len(ids) and pool.acquisitions > len(ids), \
+                (pool.free_count(), len(ids), pool.acquisitions)
+            pool_buffers = ids
         if step == 0:
             _check_grads(p, model, trainer, ref_params, config)
         trainer.step()
@@ -190,7 +204,7 @@ def check_training(configs: list[dict]) -> None:
 # configuration has the tied weight and the ignored parameter; reshard_after_forward=True
 # with explicit prefetch is the HSDP run and the weight-parallel run (one unit per linear);
 # CPUOffloadPolicy rides on the reshard=2 run with gradient accumulation.
-WORLD_2 = [{"reshard": False, "nested": False, "accum": 2}, {"mp": "low"}, {"isp": 1}]
+WORLD_2 = [{"reshard": False, "nested": False, "accum": 2}, {"mp": "low"}, {"isp": 1, "pool": True}]
 WORLD_4 = [{"reshard": 2, "accum": 2, "offload": True}, {"mesh": (2, 2), "prefetch": True}]
 
 
@@ -239,8 +253,17 @@ def check_state_dict_save(path: str) -> None:
             assert full == {}
         # full -> sharded
         other = _fresh(p, mesh)
-        load_full_state_dict(other, full if p.rank() == 0 else None)
+        load_full_state_dict(other, full if p.rank() == 0 else None)  # broadcast_from_rank0 (default)
         _assert_full(p, other, expected, f"{shape}: full state dict loaded")
+        other = _fresh(p, mesh)  # every rank holds the full dict: no broadcast
+        load_full_state_dict(other, expected, broadcast_from_rank0=False)
+        _assert_full(p, other, expected, f"{shape}: full state dict loaded without broadcast")
+        try:  # rank 0 lacks a parameter: every rank raises, before any value is sent
+            load_full_state_dict(other, {k: v for k, v in full.items() if k != sorted(expected)[0]})
+        except KeyError as err:
+            assert "rank 0's state_dict lacks 1 parameters" in str(err), str(err)
+        else:
+            raise AssertionError("load_full_state_dict accepted a dict lacking a parameter")
         # sharded -> files -> sharded, the same world
         where = os.path.join(path, f"mesh{len(shape)}")
         save_sharded_state_dict(model, where)

@@ -54,6 +54,23 @@ def check_all_gather_into_tensor(async_op: bool) -> None:
     xs = all_rank_data(n, (2, 3, 2))
     out = p.all_gather_into_tensor(p.from_numpy(xs[r]), async_op=async_op).wait()
     np.testing.assert_array_equal(p.to_numpy(out), np.concatenate(xs, axis=0))
+    # out=: the caller's buffer is written and handed back, and can be reused.
+    f32 = p.dtype("float32")
+    buf = p.zeros((2 * n, 3, 2), f32)
+    for scale in (1.0, -2.0):
+        got = p.all_gather_into_tensor(p.from_numpy(scale * xs[r]), async_op=async_op, out=buf).wait()
+        assert got is buf, "all_gather_into_tensor(out=) must return out itself"
+        np.testing.assert_array_equal(p.to_numpy(buf), scale * np.concatenate(xs, axis=0))
+    x = p.from_numpy(xs[r])
+    for bad, words in ((p.zeros((2 * n + 1, 3, 2), f32), ["out has shape", f"({2 * n}, 3, 2)"]),
+                       (p.zeros((2 * n, 3, 2), p.dtype("float16")), ["out has dtype"]),
+                       (p.zeros((3, 2 * n, 2), f32).transpose(0, 1), ["not contiguous"])):
+        try:
+            p.all_gather_into_tensor(x, async_op=async_op, out=bad)
+        except ValueError as err:
+            assert all(w in str(err) for w in words), str(err)
+        else:
+            raise AssertionError("all_gather_into_tensor accepted a bad out buffer")
 
 
 def check_reduce_scatter_tensor(op_value: str, async_op: bool) -> None:
@@ -226,6 +243,7 @@ def check_empty_tensors() -> None:
     for op in ("sum", "avg", "max"):
         assert tuple(p.all_reduce(empty, op).wait().shape) == (0, 3)
     assert tuple(p.all_gather_into_tensor(empty, async_op=True).wait().shape) == (0, 3)
+    assert tuple(p.all_gather_into_tensor(empty, out=p.zeros((0, 3), f32)).wait().shape) == (0, 3)
     assert tuple(p.reduce_scatter_tensor(empty).wait().shape) == (0, 3)
     assert tuple(p.all_to_all_single(empty).wait().shape) == (0, 3)
     assert tuple(p.all_to_all_single(empty, [0] * n, [0] * n).wait().shape) == (0, 3)

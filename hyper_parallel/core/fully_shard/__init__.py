@@ -1,6 +1,7 @@
 """fully_shard: per-parameter sharding with FSDP2 semantics, HSDP on a 2-D mesh."""
 
 from hyper_parallel.core.fully_shard.api import fully_shard, hsdp_state
+from hyper_parallel.core.fully_shard.buffer_pool import GatherBufferPool
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import HSDPState, TrainingState
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -9,6 +10,6 @@ from hyper_parallel.core.fully_shard.state_dict import (full_state_dict, load_fu
                                                         sharded_state_dict)
 from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_parallel
 
-__all__ = ["CPUOffloadPolicy", "HSDPParam", "HSDPState", "MixedPrecisionPolicy", "OffloadPolicy", "TrainingState", "full_state_dict", "fully_shard",
+__all__ = ["CPUOffloadPolicy", "GatherBufferPool", "HSDPParam", "HSDPState", "MixedPrecisionPolicy", "OffloadPolicy", "TrainingState", "full_state_dict", "fully_shard",
            "hsdp_state", "load_full_state_dict", "load_sharded_state_dict", "save_sharded_state_dict",
            "sharded_state_dict", "find_blocks", "weight_parallel"]

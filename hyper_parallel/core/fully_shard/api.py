@@ -17,7 +17,7 @@ from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPContext, HSDPState
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from hyper_parallel.core.tensor_parallel.style import SEQUENCE_PARALLEL_ATTR
+from hyper_parallel.core.tensor_parallel.style import SEQUENCE_PARALLEL_ATTR, TP_SHARDS_ATTR
 from hyper_parallel.platform import get_platform
 
 def hsdp_state(module: Any) -> HSDPState:
@@ -112,7 +112,9 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         mesh: default: a 1-D mesh over the world. A submesh (``mesh2d["dp"]``) shards
             over its ranks only: after ``parallelize_module(module, mesh2d["tp"], plan)``
             each parameter is this rank's tensor-parallel shard, and fully_shard shards
-            that local tensor further (see ``docs/fully_shard.md``, composition with TP).
+            that local tensor further (see ``docs/fully_shard.md``, composition with TP);
+            a ``SequenceParallel`` module's parameters get their tp all-reduce on the
+            gathered parameter's gradient, before the reduce-scatter over dp.
         reshard_after_forward: ``True``; ``False``; or an int ``k`` dividing the shard
             axis size: after the forward each rank keeps the ``k`` shards of its block
             of ``k`` consecutive shard ranks (``k / N`` of each parameter) and the
@@ -182,16 +184,17 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         for name, param in _direct_params(sub):
             if id(param) in uses:
                 uses[id(param)].append((sub, name))
-    for fqn, param in managed:
-        if any(vars(owner).get(SEQUENCE_PARALLEL_ATTR) for owner, _ in uses[id(param)]):
-            raise ValueError(f"fully_shard: {fqn} belongs to a SequenceParallel module, whose gradient all-reduce "
-                             "over the tp mesh is a hook on the parameter object that fully_shard would replace "
-                             "(the all-reduce would be lost); pass its parameters in ignored_params and all-reduce "
-                             "their gradients over dp yourself")
     params = []
     for (fqn, param), placement in zip(managed, placements):
         offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         hp = HSDPParam(fqn, param, uses[id(param)], mesh, placement, offload)
+        hp.tp = next((vars(owner).get(TP_SHARDS_ATTR, {})[name] for owner, name in hp.uses
+                      if name in vars(owner).get(TP_SHARDS_ATTR, {})), None)
+        # SequenceParallel all-reduces its parameters' gradients over tp with a hook on
+        # the parameter object, which is replaced here: the unit does that all-reduce
+        # on the gathered parameter's gradient, before the reduce-scatter over dp.
+        hp.sequence_parallel_group = next((vars(owner)[SEQUENCE_PARALLEL_ATTR] for owner, _ in hp.uses
+                                           if vars(owner).get(SEQUENCE_PARALLEL_ATTR) is not None), None)
         for owner, name in hp.uses:
             p.set_parameter(owner, name, hp.sharded)
         params.append(hp)

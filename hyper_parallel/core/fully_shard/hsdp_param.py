@@ -68,6 +68,17 @@ class HSDPParam:
         # its block of k consecutive shard ranks, [k * chunk, ...] with dim moved first.
         self.block: Any = None
         self.inter_group: Any = None  # ranks holding the same block position (set by the unit)
+        self.pool: Any = None  # a GatherBufferPool for the gathers' outputs (weight_parallel), or None
+        self.buffer: Any = None  # the pooled buffer behind ``pending`` / ``unsharded``
+        self.pending_reduce: Any = None  # a Work of this parameter's reduce-scatter in flight
+        self.reduced: Any = None  # its result, when waited for before WaitReduce ran (see unshard)
+        self.reduce_src: Any = None  # WaitReduce's output for this step's GatherParam (see hsdp_state)
+        # (tp mesh, Shard, global shape) when tensor parallelism sharded ``param`` first
+        # (set by fully_shard from the style's record; used by the state dicts).
+        self.tp: tuple[Any, Shard, tuple[int, ...]] | None = None
+        # The tp group of a SequenceParallel module's parameter (set by fully_shard): its
+        # full gradient is a partial sum over the sequence shards, all-reduced there first.
+        self.sequence_parallel_group: Any = None
 
     # -- views ---------------------------------------------------------------------------
     def to_home(self, tensor: Any) -> Any:
@@ -102,25 +113,39 @@ class HSDPParam:
             block = self.shard_rank // k
             self.block = p.clone(p.narrow(front, 0, block * k * self.chunk, k * self.chunk).contiguous())
 
-    def start_gather(self, dtype: Any) -> None:
-        """Issue the **all-gather** of the padded shards over the shard axis (async),
-        cast to ``dtype`` first so the collective moves the compute dtype. After a
-        forward with ``reshard_after_forward=k`` the kept blocks are all-gathered over
-        the ``shard_size / k`` ranks of the same block position instead."""
+    def start_gather(self, dtype: Any, stream: Any) -> None:
+        """Issue the **all-gather** of the padded shards over the shard axis (async) on
+        the all-gather ``stream``, cast to ``dtype`` first so the collective moves the
+        compute dtype (into a pooled buffer when ``pool`` is set). After a forward with
+        ``reshard_after_forward=k`` the kept blocks are all-gathered over the
+        ``shard_size / k`` ranks of the same block position instead."""
         p = get_platform()
         with p.no_grad():
             if self.block is not None:
-                self.pending = p.all_gather_into_tensor(self.block, group=self.inter_group, async_op=True)
-                return
-            shard = p.detach(self.sharded)
-            if self.offload is not None:  # copy first: the cast then runs on the device
-                shard = p.to_device(shard, p.device_type)
-            shard = p.to_dtype(shard, dtype)
-            front = shard.transpose(0, self.dim).contiguous() if self.dim else shard  # gloo: contiguous buffers
-            self.pending = p.all_gather_into_tensor(front, group=self.shard_group, async_op=True)
+                front, group, out, free = self.block, self.inter_group, None, None
+            else:
+                shard = p.detach(self.sharded)
+                if self.offload is not None:  # copy first: the cast then runs on the device
+                    shard = p.to_device(shard, p.device_type)
+                shard = p.to_dtype(shard, dtype)
+                front = shard.transpose(0, self.dim).contiguous() if self.dim else shard  # gloo: contiguous buffers
+                group, out, free = self.shard_group, None, None
+                if self.pool is not None:
+                    out, free = self.pool.acquire((self.chunk * self.shard_size, *front.shape[1:]), front.dtype)
+                    self.buffer = out
+            # [Note: collectives and overlap] (hsdp_state): the all-gather stream waits for
+            # the input made on the current stream and for the last readers of a reused buffer.
+            ready = p.new_event()
+            p.record_event(ready)
+            with p.stream(stream):
+                p.wait_event(ready)
+                if free is not None:
+                    p.wait_event(free)
+                self.pending = p.all_gather_into_tensor(front, group=group, async_op=True, out=out)
 
     def finish_gather(self) -> Any:
-        """Wait for the all-gather; drop the padding; set and return ``self.unsharded``."""
+        """Wait for the all-gather (on accelerators: the current stream waits for the
+        collective); drop the padding; set and return ``self.unsharded``."""
         p = get_platform()
         with p.no_grad():
             gathered = self.pending.wait()  # [Ns * chunk, ...] with dim moved to the front
@@ -131,17 +156,41 @@ class HSDPParam:
             self.unsharded = full.contiguous()
         return self.unsharded
 
-    def reduce_grad(self, grad: Any, reduce_dtype: Any) -> Any:
-        """The sharded gradient of the full gradient ``grad``: **reduce-scatter** (sum)
-        over the shard axis, **all-reduce** (sum) over the replicate axis (HSDP), divided
-        by the data-parallel size (each rank's loss is a mean over its own batch)."""
+    def drop_unsharded(self) -> None:
+        """Forget the gathered tensor; a pooled buffer goes back to the pool (see
+        [Note: when a pooled buffer may be overwritten] in ``buffer_pool``)."""
+        self.unsharded = None
+        if self.buffer is not None and self.pending is None:
+            self.pool.release(self.buffer)
+            self.buffer = None
+
+    def start_reduce(self, grad: Any, reduce_dtype: Any, stream: Any) -> None:
+        """Issue the **reduce-scatter** (sum) of the full gradient ``grad`` over the shard
+        axis, asynchronously on the reduce-scatter ``stream``; ``finish_reduce`` waits.
+        A ``SequenceParallel`` parameter's gradient is first **all-reduced** (sum) over
+        its tp group (each tp rank saw part of the sequence)."""
         p = get_platform()
         with p.no_grad():
             g = p.to_dtype(grad, reduce_dtype)
+            if self.sequence_parallel_group is not None:
+                g = p.all_reduce(g, group=self.sequence_parallel_group).wait()
             if self.dim:
                 g = g.transpose(0, self.dim)
             g = p.pad(g, 0, 0, self.chunk * self.shard_size - self.shape[self.dim]).contiguous()
-            g = p.reduce_scatter_tensor(g, group=self.shard_group).wait()
+            ready = p.new_event()  # the gradient was computed on the current stream
+            p.record_event(ready)
+            with p.stream(stream):
+                p.wait_event(ready)
+                self.pending_reduce = p.reduce_scatter_tensor(g, group=self.shard_group, async_op=True)
+
+    def finish_reduce(self) -> Any:
+        """The sharded gradient: wait for the reduce-scatter, **all-reduce** (sum) over
+        the replicate axis (HSDP), divide by the data-parallel size (each rank's loss is
+        a mean over its own batch), cast to the shard's dtype and home."""
+        p = get_platform()
+        with p.no_grad():
+            g = self.pending_reduce.wait()
+            self.pending_reduce = None
             if self.replicate_group is not None:
                 g = p.all_reduce(g, group=self.replicate_group).wait()
             g = g * (1.0 / (self.shard_size * self.replicate_size))
@@ -150,12 +199,37 @@ class HSDPParam:
             return self.to_home(p.to_dtype(g, self.sharded.dtype))
 
 
+class WaitReduce(CustomFunction):
+    """``src = WaitReduce(sharded, hsdp_param)``: the sharded parameter as ``GatherParam``'s
+    input (a copy of the shard: MindSpore copies an output that is an input anyway).
+    Backward: waits for the parameter's reduce-scatter that ``GatherParam.backward``
+    issued and returns the sharded gradient; when none is in flight (gradient sync
+    off) the incoming gradient passes through. Where this node is created decides
+    when autograd runs it: see [Note: collectives and overlap] (hsdp_state)."""
+
+    @staticmethod
+    def forward(ctx: Any, sharded: Any, hsdp_param: HSDPParam) -> Any:
+        ctx.hsdp_param = hsdp_param
+        return get_platform().clone(sharded)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        hp = ctx.hsdp_param
+        if hp.pending_reduce is not None:
+            hp.reduced = hp.finish_reduce()
+        if hp.reduced is None:
+            return grad, None
+        result, hp.reduced = hp.reduced, None
+        return result, None
+
+
 class GatherParam(CustomFunction):
     """``full = GatherParam(sharded, hsdp_param, state)``: hands the module the gathered
     parameter (all-gathered beforehand by the unit's unshard) while recording the
-    sharded parameter as its source. Backward: the full gradient goes to
-    ``state.on_grad``, which reduce-scatters it to the shard (or accumulates it when
-    gradient sync is off). Nothing is saved here (SimpleFSDP, arXiv 2411.00284)."""
+    sharded parameter (through ``WaitReduce``) as its source. Backward: the full gradient
+    goes to ``state.on_grad``, which issues its reduce-scatter (collected by
+    ``WaitReduce``) or accumulates it when gradient sync is off. Nothing is saved here
+    (SimpleFSDP, arXiv 2411.00284)."""
 
     @staticmethod
     def forward(ctx: Any, sharded: Any, hsdp_param: HSDPParam, state: Any) -> Any:

@@ -12,13 +12,36 @@ prefetched it). A saved use that the backend cannot match to its source (a copy 
 before saving) is kept as is: the gradient stays exact, only that memory is held.
 
 [Note: collectives and overlap]
-All-gathers are issued with ``async_op=True`` by ``unshard(async_op=True)`` (explicit
-forward prefetch, implicit or explicit backward prefetch) and waited for at the first
-use (``_wait_unshard``, ``_reload``): on NCCL/HCCL ``Work.wait()`` makes the current
-stream wait for the collective's stream, so the gather of the next unit overlaps this
-unit's compute; on gloo the host thread overlaps. The reduce-scatter is waited for at
-once because autograd takes the sharded gradient as ``GatherParam.backward``'s output;
-on accelerators that wait is again a stream dependency, not a host block.
+A fully_shard tree has two streams of its own (``HSDPContext.streams``; no-ops on CPU):
+all-gathers are issued on the all-gather stream and reduce-scatters on the
+reduce-scatter stream, both ``async_op=True``, so they overlap compute on the current
+stream. The orderings that matter, and how each is kept:
+
+1. A collective must not read its input before the current stream has produced it
+   (the cast shard; the full gradient): an event is recorded on the current stream and
+   the collective's stream waits for it before issuing (``HSDPParam.start_gather``,
+   ``start_reduce``).
+2. A result must not be read before the collective has written it: ``Work.wait()`` at
+   the first use (``_wait_unshard``, ``_reload``, ``WaitReduce.backward``) makes the
+   current stream wait for the collective (NCCL/HCCL), or blocks the host (gloo, CPU).
+3. A pooled gather buffer must not be overwritten while a reader is queued: see
+   [Note: when a pooled buffer may be overwritten] (``buffer_pool``).
+4. The reduce-scatter is asynchronous, yet autograd must hand the optimizer (and
+   MindSpore's ``value_and_grad``) the sharded gradient. So the sharded parameter
+   reaches ``GatherParam`` through ``WaitReduce``, an identity whose backward waits for
+   the reduce-scatter and returns the gradient: ``GatherParam.backward`` issues the
+   reduce-scatter and returns a placeholder, ``WaitReduce.backward`` returns the real
+   gradient. Autograd runs a ready node created later before one created earlier
+   (torch's engine orders ready nodes by creation), so ``WaitReduce`` nodes of unit
+   ``U`` are created in the forward pre-hook of the unit that ran just before ``U``
+   in the last step: ``U``'s reduce-scatter is then waited for only after that
+   previous unit's backward compute, which it overlaps (FSDP2 likewise waits for a
+   unit's reduce-scatter at the next unit's). This is the latest safe point: the
+   gradient is read right after. Units with no predecessor (the first step, the first
+   unit) create their own. A reduce-scatter still in flight when its unit unshards
+   (an explicit backward prefetch of a unit already done) is waited for there and its
+   result kept for ``WaitReduce``; one never collected (a backward cut short) is
+   waited for and dropped at the root's next forward, so nothing leaks across steps.
 
 [Note: parameter substitution]
 During the forward a module reads ``module.<name>``; the sharded parameter stays
@@ -34,7 +57,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.core.dtensor.device_mesh import _axis_lines
-from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam
+from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam, WaitReduce
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
 
@@ -57,6 +80,17 @@ class HSDPContext:
 
     def __init__(self) -> None:
         self.post_forward_order: list[HSDPState] = []
+        self.pre_forward_order: list[HSDPState] = []  # this step's, so far
+        self.last_pre_forward_order: list[HSDPState] = []  # the last step's
+        self._streams: tuple[Any, Any] | None = None
+
+    def streams(self) -> tuple[Any, Any]:
+        """``(all_gather_stream, reduce_scatter_stream)``, made at first use (the units
+        of a tree share the root's context only once the root is sharded)."""
+        if self._streams is None:
+            p = get_platform()
+            self._streams = (p.new_stream(), p.new_stream())
+        return self._streams
 
 
 class HSDPState:
@@ -109,8 +143,12 @@ class HSDPState:
         flight). With ``async_op`` the collectives are only issued (prefetch); the next
         use waits for them."""
         for hp in self.params:
+            if hp.pending_reduce is not None:
+                # Waited for here (an explicit backward prefetch of a unit whose backward is
+                # done), kept for its WaitReduce; dropped at the next step if never collected.
+                hp.reduced = hp.finish_reduce()
             if hp.unsharded is None and hp.pending is None:
-                hp.start_gather(self._param_dtype or hp.sharded.dtype)
+                hp.start_gather(self._param_dtype or hp.sharded.dtype, self.context.streams()[0])
         if not async_op:
             self._wait_unshard()
 
@@ -125,7 +163,7 @@ class HSDPState:
         for hp in self.params:
             if hp.pending is not None:
                 hp.finish_gather()
-            hp.unsharded = None
+            hp.drop_unsharded()
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[Any]) -> None:
         """When this unit's forward starts, issue the all-gathers of these fully sharded
@@ -159,18 +197,33 @@ class HSDPState:
 
     def _pre_forward(self, module: Any, args: Any) -> Any:
         p = get_platform()
+        context = self.context
         if self.is_root:
-            self.context.post_forward_order = []
+            context.post_forward_order = []
+            context.last_pre_forward_order, context.pre_forward_order = context.pre_forward_order, []
+            for state in context.last_pre_forward_order:
+                for hp in state.params:
+                    hp.reduce_src = None  # made for a unit that did not run
+                    if hp.pending_reduce is not None:  # a gradient never collected (a backward
+                        hp.finish_reduce()  # cut short): wait, drop, so nothing leaks across steps
+                    hp.reduced = None
+        context.pre_forward_order.append(self)
         self.training_state = TrainingState.FORWARD
         self.unshard()
         for other in self.forward_prefetch:
             other.unshard(async_op=True)
+        # [Note: collectives and overlap], point 4: the next unit's WaitReduce nodes now.
+        last = context.last_pre_forward_order
+        if self in last and last.index(self) + 1 < len(last):
+            last[last.index(self) + 1]._make_reduce_srcs()
+        self._make_reduce_srcs()
         fulls = []
         for hp in self.params:
-            full = p.apply_function(GatherParam, hp.sharded, hp, self)
+            src, hp.reduce_src = hp.reduce_src, None
+            full = p.apply_function(GatherParam, src, hp, self)
             fulls.append(full)
             if self.reshard_after_forward:
-                hp.unsharded = None  # the module reads ``full``, a copy (see GatherParam)
+                hp.drop_unsharded()  # the module reads ``full``, a copy (see GatherParam)
             for owner, name in hp.uses:
                 vars(owner)[name] = full
         self._grads_pending = len(self.params)
@@ -182,6 +235,12 @@ class HSDPState:
         if self._param_dtype is not None and self.mp_policy.cast_forward_inputs:
             return tuple(self._cast(a, self._param_dtype) for a in args)
         return None
+
+    def _make_reduce_srcs(self) -> None:
+        p = get_platform()
+        for hp in self.params:
+            if hp.reduce_src is None:
+                hp.reduce_src = p.apply_function(WaitReduce, hp.sharded, hp)
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> Any:
         if self._release is not None:
@@ -224,13 +283,16 @@ class HSDPState:
         hp = self.params[index]
         if hp.unsharded is None:
             if hp.pending is None:
-                hp.start_gather(self._param_dtype or hp.sharded.dtype)
+                hp.start_gather(self._param_dtype or hp.sharded.dtype, self.context.streams()[0])
             hp.finish_gather()
         return hp.unsharded
 
     def on_grad(self, hp: HSDPParam, grad: Any) -> Any:
-        """The sharded gradient of ``hp`` from its full gradient ``grad`` (called from
-        ``GatherParam.backward``, once per backward: autograd sums tied uses first)."""
+        """What ``GatherParam.backward`` returns for ``hp`` given its full gradient ``grad``
+        (called once per backward: autograd sums tied uses first): with gradient sync,
+        the reduce-scatter is issued and a zero placeholder returned (``WaitReduce``
+        returns the sharded gradient); without, the full gradient is accumulated and the
+        sharded gradient is zero."""
         p = get_platform()
         reduce_dtype = self._reduce_dtype or hp.sharded.dtype
         if not self.requires_gradient_sync:
@@ -243,9 +305,13 @@ class HSDPState:
                 with p.no_grad():
                     grad = p.to_dtype(grad, reduce_dtype) + hp.grad_accum
                 hp.grad_accum = None
-            result = hp.reduce_grad(grad, reduce_dtype)
+            if hp.pending_reduce is not None:
+                hp.finish_reduce()  # a gradient never collected (see _pre_forward): dropped
+            hp.reduced = None
+            hp.start_reduce(grad, reduce_dtype, self.context.streams()[1])
+            result = hp.to_home(p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype))
         # This parameter's gradient is final: its gathered copies are no longer needed.
-        hp.unsharded = None
+        hp.drop_unsharded()
         hp.block = None
         self._grads_pending -= 1
         if self._grads_pending <= 0:

@@ -21,6 +21,7 @@ from typing import Any
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.fully_shard.api import fully_shard, hsdp_state
+from hyper_parallel.core.fully_shard.buffer_pool import GatherBufferPool
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
 
@@ -63,7 +64,7 @@ def _weight_leaves(block: Any) -> list[Any]:
 
 def weight_parallel(module: Any, mesh: DeviceMesh, *, prefetch_blocks: int = 1,
                     blocks: list[Any] | None = None, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                    ignored_params: Any = None) -> Any:
+                    ignored_params: Any = None, buffer_pool: bool = False) -> Any:
     """Apply the weight-parallel mode to ``module`` over the 1-D ``mesh`` of the
     sequence-parallel ranks, then fully_shard the root (the remaining parameters).
 
@@ -76,6 +77,11 @@ def weight_parallel(module: Any, mesh: DeviceMesh, *, prefetch_blocks: int = 1,
         mesh: 1-D mesh over the world.
         prefetch_blocks: how many blocks ahead (forward) / behind (backward) a block's
             weights are all-gathered; 0: each weight when its module starts.
+        buffer_pool: gather the blocks' weights into reusable buffers (one
+            ``GatherBufferPool`` for the model, keyed by shape and dtype): about
+            ``prefetch_blocks + 2`` blocks' worth of buffers serve every block and step
+            instead of an allocation per gather. The pool is ``hsdp_state(leaf).params[i].pool``;
+            see [Note: when a pooled buffer may be overwritten] (``buffer_pool``).
 
     Returns:
         ``module``.
@@ -95,6 +101,12 @@ def weight_parallel(module: Any, mesh: DeviceMesh, *, prefetch_blocks: int = 1,
                         ignored_params=ignored_params)
         units.append(leaves)
     fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy, ignored_params=ignored_params)
+    if buffer_pool:
+        pool = GatherBufferPool()
+        for leaves in units:
+            for leaf in leaves:
+                for hp in hsdp_state(leaf).params:
+                    hp.pool = pool
     k = prefetch_blocks
     for i, leaves in enumerate(units):
         if not leaves or k == 0:

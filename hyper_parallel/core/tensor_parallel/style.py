@@ -32,8 +32,13 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
 
-#: Set on a module whose parameters carry SequenceParallel's gradient hooks.
+#: Set on a module whose parameters carry SequenceParallel's gradient hooks: the tp
+#: group their gradients are all-reduced over (fully_shard, which replaces the
+#: parameter objects, all-reduces the gathered parameter's gradient over it instead).
 SEQUENCE_PARALLEL_ATTR = "_sequence_parallel_grad_hooks"
+#: Set on a module whose parameters a style sharded: ``{name: (mesh, Shard, global shape)}``
+#: (read by fully_shard's state dicts, which rebuild the whole parameter from TP shards).
+TP_SHARDS_ATTR = "_tensor_parallel_shards"
 
 
 def _check_1d(mesh: DeviceMesh, style: str) -> None:
@@ -63,8 +68,11 @@ def _linear_weight(module: Any, style: str) -> Any:
 def _shard_parameter(module: Any, name: str, placement: Shard, mesh: DeviceMesh) -> None:
     """Replace ``module.<name>`` (if it has one) by this rank's ``placement`` shard, rank 0's
     values broadcast first so that ranks initialised differently still agree."""
-    if _own_parameter(module, name) is not None:
+    own = _own_parameter(module, name)
+    if own is not None:
+        shape = tuple(int(d) for d in own.shape)
         distribute_parameter(module, name, mesh, [placement])
+        vars(module).setdefault(TP_SHARDS_ATTR, {})[name] = (mesh, placement, shape)
 
 
 class ParallelStyle(ABC):
@@ -201,8 +209,8 @@ class SequenceParallel(ParallelStyle):
         for _, param in p.named_parameters(module):
             p.register_tensor_hook(param, lambda grad: p.all_reduce(grad, "sum", group=group).wait())
         # The hooks live on these parameter objects: fully_shard, which replaces
-        # parameters, reads this mark and refuses them rather than drop the all-reduce.
-        vars(module)[SEQUENCE_PARALLEL_ATTR] = True
+        # parameters, reads the group here and does the all-reduce itself.
+        vars(module)[SEQUENCE_PARALLEL_ATTR] = group
 
         def prepare_input(_module: Any, args: tuple) -> tuple:
             x = args[0]

@@ -37,14 +37,24 @@ class CollectivesSection(ABC):
         """
 
     @abstractmethod
-    def all_gather_into_tensor(self, tensor: Any, group: Any = None, async_op: bool = False) -> Work:
+    def all_gather_into_tensor(self, tensor: Any, group: Any = None, async_op: bool = False,
+                               out: Any = None) -> Work:
         """All-gather along dim 0: ``[d0, *rest]`` on each of ``n`` ranks gives
         ``[n * d0, *rest]``, rank ``r``'s block at rows ``r*d0 .. (r+1)*d0``.
 
         Every rank passes the same shape (uneven pieces are padded by the caller).
 
+        Args:
+            out: optional caller-owned output buffer ``[n * d0, *rest]`` of ``tensor``'s
+                dtype, contiguous (a reusable buffer, e.g. a pool of gathered weights).
+                The result is written into it (torch and Ascend: the collective's own
+                output; MindSpore CPU: copied in when the gather completes) and
+                ``wait()`` returns ``out`` itself. Its contents are undefined until
+                ``wait()``; the caller must not reuse it while a reader still needs it.
+
         Raises:
-            ValueError: ``tensor`` is 0-dimensional.
+            ValueError: ``tensor`` is 0-dimensional; ``out`` of another shape or dtype,
+                or not contiguous.
         """
 
     @abstractmethod

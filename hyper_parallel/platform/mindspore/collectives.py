@@ -35,7 +35,7 @@ import numpy as np
 from hyper_parallel.platform.contract.collectives import CollectivesSection
 from hyper_parallel.platform.contract.common import CompletedWork, HandleWork, P2POp, ReduceOp, Work
 from hyper_parallel.platform.mindspore import p2p
-from hyper_parallel.platform.validation import check_divisible, check_peer, check_split_sizes
+from hyper_parallel.platform.validation import check_divisible, check_gather_out, check_peer, check_split_sizes
 
 #: The MindSpore name of each reduction; AVG is a sum divided by the group size.
 _NATIVE_OP = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
@@ -82,20 +82,33 @@ class MindSporeCollectives(CollectivesSection):
         name, ranks, _ = self._member_group(group, "all_reduce")
         return self._reduce(tensor, op, name, len(ranks), async_op)
 
-    def all_gather_into_tensor(self, tensor: Any, group: Any = None, async_op: bool = False) -> Work:
-        """Ascend: ``mint.distributed.all_gather_into_tensor``; CPU: list all-gather + cat."""
+    def all_gather_into_tensor(self, tensor: Any, group: Any = None, async_op: bool = False,
+                               out: Any = None) -> Work:
+        """Ascend: ``mint.distributed.all_gather_into_tensor`` (into ``out`` when given);
+        CPU: list all-gather + cat, copied into ``out`` when given."""
         if tensor.ndim == 0:
             raise ValueError("all_gather_into_tensor: tensor is 0-dimensional; gather along dim 0 needs "
                              "at least 1 dim (reshape it to [1])")
         name, ranks, _ = self._member_group(group, "all_gather_into_tensor")
         n, dtype = len(ranks), tensor.dtype
+        if out is not None:
+            check_gather_out(out, tensor, n, member="all_gather_into_tensor")
         if self._device_type == "ascend":
             wire = self._wire(self._contiguous(tensor))
-            out = self._mint.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=wire.dtype)
-            handle = self._dist.all_gather_into_tensor(out, wire, group=name, async_op=async_op)
-            return _work(handle, lambda: self._unwire(out, dtype))
+            dest = self._wire(out) if out is not None else \
+                self._mint.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=wire.dtype)
+            handle = self._dist.all_gather_into_tensor(dest, wire, group=name, async_op=async_op)
+            return _work(handle, lambda: out if out is not None else self._unwire(dest, dtype))
         handle, pieces = self._gather(tensor, name, n, async_op)
-        return _work(handle, lambda: self._unwire(self._mint.cat(pieces, 0), dtype))
+        if out is None:
+            return _work(handle, lambda: self._unwire(self._mint.cat(pieces, 0), dtype))
+
+        def into_out() -> Any:
+            if out.numel():  # see _gather: nothing was gathered for empty buffers
+                self._wire(out).copy_(self._mint.cat(pieces, 0))
+            return out
+
+        return _work(handle, into_out)
 
     def reduce_scatter_tensor(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
                               async_op: bool = False) -> Work:

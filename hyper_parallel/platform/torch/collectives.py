@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform.contract.common import CompletedWork, HandleWork, P2POp, ReduceOp, Work
-from hyper_parallel.platform.validation import check_divisible, check_peer, check_split_sizes
+from hyper_parallel.platform.validation import check_divisible, check_gather_out, check_peer, check_split_sizes
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -72,11 +72,15 @@ class TorchCollectives:
         buf = _buffer(tensor)
         return _work(dist.all_reduce(buf, _TORCH_OPS[op], group=self._group(group), async_op=async_op), buf, async_op)
 
-    def all_gather_into_tensor(self, tensor: Any, group: Any = None, async_op: bool = False) -> Work:
+    def all_gather_into_tensor(self, tensor: Any, group: Any = None, async_op: bool = False,
+                               out: Any = None) -> Work:
         if tensor.ndim == 0:
             raise ValueError("all_gather_into_tensor: tensor is 0-dimensional; reshape it to [1] first")
         n = dist.get_world_size(self._group(group))
-        out = tensor.new_empty((n * tensor.shape[0], *tensor.shape[1:]))
+        if out is None:
+            out = tensor.new_empty((n * tensor.shape[0], *tensor.shape[1:]))
+        else:  # the caller's buffer: the collective writes into it directly
+            check_gather_out(out, tensor, n, member="all_gather_into_tensor")
         native = dist.all_gather_into_tensor(out, _source(tensor), group=self._group(group), async_op=async_op)
         return _work(native, out, async_op)
 
