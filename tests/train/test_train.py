@@ -2,9 +2,10 @@
 MindSpore, resume and cut-off checkpoints, configuration errors, and one real launch.
 
 Layouts tested: single rank, tensor parallel 2 and 4, fully_shard (dp-shard 2 and 4),
-HSDP (dp-replicate 2 x dp-shard 2), tp 2 x dp-shard 2, cp 2 (all-gathered K/V) and
-dp-shard 2 x cp 2 (ring), the layouts whose features have landed; pp, and cp with tp,
-dp-replicate or the hybrid mode, are refused until they land."""
+HSDP (dp-replicate 2 x dp-shard 2), tp 2 x dp-shard 2, cp 2 (all-gathered K/V),
+dp-shard 2 x cp 2 (ring), pp 2 (1F1B and interleaved 1F1B, with resume) and pp 2 x
+dp-shard 2 (GPipe), the layouts whose features have landed; cp with tp, dp-replicate or
+the hybrid mode, and pp with tp, cp or dp-replicate, are refused until they land."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from hyper_parallel.testing import run_on_ranks as run_on_fresh_ranks
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args, main, parity_report
 from tests.train._ranks import (TEST_DATA, check_data_parallel_parity, check_dp_shard_parity_and_resume,
-                                check_layout_parity, framework_losses)
+                                check_layout_parity, check_pipeline_parity, framework_losses)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,6 +55,28 @@ def test_dp_shard_2_parity_resume_and_cut_off_checkpoint(run_on_ranks, tmp_path:
     np.testing.assert_array_equal(results[1], results[0])
 
 
+#: (world size, layouts, resume): pp 2 alone with two schedules (interleaved: 4 stages of one
+#: block, 2 per rank) and checkpoint/resume; pp 2 x dp-shard 2, each stage fully_sharded.
+PIPELINE_CASES = [
+    (2, [{"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"},
+         {"pp": 2, "microbatches": 4, "pp_schedule": "interleaved-1f1b"}], True),
+    (4, [{"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "gpipe"}], False),
+]
+
+
+@pytest.mark.parametrize("world_size, layouts, resume", PIPELINE_CASES, ids=["pp2", "pp2xdp2"])
+def test_pipeline_matches_single_process(run_on_ranks, tmp_path: Path, world_size: int, layouts: list[dict],
+                                         resume: bool) -> None:
+    """Pipeline stages (embedding on the first, norm and head on the last) run by the
+    library's schedules, alone and fully_sharded over dp-shard: training and validation
+    losses equal the single-process reference's; a pipelined checkpoint resumes
+    bit-identically."""
+    results = run_on_ranks(check_pipeline_parity, str(tmp_path), layouts, resume, world_size=world_size,
+                           timeout_s=400)
+    for other in results[1:]:  # every rank reports the last stage's loss
+        np.testing.assert_array_equal(other, results[0])
+
+
 def test_torch_and_mindspore_agree(run_on_ranks, tmp_path: Path) -> None:
     """Same seed, data and layout (tp 2) on both frameworks: the same losses.
 
@@ -83,6 +106,17 @@ def _config(*flags: str):
     (["--tp", "3"], ["--tp=3", "query heads (8)", "key/value heads (4)", "divides 4"]),
     (["--model", "tiny", "--n-heads", "6", "--n-kv-heads", "6", "--dim", "48", "--tp", "4"], ["--tp=4", "heads (6)"]),
     (["--pp", "2", "--pp-schedule", "zigzag"], ["--pp-schedule='zigzag'", "gpipe, 1f1b, interleaved-1f1b"]),
+    (["--pp", "4", "--model", "tiny", "--microbatches", "4", "--batch-size", "4"],
+     ["--pp=4 makes 4 pipeline stages", "has 2 layers", "at least one layer"]),
+    (["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "2", "--model", "tiny"],
+     ["makes 4 pipeline stages (2 per rank with --pp-schedule interleaved-1f1b)", "has 2 layers"]),
+    (["--pp", "2", "--microbatches", "3", "--n-layers", "6", "--pp-schedule", "interleaved-1f1b",
+      "--batch-size", "6", "--nproc", "2"], ["--microbatches=3 must be a multiple of --pp=2"]),
+    (["--pp", "2", "--microbatches", "1", "--nproc", "2"], ["--microbatches=1 must be >= --pp=2"]),
+    (["--pp", "2", "--microbatches", "3", "--nproc", "2"], ["--batch-size=8", "--microbatches (3)"]),
+    (["--pp", "2", "--microbatches", "2", "--nproc", "2", "--tie-embeddings"],
+     ["--tie-embeddings cannot be pipelined", "drop --tie-embeddings or --pp"]),
+    (["--microbatches", "2"], ["--microbatches=2 applies to pipeline parallelism only"]),
     (["--cp", "2", "--cp-mode", "tree"], ["--cp-mode='tree'", "ulysses, ring"]),
     (["--cp", "2", "--seq-len", "30"], ["--seq-len=30", "2 x --cp = 4"]),
     (["--cp", "16", "--cp-mode", "ulysses"], ["--cp=16", "query heads per tensor-parallel rank (8)"]),
@@ -102,8 +136,9 @@ def test_bad_configuration(flags: list[str], needles: list[str]) -> None:
                                   "--cp C --cp-mode ulysses|ring|allgather with --dp-shard S only"]),
     (["--cp", "2", "--cp-mode", "hybrid"], ["--cp-mode hybrid", "2-D cp mesh"]),
     (["--cp", "2", "--dp-replicate", "2"], ["--dp-replicate 2", "flattened (dp_shard, cp) mesh"]),
-    (["--pp", "2", "--microbatches", "2"], ["pipeline parallel (--pp)", "composed with fully_shard",
-                                            "--tp N --nproc N"]),
+    (["--pp", "2", "--tp", "2", "--microbatches", "2"], ["combines pipeline parallelism", "--tp 2",
+                                                         "--pp P [--dp-shard S] --nproc P*S"]),
+    (["--pp", "2", "--dp-replicate", "2", "--microbatches", "2"], ["--dp-replicate 2", "does not support yet"]),
 ])
 def test_unlanded_layouts_are_refused_before_any_rank(flags: list[str], needles: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
