@@ -340,7 +340,7 @@ def _stage_forward(p: Platform, m: Any, inputs: tuple[Any, ...]) -> Any:
     b, s = positions.shape
     cos = m.rope_cos[positions].reshape(b, s, 1, -1)
     sin = m.rope_sin[positions].reshape(b, s, 1, -1)
-    for layer in m.layers:
+    for layer in m.layers.values():
         h = layer(h, cos, sin)
     if not m.last:
         return h, carried
@@ -353,9 +353,10 @@ def build_stage(p: Platform, cfg: ModelConfig, model: Any, layers: range, first:
     """The pipeline stage module of ``model`` (a ``build_model`` decoder) that runs blocks
     ``layers``, with the embedding when ``first`` and the final norm and output head when
     ``last`` (see ``_stage_forward`` for what crosses a stage boundary). It holds
-    ``model``'s own submodules, so its parameters are ``model``'s (names relative to the
-    stage: ``tok_embeddings.weight``, ``layers.{j}...`` with ``j`` counted within the stage,
-    ``norm.weight``, ``output.weight``).
+    ``model``'s own submodules, so its parameters are ``model``'s, under the decoder's
+    names (``tok_embeddings.weight``, ``layers.{i}...`` keyed by the block's index in the
+    decoder, ``norm.weight``, ``output.weight``): unique across a rank's stages, as
+    MindSpore's optimizer requires.
 
     Raises:
         ValueError: a tied output head on a pipeline (the embedding and the head would sit
@@ -379,7 +380,7 @@ def build_stage(p: Platform, cfg: ModelConfig, model: Any, layers: range, first:
             def forward(self, *inputs: Any) -> Any:
                 return _stage_forward(p, self, inputs)
 
-        stage, blocks = Stage(), nn.ModuleList([model.layers[i] for i in layers])
+        stage, blocks = Stage(), nn.ModuleDict({str(i): model.layers[i] for i in layers})
     else:
         import mindspore as ms
         from mindspore import nn
@@ -393,7 +394,7 @@ def build_stage(p: Platform, cfg: ModelConfig, model: Any, layers: range, first:
             def construct(self, *inputs: Any) -> Any:
                 return _stage_forward(p, self, inputs)
 
-        stage, blocks = Stage(), nn.CellList([model.layers[i] for i in layers])
+        stage, blocks = Stage(), nn.CellDict({str(i): model.layers[i] for i in layers})
     stage.first, stage.last = first, last
     if first:
         stage.tok_embeddings = model.tok_embeddings

@@ -103,7 +103,9 @@ def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh) -> None:
     embedding). Every rank holds the same initial weights (``build_model`` seeds them), as
     fully_shard requires. Collectives: none here; the all-gathers / reduce-scatters run in
     each step."""
-    for block in model.layers:
+    # a pipeline stage keys its blocks by their index in the decoder (model.build_stage)
+    blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
+    for block in blocks:
         fully_shard(block, mesh=fsdp_mesh)
     fully_shard(model, mesh=fsdp_mesh)
 

@@ -224,8 +224,10 @@ def check_pipeline_parity(out: str, layouts: list[dict], resume: bool = False) -
     for degrees in layouts:
         layout = Layout(**degrees)
         assert layout.world_size == n, (degrees, n)
+        # one block per stage: the least work a stage's neighbours wait for
+        model = (PIPELINE_MODEL, "tiny-4-layers") if layout.num_stages == 4 else (PRESETS["tiny"], "tiny")
         cfg = tiny_config(f"{out}/{layout.describe()}-{layout.pp_schedule}", nproc=n, layout=layout, steps=3,
-                          eval_every=3, model=PIPELINE_MODEL, model_name="tiny-4-layers",
+                          eval_every=3, model=model[0], model_name=model[1],
                           checkpoint_every=2 if resume and not runs else 0)
         run = setup(cfg)
         # this rank's parameters: its stages' blocks (and the embedding / the head), sharded
@@ -255,10 +257,21 @@ def check_pipeline_parity(out: str, layouts: list[dict], resume: bool = False) -
         runs.append((cfg, got, val))
     # rank 0 runs the reference after every layout's collectives (see check_data_parallel_parity)
     if p.rank() == 0:
-        ref_rows = train(runs[0][0], reference=True, write_outputs=False)
-        ref, ref_val = losses(ref_rows), ref_rows[-1]["val_loss"]
+        references = {}
         for cfg, got, val in runs:
+            if cfg.model_name not in references:  # the reference ignores the layout: one per model
+                ref_rows = train(cfg, reference=True, write_outputs=False)
+                references[cfg.model_name] = (losses(ref_rows), ref_rows[-1]["val_loss"])
+            ref, ref_val = references[cfg.model_name]
             name = f"{cfg.layout.describe()} {cfg.layout.pp_schedule}"
             np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"{name} vs single process")
             np.testing.assert_allclose(val, ref_val, rtol=2e-5, atol=0, err_msg=f"{name} validation loss")
     return [got.tolist() for _, got, _ in runs]
+
+
+def reference_losses(cfg_values: dict) -> list[list[float]]:
+    """The single-process reference of a run (``TrainConfig.to_dict()``): its training
+    losses and its validation losses, on this rank alone (no collectives)."""
+    cfg = TrainConfig.from_dict(cfg_values)
+    rows = train(cfg, reference=True, write_outputs=False)
+    return [losses(rows).tolist(), [row["val_loss"] for row in rows if "val_loss" in row]]
