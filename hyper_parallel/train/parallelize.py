@@ -13,9 +13,11 @@ Order of the chain, and why:
 
 With tensor parallelism, fully_shard runs over the data-parallel submesh and shards each
 rank's tensor-parallel shards again (FSDP2's 2-D composition, see docs/fully_shard.md).
-Step 3 is not wired into the job yet, nor context parallelism with tensor parallelism or
-with ``--dp-replicate``; ``TrainConfig.refuse_unlanded`` stops such layouts before any
-rank starts, so the chain below holds only what runs.
+With pipeline parallelism (``mesh["pp"]``) the decoder is first cut into stages
+(``train/pipeline.py``), and step 4 runs on each stage module. Step 3 is not wired into the
+job yet, nor context parallelism with tensor parallelism or with ``--dp-replicate``, nor
+pipelines with tensor, context or replicated data parallelism; ``TrainConfig.refuse_unlanded``
+stops such layouts before any rank starts, so the chain below holds only what runs.
 """
 
 from __future__ import annotations
