@@ -162,6 +162,7 @@ def test_defaults_and_parity_report() -> None:
     cfg = _config()
     assert cfg.nproc == 4 and cfg.layout.dp_shard == 4 and cfg.layout.tp == 1 and cfg.model_name == "small"
     assert _config("--tp", "2").nproc == 2
+    assert _config("--pp", "2").layout.microbatches == 2 and _config().layout.microbatches == 1
     report = parity_report([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.1}],
                            [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}])
     assert report["step"] == 2 and report["max_rel_diff"] == pytest.approx(0.1) and report["steps_compared"] == 2
