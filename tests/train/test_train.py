@@ -197,7 +197,8 @@ def test_command_line_run(run_on_ranks, tmp_path: Path, flags: list[str], ranks:
     2e-5 relative)."""
     platform = selected_platform()
     if framework_of(platform) == "torch" and "interleaved-1f1b" in flags:
-        pytest.skip("torch: interleaved pipelines are checked through the harness (test_pipeline_matches_single_process)")
+        pytest.skip("torch: interleaved pipelines are checked through the harness "
+                    "(test_pipeline_matches_single_process)")
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     every = (steps + 1) // 2  # an evaluation and a checkpoint midway and at the end
