@@ -299,21 +299,19 @@ class TrainConfig:
                 f"support yet ({reasons}); layouts that run today: a single rank, tensor parallelism "
                 "(--tp N --nproc N), sharded data parallelism (--dp-shard S, with --dp-replicate R for HSDP, "
                 "--nproc R*S), both combined (--tp T --dp-shard S [--dp-replicate R], --nproc R*S*T), context "
-                "parallelism with or without --dp-shard (--cp C --dp-shard S, --nproc S*C) and pipeline parallelism "
-                "with or without --dp-shard (--pp P --dp-shard S, --nproc P*S)")
+                "parallelism with any of those (--cp C, --nproc R*S*C*T) and pipeline parallelism with or without "
+                "--dp-shard (--pp P --dp-shard S, --nproc P*S)")
         if lay.pp > 1 and (lay.tp > 1 or lay.cp > 1 or lay.dp_replicate > 1):
             raise ValueError(
                 f"the layout {lay.describe()} combines pipeline parallelism with --tp {lay.tp} / --cp {lay.cp} / "
                 f"--dp-replicate {lay.dp_replicate}, which hyper-parallel train does not support yet (only the "
                 "compositions with a parity test run: pipeline stages alone or fully_sharded over --dp-shard); use "
                 "--pp P [--dp-shard S] --nproc P*S")
-        if lay.cp > 1 and (lay.tp > 1 or lay.dp_replicate > 1 or lay.cp_mode == "hybrid"):
+        if lay.cp > 1 and lay.cp_mode == "hybrid":
             raise ValueError(
-                f"the layout {lay.describe()} with --cp-mode {lay.cp_mode} combines context parallelism with "
-                f"--tp {lay.tp} / --dp-replicate {lay.dp_replicate} / --cp-mode hybrid, which hyper-parallel train does "
-                "not support yet (the gradient reduction over cp goes through fully_shard on the flattened "
-                "(dp_shard, cp) mesh, built for tp == dp_replicate == 1; the hybrid mode needs a 2-D cp mesh); use "
-                "--cp C --cp-mode ulysses|ring|allgather with --dp-shard S only")
+                f"the layout {lay.describe()} uses --cp-mode hybrid, which hyper-parallel train does not support yet "
+                "(it needs the cp axis split into a 2-D (cp_kv, cp_ulysses) mesh, and the loader's sequence shards "
+                "laid out for it); use --cp-mode ulysses|ring|allgather")
 
     @property
     def run_dir(self) -> Path:
