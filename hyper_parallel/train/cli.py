@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--cp-mode", default="ulysses", help=f"context-parallel mode: {', '.join(CP_MODES)}")
     lay.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     lay.add_argument("--pp-schedule", default="1f1b", help=f"pipeline schedule: {', '.join(PP_SCHEDULES)}")
-    lay.add_argument("--microbatches", type=int, default=1, help="microbatches per step (pipeline)")
+    lay.add_argument("--microbatches", type=int, default=None,
+                     help="microbatches per step (pipeline; default: --pp, the fewest that keep every stage busy)")
     mod = t.add_argument_group("model")
     mod.add_argument("--model", default="small", help=f"preset: {', '.join(PRESETS)} (sizes below override it)")
     for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "hidden-dim"):
@@ -98,7 +99,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     else:
         nproc = args.nproc if args.nproc is not None else 4
         degrees = {DEFAULT_LAYOUT_AXIS: nproc}
-    layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=args.microbatches)
+    microbatches = args.microbatches if args.microbatches is not None else degrees.get("pp", 1)
+    layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches)
     name = args.model if not sizes else f"{args.model}+custom"
     return TrainConfig(platform=args.platform or _default_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,

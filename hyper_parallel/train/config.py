@@ -31,13 +31,15 @@ LANDED_FEATURES: dict[str, bool] = {
     "context parallel (--cp)": True,
     "fully_shard (--dp-shard)": True,
     "HSDP / replicated data parallel (--dp-replicate)": True,
-    "pipeline parallel (--pp)": False,
+    "pipeline parallel (--pp)": True,
 }
 
 #: Why a feature that is not wired into the job yet is refused (shown in the message).
-NOT_YET: dict[str, str] = {
-    "pipeline parallel (--pp)": "pipeline stages composed with fully_shard are not built yet",
-}
+NOT_YET: dict[str, str] = {}
+
+#: Virtual pipeline stages per rank of ``--pp-schedule interleaved-1f1b`` (Megatron-LM's
+#: interleaving; the other schedules run one stage per rank).
+INTERLEAVED_STAGES_PER_RANK = 2
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,12 @@ class Layout:
     def dp(self) -> int:
         """Data-parallel degree: ranks that see different samples of a batch."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages: ``pp``, or ``pp x INTERLEAVED_STAGES_PER_RANK`` for the
+        interleaved schedule."""
+        return self.pp * (INTERLEAVED_STAGES_PER_RANK if self.pp_schedule == "interleaved-1f1b" else 1)
 
     def degrees(self) -> dict[str, int]:
         """``{axis: degree}`` in mesh order (outermost first)."""
@@ -249,11 +257,27 @@ class TrainConfig:
                 raise ValueError(f"--seq-len={self.seq_len} must be divisible by 2 x --cp = {2 * lay.cp} "
                                  "(each context-parallel rank takes two load-balanced chunks of every sequence)")
         if lay.pp > 1:
-            if lay.pp > mod.n_layers:
-                raise ValueError(f"--pp={lay.pp} exceeds the {mod.n_layers} layers of --model {self.model_name}; "
-                                 "each pipeline stage needs at least one layer")
+            stages = lay.num_stages
+            if stages > mod.n_layers:
+                per = f" ({INTERLEAVED_STAGES_PER_RANK} per rank with --pp-schedule interleaved-1f1b)" \
+                    if stages > lay.pp else ""
+                raise ValueError(f"--pp={lay.pp} makes {stages} pipeline stages{per} but --model {self.model_name} has "
+                                 f"{mod.n_layers} layers; each stage needs at least one layer: use a smaller --pp or "
+                                 "a model with more layers (--n-layers)")
             if lay.microbatches < lay.pp:
-                raise ValueError(f"--microbatches={lay.microbatches} must be >= --pp={lay.pp} so every stage has work")
+                raise ValueError(f"--microbatches={lay.microbatches} must be >= --pp={lay.pp}: with fewer microbatches "
+                                 "than stages some stage is always idle; use --microbatches "
+                                 f"{lay.pp} or more")
+            if lay.pp_schedule == "interleaved-1f1b" and lay.microbatches % lay.pp:
+                raise ValueError(f"--microbatches={lay.microbatches} must be a multiple of --pp={lay.pp} for "
+                                 "--pp-schedule interleaved-1f1b (microbatches go round the ranks in groups of --pp)")
+            if mod.tie_embeddings:
+                raise ValueError("--tie-embeddings cannot be pipelined: the embedding sits on the first stage and the "
+                                 "output head on the last, so the shared weight's gradient would have to be summed "
+                                 "across stages; drop --tie-embeddings or --pp")
+        elif lay.microbatches != 1:
+            raise ValueError(f"--microbatches={lay.microbatches} applies to pipeline parallelism only; give --pp 2 or "
+                             "more, or leave --microbatches at 1")
         if self.batch_size % (lay.dp * lay.microbatches):
             raise ValueError(
                 f"--batch-size={self.batch_size} must be divisible by the data-parallel degree ({lay.dp}) x "
@@ -274,15 +298,20 @@ class TrainConfig:
                 f"the layout {lay.describe()} needs {', '.join(missing)}, which hyper-parallel train does not "
                 f"support yet ({reasons}); layouts that run today: a single rank, tensor parallelism "
                 "(--tp N --nproc N), sharded data parallelism (--dp-shard S, with --dp-replicate R for HSDP, "
-                "--nproc R*S), both combined (--tp T --dp-shard S [--dp-replicate R], --nproc R*S*T) and context "
-                "parallelism with or without --dp-shard (--cp C --dp-shard S, --nproc S*C)")
-        if lay.cp > 1 and (lay.tp > 1 or lay.dp_replicate > 1 or lay.cp_mode == "hybrid"):
+                "--nproc R*S), both combined (--tp T --dp-shard S [--dp-replicate R], --nproc R*S*T), context "
+                "parallelism with any of those (--cp C, --nproc R*S*C*T) and pipeline parallelism with or without "
+                "--dp-shard (--pp P --dp-shard S, --nproc P*S)")
+        if lay.pp > 1 and (lay.tp > 1 or lay.cp > 1 or lay.dp_replicate > 1):
             raise ValueError(
-                f"the layout {lay.describe()} with --cp-mode {lay.cp_mode} combines context parallelism with "
-                f"--tp {lay.tp} / --dp-replicate {lay.dp_replicate} / --cp-mode hybrid, which hyper-parallel train does "
-                "not support yet (the gradient reduction over cp goes through fully_shard on the flattened "
-                "(dp_shard, cp) mesh, built for tp == dp_replicate == 1; the hybrid mode needs a 2-D cp mesh); use "
-                "--cp C --cp-mode ulysses|ring|allgather with --dp-shard S only")
+                f"the layout {lay.describe()} combines pipeline parallelism with --tp {lay.tp} / --cp {lay.cp} / "
+                f"--dp-replicate {lay.dp_replicate}, which hyper-parallel train does not support yet (only the "
+                "compositions with a parity test run: pipeline stages alone or fully_sharded over --dp-shard); use "
+                "--pp P [--dp-shard S] --nproc P*S")
+        if lay.cp > 1 and lay.cp_mode == "hybrid":
+            raise ValueError(
+                f"the layout {lay.describe()} uses --cp-mode hybrid, which hyper-parallel train does not support yet "
+                "(it needs the cp axis split into a 2-D (cp_kv, cp_ulysses) mesh, and the loader's sequence shards "
+                "laid out for it); use --cp-mode ulysses|ring|allgather")
 
     @property
     def run_dir(self) -> Path:

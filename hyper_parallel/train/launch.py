@@ -54,9 +54,12 @@ def _base_env(cfg: TrainConfig) -> dict[str, str]:
             env["GLOO_SOCKET_IFNAME"] = loopback
     if cfg.platform.startswith("mindspore"):
         env.setdefault("GLOG_v", "3")  # MindSpore logs each rendezvous retry as a warning
-        # a lost rank fails the cluster in seconds, not minutes
-        env.setdefault("MS_NODE_TIMEOUT", "10")
-        env.setdefault("MS_HEARTBEAT_RETRY_TIMEOUT", "10")
+        # A lost rank fails the cluster in seconds, not minutes. The same bound caps how long
+        # a CPU receive waits for its message; a pipeline stage waits for its neighbour's
+        # whole forward or backward, so pipelines get a minute.
+        bound = "60" if cfg.layout.pp > 1 else "10"
+        env.setdefault("MS_NODE_TIMEOUT", bound)
+        env.setdefault("MS_HEARTBEAT_RETRY_TIMEOUT", bound)
     return env
 
 

@@ -24,6 +24,8 @@ from hyper_parallel.train.metrics import PLOT_FILE, MetricsWriter, Progress, plo
 from hyper_parallel.train.model import build_model
 from hyper_parallel.train.optim import AdamW, lr_at, set_parameter_values
 from hyper_parallel.train.parallelize import build_mesh, data_parallel_coordinate, parallelize
+from hyper_parallel.train.pipeline import Pipeline, build_pipeline, forward_loss
+from hyper_parallel.train.pipeline import train_step as pipeline_train_step
 
 #: validation batches are drawn with this stream id (train: 0), see data.global_batch
 VALIDATION_STREAM = 1
@@ -47,6 +49,7 @@ class _Run:
     dp_size: int
     dp_group: Any       # the group of the ranks whose losses are averaged: dp x cp (None for one)
     cp_mesh: DeviceMesh | None  # the context-parallel mesh (None when cp == 1)
+    pipe: Pipeline | None = None  # this rank's pipeline stages (None when pp == 1)
 
 
 def _scalar(p: Platform, value: float) -> Any:
@@ -62,6 +65,15 @@ def _mean_over_dp(run: _Run, value: float) -> float:
         return value
     total = run.p.all_reduce(run.p.from_numpy(np.asarray([value], np.float64)), "sum", group=run.dp_group).wait()
     return float(run.p.to_numpy(total)[0]) / ranks
+
+
+def _mean_over_last_stage(run: _Run, value: float | None) -> float:
+    """With pipeline parallelism: the mean of the last stage's per-rank losses (``value``
+    there, ``None`` on the other stages), on every rank: one all-reduce (sum) over the
+    world, divided by the ranks of a stage. Every rank holds the same number of tokens."""
+    mine = np.asarray([0.0 if value is None else value], np.float64)
+    total = run.p.all_reduce(run.p.from_numpy(mine), "sum").wait()
+    return float(run.p.to_numpy(total)[0]) / (run.world // run.layout.pp)
 
 
 def _peak_memory(run: _Run) -> list[int]:
@@ -92,9 +104,14 @@ def _batch_tensors(run: _Run, batch: Any) -> list[Any]:
 def _train_step(run: _Run, step: int) -> float:
     cfg, p = run.cfg, run.p
     batch = rank_batch(run.corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
+    lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
+    if run.pipe is not None:  # see [Note: pipeline gradients and loss]
+        local = pipeline_train_step(run.pipe, _batch_tensors(run, batch))
+        run.optimizer.step(run.pipe.gradients(), lr)
+        return _mean_over_last_stage(run, local)
     loss, backward = p.vjp(run.model, _batch_tensors(run, batch), run.params)
     _, grads = backward([_scalar(p, 1.0)])
-    run.optimizer.step(grads, lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps))
+    run.optimizer.step(grads, lr)
     return _mean_over_dp(run, float(p.to_numpy(loss)))
 
 
@@ -105,7 +122,12 @@ def _validation_loss(run: _Run) -> float:
         for index in range(cfg.eval_batches):
             batch = rank_batch(run.corpus.validation, cfg.seed, index, cfg.batch_size, cfg.seq_len, run.dp_rank,
                                run.dp_size, stream_id=VALIDATION_STREAM)
-            losses.append(float(p.to_numpy(run.model(*_batch_tensors(run, batch)))))
+            if run.pipe is not None:
+                losses.append(forward_loss(run.pipe, _batch_tensors(run, batch), cfg.model.dim))
+            else:
+                losses.append(float(p.to_numpy(run.model(*_batch_tensors(run, batch)))))
+    if run.pipe is not None:
+        return _mean_over_last_stage(run, None if losses[0] is None else float(np.mean(losses)))
     return _mean_over_dp(run, float(np.mean(losses)))
 
 
@@ -127,8 +149,11 @@ def _layout_record(run: _Run) -> dict[str, Any]:
 
 def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     """What a checkpoint's shards depend on: the degrees and the model's sizes."""
-    return {"degrees": layout.degrees(), "model": cfg.model_name, "dim": cfg.model.dim,
-            "n_layers": cfg.model.n_layers}
+    record: dict[str, Any] = {"degrees": layout.degrees(), "model": cfg.model_name, "dim": cfg.model.dim,
+                              "n_layers": cfg.model.n_layers}
+    if layout.pp > 1:  # the stages (and so each rank's parameters) depend on the schedule too
+        record["pipeline_stages"] = layout.num_stages
+    return record
 
 
 def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
@@ -139,8 +164,14 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     layout = Layout() if reference else cfg.layout
     mesh = build_mesh(p, layout)
     rank, world = (0, 1) if mesh is None else (p.rank(), p.world_size())
-    model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout)
-    params = [param for _, param in p.named_parameters(model)]
+    pipe = None
+    if layout.pp > 1:
+        assert mesh is not None
+        pipe = build_pipeline(p, cfg, build_model(p, cfg.model, cfg.seed), mesh)
+        model, params = pipe.modules, pipe.parameters()
+    else:
+        model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout)
+        params = [param for _, param in p.named_parameters(model)]
     dp_rank, dp_size = data_parallel_coordinate(mesh)
     # a collective that creates a group: every rank makes it, even when it is not needed
     dp_group = (mesh["dp_replicate", "dp_shard", "cp"].flatten("dp_cp").get_group()
@@ -149,7 +180,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,
-                cp_mesh)
+                cp_mesh, pipe)
 
 
 def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,

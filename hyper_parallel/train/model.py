@@ -201,8 +201,7 @@ def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table
                 h = layer(h, cos, sin)
             h = self.norm(h)
             head = self.tok_embeddings.weight if cfg.tie_embeddings else self.output.weight
-            logits = h @ head.t()
-            return F.cross_entropy(logits.reshape(b * s, -1).float(), targets.reshape(-1))
+            return cross_entropy(p, h @ head.t(), targets)
 
     return Decoder()
 
@@ -284,12 +283,122 @@ def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_t
                 h = layer(h, cos, sin)
             h = self.norm(h)
             head = self.tok_embeddings.weight if cfg.tie_embeddings else self.output.weight
-            logits = mint.matmul(h, head.T).reshape(b * s, -1)
-            # cross-entropy by log-sum-exp: MindSpore 2.10 has no CPU kernel for log_softmax.
-            # The max is a constant shift (its gradient cancels), taken for range only.
-            shift = ms.ops.stop_gradient(logits.amax(-1, keepdims=True))
-            lse = mint.log(mint.sum(mint.exp(logits - shift), -1)) + shift.reshape(-1)
-            picked = mint.gather(logits, 1, targets.reshape(-1, 1)).reshape(-1)
-            return mint.mean(lse - picked)
+            return cross_entropy(p, mint.matmul(h, head.T), targets)
 
     return Decoder()
+
+
+def cross_entropy(p: Platform, logits: Any, targets: Any) -> Any:
+    """Mean next-byte cross-entropy (nats, float32 scalar) of ``logits`` ``[batch, seq,
+    vocab]`` against int ``targets`` ``[batch, seq]``: the decoder's loss, and the loss of
+    each pipeline microbatch on the last stage (the same arithmetic in both)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    if p.framework == "torch":
+        import torch.nn.functional as F
+
+        return F.cross_entropy(flat.float(), targets.reshape(-1))
+    import mindspore as ms
+    from mindspore import mint
+
+    # cross-entropy by log-sum-exp: MindSpore 2.10 has no CPU kernel for log_softmax.
+    # The max is a constant shift (its gradient cancels), taken for range only.
+    shift = ms.ops.stop_gradient(flat.amax(-1, keepdims=True))
+    lse = mint.log(mint.sum(mint.exp(flat - shift), -1)) + shift.reshape(-1)
+    picked = mint.gather(flat, 1, targets.reshape(-1, 1)).reshape(-1)
+    return mint.mean(lse - picked)
+
+
+def stage_layers(n_layers: int, num_stages: int) -> list[range]:
+    """The decoder blocks of each pipeline stage: contiguous, in order, as even as
+    possible (the later stages take one more when ``num_stages`` does not divide
+    ``n_layers``; the first also runs the embedding, the last the norm and head).
+
+    Raises:
+        ValueError: fewer blocks than stages (a stage needs at least one).
+    """
+    if not 1 <= num_stages <= n_layers:
+        raise ValueError(f"{num_stages} pipeline stages for {n_layers} decoder layers: each stage needs at least "
+                         "one layer; use fewer stages or more layers")
+    bounds = [s * n_layers // num_stages for s in range(num_stages + 1)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def _stage_forward(p: Platform, m: Any, inputs: tuple[Any, ...]) -> Any:
+    """One pipeline stage of the decoder. Stage 0 takes ``(tokens, positions)`` (int
+    ``[batch, seq]``) and embeds; later stages take ``(h, positions_f)``: the residual
+    stream float32 ``[batch, seq, dim]`` and the positions as float32 ``[batch, seq]``
+    (exact below 2^24; a stage boundary carries floating tensors only), so each stage
+    indexes its own rotary tables. The last stage returns the logits ``[batch, seq,
+    vocab]``, the others ``(h, positions_f)``."""
+    if m.first:
+        tokens, positions = inputs
+        h = m.tok_embeddings(tokens)
+        carried = p.to_dtype(positions, p.dtype("float32"))
+    else:
+        h, carried = inputs
+        positions = p.to_dtype(carried, p.dtype("int64"))
+    b, s = positions.shape
+    cos = m.rope_cos[positions].reshape(b, s, 1, -1)
+    sin = m.rope_sin[positions].reshape(b, s, 1, -1)
+    for layer in m.layers.values():
+        h = layer(h, cos, sin)
+    if not m.last:
+        return h, carried
+    h = m.norm(h)
+    head = m.output.weight
+    return h @ head.t() if p.framework == "torch" else h @ head.T
+
+
+def build_stage(p: Platform, cfg: ModelConfig, model: Any, layers: range, first: bool, last: bool) -> Any:
+    """The pipeline stage module of ``model`` (a ``build_model`` decoder) that runs blocks
+    ``layers``, with the embedding when ``first`` and the final norm and output head when
+    ``last`` (see ``_stage_forward`` for what crosses a stage boundary). It holds
+    ``model``'s own submodules, so its parameters are ``model``'s, under the decoder's
+    names (``tok_embeddings.weight``, ``layers.{i}...`` keyed by the block's index in the
+    decoder, ``norm.weight``, ``output.weight``): unique across a rank's stages, as
+    MindSpore's optimizer requires.
+
+    Raises:
+        ValueError: a tied output head on a pipeline (the embedding and the head would sit
+            on different stages, whose gradients would have to be summed across them).
+    """
+    if cfg.tie_embeddings and not (first and last):
+        raise ValueError("--tie-embeddings cannot be pipelined: the embedding sits on the first stage and the output "
+                         "head on the last, so the shared weight would need its gradient summed across stages; drop "
+                         "--tie-embeddings or --pp")
+    cos, sin = rope_tables(cfg)
+    if p.framework == "torch":
+        import torch
+        from torch import nn
+
+        class Stage(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.register_buffer("rope_cos", torch.from_numpy(cos), persistent=False)
+                self.register_buffer("rope_sin", torch.from_numpy(sin), persistent=False)
+
+            def forward(self, *inputs: Any) -> Any:
+                return _stage_forward(p, self, inputs)
+
+        stage, blocks = Stage(), nn.ModuleDict({str(i): model.layers[i] for i in layers})
+    else:
+        import mindspore as ms
+        from mindspore import nn
+
+        class Stage(nn.Cell):  # type: ignore[no-redef]
+            def __init__(self) -> None:
+                super().__init__()
+                self.rope_cos = ms.Tensor(cos)
+                self.rope_sin = ms.Tensor(sin)
+
+            def construct(self, *inputs: Any) -> Any:
+                return _stage_forward(p, self, inputs)
+
+        stage, blocks = Stage(), nn.CellDict({str(i): model.layers[i] for i in layers})
+    stage.first, stage.last = first, last
+    if first:
+        stage.tok_embeddings = model.tok_embeddings
+    stage.layers = blocks
+    if last:
+        stage.norm, stage.output = model.norm, model.output
+    return stage

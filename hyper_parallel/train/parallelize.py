@@ -13,8 +13,10 @@ Order of the chain, and why:
 
 With tensor parallelism, fully_shard runs over the data-parallel submesh and shards each
 rank's tensor-parallel shards again (FSDP2's 2-D composition, see docs/fully_shard.md).
-Step 3 is not wired into the job yet, nor context parallelism with tensor parallelism or
-with ``--dp-replicate``; ``TrainConfig.refuse_unlanded`` stops such layouts before any
+With pipeline parallelism (``mesh["pp"]``) the decoder is first cut into stages
+(``train/pipeline.py``), and step 4 runs on each stage module. Step 3 is not wired into the
+job yet, nor the hybrid context-parallel mode, nor pipelines with tensor, context or
+replicated data parallelism; ``TrainConfig.refuse_unlanded`` stops such layouts before any
 rank starts, so the chain below holds only what runs.
 """
 
@@ -86,9 +88,16 @@ def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The mesh fully_shard shards over: 1-D ``dp_shard`` when there is no replication,
     else the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). With ``tp > 1`` it is a submesh
     (one per tensor-parallel coordinate), over which fully_shard shards the TP-local
-    parameters. With ``cp > 1`` (``tp == dp_replicate == 1``): the flattened
-    ``(dp_shard, cp)`` mesh, so that the gradients of the parameters, replicated over
-    ``cp``, are averaged over the cp ranks too. Collective when it builds a group."""
+    parameters. With ``cp > 1``: the ``(dp_shard, cp)`` axes flattened into one shard axis,
+    so that the gradients of the parameters, replicated over ``cp``, are averaged over the
+    cp ranks too (``(dp_replicate, dp_shard x cp)`` for HSDP: a second mesh over the same
+    ranks with the two axes merged, as row-major order keeps them adjacent; one submesh
+    per tensor-parallel coordinate with ``tp > 1``). Collective when it builds a group."""
+    if layout.cp > 1 and layout.dp_replicate > 1:
+        merged = init_device_mesh(mesh.device_type, (layout.pp, layout.dp_replicate, layout.dp_shard * layout.cp,
+                                                     layout.tp),
+                                  mesh_dim_names=("pp", "dp_replicate", "dp_shard_cp", "tp"))
+        return merged["dp_replicate", "dp_shard_cp"]
     if layout.cp > 1:
         return mesh["dp_shard", "cp"].flatten("dp_shard_cp")
     if layout.dp_replicate > 1:
@@ -103,7 +112,9 @@ def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh) -> None:
     embedding). Every rank holds the same initial weights (``build_model`` seeds them), as
     fully_shard requires. Collectives: none here; the all-gathers / reduce-scatters run in
     each step."""
-    for block in model.layers:
+    # a pipeline stage keys its blocks by their index in the decoder (model.build_stage)
+    blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
+    for block in blocks:
         fully_shard(block, mesh=fsdp_mesh)
     fully_shard(model, mesh=fsdp_mesh)
 

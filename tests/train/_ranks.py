@@ -13,7 +13,7 @@ import numpy as np
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import PRESETS, Layout, ModelConfig, TrainConfig
 from hyper_parallel.train.loop import setup, train
-from hyper_parallel.train.model import parameter_shapes
+from hyper_parallel.train.model import parameter_shapes, stage_layers
 
 
 #: A small real corpus (the standard library's json package, ~60 KB): reading the whole
@@ -76,6 +76,13 @@ def check_layout_parity(out: str) -> list[float]:
         assert local["layers.0.feed_forward.w2.weight"] == (w2[0] // 2, w2[1] // 2), local
         assert local["tok_embeddings.weight"] == (-(-emb[0] // 2), emb[1]), local
         both_got = losses(train(both, write_outputs=False, run=run))
+        # tp 2 x cp 2 (Ulysses over the 4 local heads of each TP rank): fully_shard over the
+        # flattened (dp_shard, cp) submesh of each TP coordinate averages the gradients over cp
+        tp_cp = cfg.replace(out=f"{out}/tp2_cp2", layout=Layout(tp=2, cp=2, cp_mode="ulysses"))
+        run = setup(tp_cp)
+        local = {name: tuple(param.shape) for name, param in p.named_parameters(run.model)}
+        assert local["layers.0.attention.wq.weight"] == (wq[0] // 4, wq[1]), local
+        tp_cp_got = losses(train(tp_cp, write_outputs=False, run=run))
     # the reference uses no collectives: rank 0 runs it after every layout's collectives
     if r == 0:
         ref = losses(train(cfg, reference=True, write_outputs=False))
@@ -84,6 +91,9 @@ def check_layout_parity(out: str) -> list[float]:
             # Tolerance: as for tp and dp-shard alone (2e-5 relative over four steps): the TP
             # partial sums and the dp gradient average are the same sums in other orders.
             np.testing.assert_allclose(both_got, ref, rtol=2e-5, atol=0, err_msg="tp 2 x dp-shard 2 vs single process")
+            # Tolerance: as above; Ulysses' all-to-alls move values without arithmetic, the
+            # cp gradient average is one more sum in another order (measured 1.3e-7 on torch).
+            np.testing.assert_allclose(tp_cp_got, ref, rtol=2e-5, atol=0, err_msg="tp 2 x cp 2 vs single process")
     return got.tolist()
 
 
@@ -196,3 +206,82 @@ def framework_losses(out: str) -> list[float]:
     p = get_platform()
     return losses(train(tiny_config(f"{out}/{p.name}", tp=p.world_size()), write_outputs=False)).tolist()
 
+
+
+#: ``tiny`` with 4 layers: interleaved 1F1B over 2 pipeline ranks runs 4 stages of one block.
+PIPELINE_MODEL = ModelConfig(dim=32, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=64, max_seq_len=256)
+
+
+def check_pipeline_parity(out: str, layouts: list[dict], resume: bool = False) -> list[list[float]]:
+    """Pipeline parallelism (``--pp``, alone or with every stage fully_sharded over
+    ``--dp-shard``) against the single-process reference on the same seed and data, one
+    layout after the other (MindSpore pays seconds per multi-rank call). For each layout:
+    this rank holds only its stages' parameters (``stage_layers``: embedding on the first,
+    norm and head on the last, sharded ``ceil(rows / dp_shard)`` rows with fully_shard), and
+    the training and validation losses match the reference's. ``resume``: the first layout
+    also checkpoints at step 2 and resumes from it bit-identically.
+
+    Tolerance: float32. The last stage's loss is the mean of the microbatch means (equal
+    microbatches: the mean over the tokens, summed in another order) and the gradients are
+    the microbatches' gradients (each scaled by 1 / microbatches), summed, and with
+    dp-shard averaged over the ranks by one reduce-scatter per microbatch: the same sums
+    in other orders, a few ulps per step, which AdamW's sign-like first steps can amplify
+    a little. Three steps stay within 2e-5 relative, as for the other layouts (measured on
+    torch: pp 2 1F1B 8.6e-8, pp 2 interleaved 4.3e-8, pp 2 x dp-shard 2 GPipe 1.1e-7)."""
+    p = get_platform()
+    n = p.world_size()
+    runs = []
+    for degrees in layouts:
+        layout = Layout(**degrees)
+        assert layout.world_size == n, (degrees, n)
+        # one block per stage: the least work a stage's neighbours wait for
+        model = (PIPELINE_MODEL, "tiny-4-layers") if layout.num_stages == 4 else (PRESETS["tiny"], "tiny")
+        cfg = tiny_config(f"{out}/{layout.describe()}-{layout.pp_schedule}", nproc=n, layout=layout, steps=3,
+                          eval_every=3, model=model[0], model_name=model[1],
+                          checkpoint_every=2 if resume and not runs else 0)
+        run = setup(cfg)
+        # this rank's parameters: its stages' blocks (and the embedding / the head), sharded
+        shapes = parameter_shapes(cfg.model)
+        stage_of = {s: s % layout.pp for s in range(layout.num_stages)}
+        mine = [s for s, r in stage_of.items() if r == p.rank() // (n // layout.pp)]
+        ranges = stage_layers(cfg.model.n_layers, layout.num_stages)
+        expected = [name for s in mine for name in shapes
+                    if (name == "tok_embeddings.weight" and s == 0)
+                    or (name in ("norm.weight", "output.weight") and s == layout.num_stages - 1)
+                    or any(name.startswith(f"layers.{i}.") for i in ranges[s])]
+        got_shapes = [tuple(param.shape) for param in run.params]
+        want_shapes = [(-(-shapes[name][0] // layout.dp_shard), *shapes[name][1:]) for name in expected]
+        assert sorted(got_shapes) == sorted(want_shapes), (got_shapes, want_shapes)
+        rows = train(cfg, write_outputs=resume and not runs, run=run)
+        got = losses(rows)
+        val = rows[-1]["val_loss"]
+        if resume and not runs:
+            resumed = losses(train(cfg.replace(resume=True, steps=3), write_outputs=False))
+            assert resumed.size == 0, resumed  # step 3's checkpoint is the newest: nothing left to run
+            p.barrier().wait()
+            if p.rank() == 0:
+                shutil.rmtree(cfg.checkpoint_path / "step_00000003")
+            p.barrier().wait()
+            resumed = losses(train(cfg.replace(resume=True), write_outputs=False))
+            np.testing.assert_array_equal(resumed, got[2:], err_msg="resumed from step 2")
+        runs.append((cfg, got, val))
+    # rank 0 runs the reference after every layout's collectives (see check_data_parallel_parity)
+    if p.rank() == 0:
+        references = {}
+        for cfg, got, val in runs:
+            if cfg.model_name not in references:  # the reference ignores the layout: one per model
+                ref_rows = train(cfg, reference=True, write_outputs=False)
+                references[cfg.model_name] = (losses(ref_rows), ref_rows[-1]["val_loss"])
+            ref, ref_val = references[cfg.model_name]
+            name = f"{cfg.layout.describe()} {cfg.layout.pp_schedule}"
+            np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"{name} vs single process")
+            np.testing.assert_allclose(val, ref_val, rtol=2e-5, atol=0, err_msg=f"{name} validation loss")
+    return [got.tolist() for _, got, _ in runs]
+
+
+def reference_losses(cfg_values: dict) -> list[list[float]]:
+    """The single-process reference of a run (``TrainConfig.to_dict()``): its training
+    losses and its validation losses, on this rank alone (no collectives)."""
+    cfg = TrainConfig.from_dict(cfg_values)
+    rows = train(cfg, reference=True, write_outputs=False)
+    return [losses(rows).tolist(), [row["val_loss"] for row in rows if "val_loss" in row]]

@@ -1,0 +1,150 @@
+"""Pipeline parallelism in ``hyper-parallel train`` (``--pp``, ``--pp-schedule``,
+``--microbatches``): the decoder cut into stages, each stage fully_sharded over the
+data-parallel submesh, a schedule of ``hyper_parallel.core.pipeline_parallel`` running
+them, and a forward-only pass through the stages for the validation loss.
+
+[Note: pipeline gradients and loss]
+The step's local batch (``batch / dp`` sequences) is cut into ``--microbatches`` equal
+microbatches. The last stage's loss of a microbatch is the mean cross-entropy over its
+tokens, and the schedule scales each microbatch's loss gradient by ``1 / microbatches``
+(``scale_grads``), so the sum over microbatches is the gradient of the mean over this
+rank's tokens, the loss of the unpipelined model. With ``--dp-shard`` every stage module
+is fully_sharded (each block, then the stage's root) over the data-parallel submesh of its
+pipeline coordinate: each microbatch's backward reduce-scatters (averages) its gradient
+over the data-parallel ranks, and the stage adds the microbatches' shards. That is one
+reduce-scatter per microbatch and unit instead of one per step (accumulating unreduced
+gradients with ``set_requires_gradient_sync(False)`` would save them, at the price of
+knowing which backward of each unit comes last); the values are the same sums in another
+order. All data-parallel ranks of one pipeline coordinate run the same action list, so
+their all-gathers and reduce-scatters are issued in the same order, also where MindSpore
+recomputes a forward for an out-of-order backward (``[Note: out-of-order backwards]`` in
+``platform/mindspore/autograd.py``: the recomputed forward's all-gathers run on every
+data-parallel rank of the stage, in the schedule's order).
+
+The reported loss is the mean of the last stage's microbatch losses, averaged over the
+last stage's ranks and handed to every rank by one all-reduce over the world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.dtensor import DeviceMesh
+from hyper_parallel.core.pipeline_parallel import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                   ScheduleInterleaved1F1B)
+from hyper_parallel.platform import Platform
+from hyper_parallel.train.config import TrainConfig
+from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
+from hyper_parallel.train.parallelize import apply_fully_shard, fully_shard_mesh
+
+
+@dataclass
+class Pipeline:
+    """What one rank holds of the pipeline."""
+
+    p: Platform
+    modules: list[Any]          # this rank's stage modules, in stage order
+    stages: list[PipelineStage]  # their PipelineStages
+    indices: list[int]          # their stage indices
+    num_stages: int
+    schedule: PipelineSchedule
+    group: Any                  # the pipeline process group (this rank's pp axis)
+    rank: int                   # this rank's pipeline coordinate (group rank)
+    size: int                   # pipeline degree
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.indices
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.indices
+
+    def parameters(self) -> list[Any]:
+        """This rank's parameters: its stages' (sharded when fully_sharded), in stage order."""
+        return [param for module in self.modules for _, param in self.p.named_parameters(module)]
+
+    def gradients(self) -> list[Any]:
+        """The last step's gradient of each ``parameters()`` entry: the stages'
+        ``param_grads()`` (already reduced over the data-parallel ranks), in stage order."""
+        return [grad for stage in self.stages for grad in stage.param_grads().values()]
+
+
+def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh) -> Pipeline:
+    """Cut ``model`` into ``cfg.layout.num_stages`` stages (``model.stage_layers``), keep this
+    rank's (loop placement: stage ``s`` on pipeline rank ``s % pp``), fully_shard each over
+    the data-parallel submesh when ``dp > 1`` and build the ``--pp-schedule`` over them.
+    Collective: creates the data-parallel groups (through ``fully_shard_mesh``)."""
+    layout = cfg.layout
+    group = mesh["pp"].get_group()
+    rank, size = mesh.get_local_rank("pp"), layout.pp
+    num_stages = layout.num_stages
+    ranges = stage_layers(cfg.model.n_layers, num_stages)
+    indices = list(range(rank, num_stages, size))
+    modules = [build_stage(p, cfg.model, model, ranges[s], s == 0, s == num_stages - 1) for s in indices]
+    if layout.dp > 1:
+        dp_mesh = fully_shard_mesh(mesh, layout)
+        for module in modules:
+            apply_fully_shard(module, dp_mesh)
+    stages = [PipelineStage(module, s, num_stages, group=group) for module, s in zip(modules, indices)]
+
+    def loss_fn(logits: Any, targets: Any) -> Any:
+        return cross_entropy(p, logits, targets)
+
+    m = layout.microbatches
+    if layout.pp_schedule == "gpipe":
+        schedule: PipelineSchedule = ScheduleGPipe(stages[0], m, loss_fn)
+    elif layout.pp_schedule == "1f1b":
+        schedule = Schedule1F1B(stages[0], m, loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn)
+    return Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size)
+
+
+def train_step(pipe: Pipeline, tensors: list[Any]) -> float | None:
+    """Run one step's forwards and backwards over the microbatches of ``tensors``
+    (``[tokens, positions, targets]``, this data-parallel rank's ``[batch / dp, seq]``).
+    Returns the mean of the microbatch losses on the rank of the last stage (the mean
+    over this rank's tokens: microbatches are equal), ``None`` elsewhere."""
+    tokens, positions, targets = tensors
+    losses: list[Any] = []
+    args = (tokens, positions) if pipe.has_first else ()
+    pipe.schedule.step(*args, target=targets if pipe.has_last else None, losses=losses)
+    if not pipe.has_last:
+        return None
+    return float(np.mean([float(pipe.p.to_numpy(loss)) for loss in losses]))
+
+
+def forward_loss(pipe: Pipeline, tensors: list[Any], dim: int) -> float | None:
+    """The loss of ``tensors`` through the stages, without recording (validation): each
+    rank runs its stages in stage order, receiving the residual stream and the positions
+    (float32 ``[batch, seq, dim]`` and ``[batch, seq]``) from the previous stage's rank and
+    sending its outputs to the next one (``isend``/``irecv`` over the pipeline group, one
+    pair of messages per stage boundary). Returns the loss on the last stage's rank,
+    ``None`` elsewhere. Call it under ``no_grad``."""
+    p = pipe.p
+    tokens, positions, targets = tensors
+    b, s = tuple(tokens.shape)
+    f32 = p.dtype("float32")
+    carried: tuple[Any, ...] = ()
+    for module, index in zip(pipe.modules, pipe.indices):
+        if index == 0:
+            inputs: tuple[Any, ...] = (tokens, positions)
+        elif (index - 1) % pipe.size == pipe.rank:
+            inputs = carried
+        else:
+            src = (index - 1) % pipe.size
+            inputs = tuple(p.irecv(p.zeros(shape, f32), src, pipe.group).wait() for shape in ((b, s, dim), (b, s)))
+        out = module(*inputs)
+        if index == pipe.num_stages - 1:
+            return float(p.to_numpy(cross_entropy(p, out, targets)))
+        dst = (index + 1) % pipe.size
+        if dst == pipe.rank:
+            carried = tuple(out)
+        else:
+            for work in [p.isend(tensor, dst, pipe.group) for tensor in out]:
+                work.wait()
+    return None
