@@ -66,8 +66,14 @@ def _shard_model(p, model, mesh, config: dict):
                         offload_policy=offload)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=_policy(p, config, True),
                 offload_policy=offload, ignored_params=[model.gain])
-    if config.get("prefetch"):  # explicit: each block gathers the next in forward, the previous in backward
-        blocks = list(model.blocks)
+    blocks = list(model.blocks)
+    if config.get("prefetch") == "late":
+        # Mis-ordered on purpose: each block's backward gathers the block after it, whose
+        # backward has already run. That gather must not outlive the step (the optimizer
+        # then steps the shards; the next forward must read the new values).
+        for before, after in zip(blocks, blocks[1:]):
+            hsdp_state(before).set_modules_to_backward_prefetch([after])
+    elif config.get("prefetch"):  # explicit: each block gathers the next in forward, the previous in backward
         for before, after in zip(blocks, blocks[1:]):
             hsdp_state(before).set_modules_to_forward_prefetch([after])
             hsdp_state(after).set_modules_to_backward_prefetch([before])
@@ -129,6 +135,10 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
             assert all(hp.pending_reduce is None and hp.reduced is None
                        for state in _units(model, config) for hp in state.params), \
                 f"{config}: a reduce-scatter is still pending after the backward of step {step}"
+            # A backward prefetch of a unit whose backward is done gathers nothing.
+            assert all(hp.unsharded is None and hp.pending is None
+                       for state in _units(model, config) for hp in state.params), \
+                f"{config}: a unit is still gathered after the backward of step {step}"
         if pool is not None:
             # The same buffers serve every step, all given back after the backward.
             ids = [id(b) for b in pool.buffers]
@@ -138,6 +148,11 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
             pool_buffers = ids
         if step == 0:
             _check_grads(p, model, trainer, ref_params, config)
+        if config.get("eval") and step < STEPS - 1:
+            # A no-grad forward before the optimizer step (evaluation, logging): with
+            # reshard_after_forward=False it leaves every unit gathered from the old shards.
+            with p.no_grad():
+                model(p.from_numpy(local))
         trainer.step()
         total = float(p.to_numpy(p.all_reduce(p.from_numpy(np.array([loss], np.float32))).wait())[0]) / n
         np.testing.assert_allclose(total, ref_losses[step], **_tol(p, config), err_msg=f"{config}: loss of step {step}")
@@ -211,6 +226,15 @@ WORLD_4 = [{"reshard": 2, "accum": 2, "offload": True}, {"mesh": (2, 2), "prefet
 @pytest.mark.parametrize("world,configs", [(2, WORLD_2), (4, WORLD_4)], ids=["world2", "world4"])
 def test_training_parity(run_on_ranks, world, configs) -> None:
     run_on_ranks(check_training, configs, world_size=world, timeout_s=600)
+
+
+def test_no_stale_gathered_copy(run_on_ranks) -> None:
+    """Regression: a copy gathered in one step must not serve the next (the optimizer
+    stepped the shards in between). Once it did, and training diverged from step 1 on:
+    an explicit backward prefetch of a unit whose backward already ran (each block
+    prefetches the next one) left that unit gathered; so did a no-grad forward with
+    ``reshard_after_forward=False`` before the optimizer step."""
+    run_on_ranks(check_training, [{"prefetch": "late"}, {"reshard": False, "eval": True}], world_size=2, timeout_s=300)
 
 
 def _trained(p, mesh_shape, steps: int = 2):

@@ -200,6 +200,7 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         params.append(hp)
     state = HSDPState(module, params, reshard_after_forward, mp_policy, mesh)
     context = HSDPContext()
+    context.units = [*children, state]
     for child in children:
         child.is_root = False
         child.context = context

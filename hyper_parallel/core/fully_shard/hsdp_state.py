@@ -39,9 +39,23 @@ stream. The orderings that matter, and how each is kept:
    unit's reduce-scatter at the next unit's). This is the latest safe point: the
    gradient is read right after. Units with no predecessor (the first step, the first
    unit) create their own. A reduce-scatter still in flight when its unit unshards
-   (an explicit backward prefetch of a unit already done) is waited for there and its
+   (a prefetch of a unit whose backward has partly run) is waited for there and its
    result kept for ``WaitReduce``; one never collected (a backward cut short) is
    waited for and dropped at the root's next forward, so nothing leaks across steps.
+
+[Note: no stale gathered copy]
+The optimizer steps the shards between steps (torch: in place, which a gathered copy
+does not see; MindSpore: ``Assign`` into the parameter, likewise), so a copy gathered
+in one step must not serve the next. Every gather the hooks issue (unshard, prefetch,
+``_reload``) marks its unit (``_hook_copy``); the root's forward pre-hook reshards every
+marked unit of its tree (``HSDPContext.units``) before anything is gathered, so each
+forward computes with parameters gathered from the current shards. A copy the hooks
+would leave behind without it: an explicit backward prefetch of a unit whose backward
+already ran (skipped in ``_pre_backward``, as it gathers for nothing), a prefetch of a
+unit that then did not run, a no-grad forward with ``reshard_after_forward=False``
+(nothing drops its copy), a parameter that received no gradient. A manual ``unshard()``
+between steps is not marked and is kept (call it after the optimizer step, as with
+FSDP2); one on a marked unit gathers again.
 
 [Note: parameter substitution]
 During the forward a module reads ``module.<name>``; the sharded parameter stays
@@ -79,6 +93,7 @@ class HSDPContext:
     backward prefetch)."""
 
     def __init__(self) -> None:
+        self.units: list[HSDPState] = []  # every unit of the tree, the root last
         self.post_forward_order: list[HSDPState] = []
         self.pre_forward_order: list[HSDPState] = []  # this step's, so far
         self.last_pre_forward_order: list[HSDPState] = []  # the last step's
@@ -121,11 +136,13 @@ class HSDPState:
         self.mp_policy: MixedPrecisionPolicy = mp_policy
         self.is_root: bool = True  # False once an enclosing fully_shard adopts this unit
         self.context: HSDPContext = HSDPContext()
+        self.context.units.append(self)
         self.training_state: TrainingState = TrainingState.IDLE
         self.requires_gradient_sync: bool = True
         self.forward_prefetch: list[HSDPState] = []
         self.backward_prefetch: list[HSDPState] | None = None  # None: the next unit the backward reaches
         self._release: Any = None  # the entered release_saved_tensors context during forward
+        self._hook_copy: bool = False  # holds what the hooks gathered: [Note: no stale gathered copy]
         self._grads_pending: int = 0
         self._param_dtype: Any = None if mp_policy.param_dtype is None else p.dtype(mp_policy.param_dtype)
         reduce = mp_policy.reduce_dtype or mp_policy.param_dtype
@@ -139,13 +156,22 @@ class HSDPState:
 
     # -- public -----------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
-        """All-gather every managed parameter (no-op for those already gathered or in
-        flight). With ``async_op`` the collectives are only issued (prefetch); the next
-        use waits for them."""
+        """All-gather every managed parameter over the shard axis (no-op for those
+        already gathered or in flight by an earlier ``unshard``; what the hooks gathered
+        is dropped and gathered again, see [Note: no stale gathered copy]). With
+        ``async_op`` the collectives are only issued (prefetch); the next use waits for
+        them. Call it after the optimizer step: the copy is kept until used."""
+        if self._hook_copy:
+            self.reshard()
+        self._unshard(async_op)
+
+    def _unshard(self, async_op: bool) -> None:
+        """``unshard`` from the hooks: marks the unit, whose copy the root's next forward drops."""
+        self._hook_copy = True
         for hp in self.params:
             if hp.pending_reduce is not None:
-                # Waited for here (an explicit backward prefetch of a unit whose backward is
-                # done), kept for its WaitReduce; dropped at the next step if never collected.
+                # Waited for here (a prefetch of a unit whose backward has partly run),
+                # kept for its WaitReduce; dropped at the next step if never collected.
                 hp.reduced = hp.finish_reduce()
             if hp.unsharded is None and hp.pending is None:
                 hp.start_gather(self._param_dtype or hp.sharded.dtype, self.context.streams()[0])
@@ -158,6 +184,7 @@ class HSDPState:
         self._drop_gathered()
         for hp in self.params:
             hp.block = None
+        self._hook_copy = False
 
     def _drop_gathered(self) -> None:
         for hp in self.params:
@@ -207,11 +234,14 @@ class HSDPState:
                     if hp.pending_reduce is not None:  # a gradient never collected (a backward
                         hp.finish_reduce()  # cut short): wait, drop, so nothing leaks across steps
                     hp.reduced = None
+            for state in context.units:  # [Note: no stale gathered copy]
+                if state._hook_copy:
+                    state.reshard()
         context.pre_forward_order.append(self)
         self.training_state = TrainingState.FORWARD
-        self.unshard()
+        self._unshard(async_op=False)
         for other in self.forward_prefetch:
-            other.unshard(async_op=True)
+            other._unshard(async_op=True)
         # [Note: collectives and overlap], point 4: the next unit's WaitReduce nodes now.
         last = context.last_pre_forward_order
         if self in last and last.index(self) + 1 < len(last):
@@ -264,9 +294,12 @@ class HSDPState:
 
     def _pre_backward(self, module: Any, grad_output: Any) -> None:
         self.training_state = TrainingState.BACKWARD
-        self.unshard()
+        self._unshard(async_op=False)
         for other in self._backward_prefetch_targets():
-            other.unshard(async_op=True)
+            # Every gradient of ``other`` done: its backward already ran (a mis-ordered
+            # explicit prefetch); a gather would only be held until the next step.
+            if other._grads_pending > 0:
+                other._unshard(async_op=True)
         return None
 
     def _backward_prefetch_targets(self) -> Sequence[HSDPState]:
@@ -282,6 +315,7 @@ class HSDPState:
     def _reload(self, index: int) -> Any:
         hp = self.params[index]
         if hp.unsharded is None:
+            self._hook_copy = True
             if hp.pending is None:
                 hp.start_gather(self._param_dtype or hp.sharded.dtype, self.context.streams()[0])
             hp.finish_gather()
