@@ -20,7 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from hyper_parallel.train.config import CP_MODES, PP_SCHEDULES, PRESETS, Layout, ModelConfig, TrainConfig
+from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PP_SCHEDULES, PRESETS, Layout, ModelConfig,
+                                         TrainConfig)
 from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
 
 #: The layout of a run without layout flags, on ``--nproc`` ranks: sharded data
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--tp", type=int, default=None, help="tensor-parallel degree")
     lay.add_argument("--cp", type=int, default=None, help="context-parallel degree")
     lay.add_argument("--cp-mode", default="ulysses", help=f"context-parallel mode: {', '.join(CP_MODES)}")
+    lay.add_argument("--ulysses-degree", type=int, default=None,
+                     help="--cp-mode hybrid: ranks of the Ulysses all-to-all axis, 1 < u < cp dividing cp and the "
+                          "heads per tensor-parallel rank (default: the largest such u)")
+    lay.add_argument("--cp-kv-exchange", default="ring",
+                     help=f"--cp-mode hybrid: key/value exchange over the other cp / u ranks: "
+                          f"{', '.join(CP_KV_EXCHANGES)}")
     lay.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     lay.add_argument("--pp-schedule", default="1f1b", help=f"pipeline schedule: {', '.join(PP_SCHEDULES)}")
     lay.add_argument("--microbatches", type=int, default=None,
@@ -100,7 +107,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         nproc = args.nproc if args.nproc is not None else 4
         degrees = {DEFAULT_LAYOUT_AXIS: nproc}
     microbatches = args.microbatches if args.microbatches is not None else degrees.get("pp", 1)
-    layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches)
+    layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches,
+                    ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange)
     name = args.model if not sizes else f"{args.model}+custom"
     return TrainConfig(platform=args.platform or _default_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,

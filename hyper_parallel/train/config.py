@@ -20,6 +20,10 @@ VOCAB_SIZE = 256
 #: all-gathered key/value, and the 2-D Ulysses x ring hybrid).
 CP_MODES = ("ulysses", "ring", "allgather", "hybrid")
 
+#: ``--cp-kv-exchange`` values: how ``--cp-mode hybrid`` exchanges key/value shards over
+#: its ``cp_kv`` axis (``ContextParallel(kv_exchange=...)``).
+CP_KV_EXCHANGES = ("ring", "allgather")
+
 #: ``--pp-schedule`` values, the generators of ``hyper_parallel.core.pipeline_parallel.schedules``.
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -99,6 +103,18 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def default_ulysses_degree(cp: int, heads: int, kv_heads: int) -> int | None:
+    """The Ulysses degree ``--cp-mode hybrid`` uses when ``--ulysses-degree`` is not given:
+    the largest ``u`` with ``1 < u < cp`` that divides ``cp``, ``heads`` and ``kv_heads``
+    (the query and key/value heads per tensor-parallel rank), or ``None`` if there is
+    none. The largest, because the all-to-all axis is the inner (closest) one and a ring
+    of ``cp / u`` ranks takes ``cp / u`` steps."""
+    for u in range(cp - 1, 1, -1):
+        if cp % u == 0 and heads % u == 0 and kv_heads % u == 0:
+            return u
+    return None
+
+
 @dataclass(frozen=True)
 class Layout:
     """Parallel degrees. Their product is the number of ranks.
@@ -116,6 +132,11 @@ class Layout:
     cp_mode: str = "ulysses"
     pp_schedule: str = "1f1b"
     microbatches: int = 1
+    #: ``--cp-mode hybrid`` only: ranks of the Ulysses (all-to-all) axis, ``1 < u < cp``
+    #: dividing ``cp``; ``None``: derived by ``TrainConfig`` (``default_ulysses_degree``).
+    ulysses_degree: int | None = None
+    #: ``--cp-mode hybrid`` only: the key/value exchange over the other ``cp / u`` ranks.
+    cp_kv_exchange: str = "ring"
 
     AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -130,6 +151,18 @@ class Layout:
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"--pp-schedule={self.pp_schedule!r} is not a pipeline schedule; "
                              f"use one of {', '.join(PP_SCHEDULES)}")
+        if self.cp_kv_exchange not in CP_KV_EXCHANGES:
+            raise ValueError(f"--cp-kv-exchange={self.cp_kv_exchange!r} is not a key/value exchange; use one of "
+                             f"{', '.join(CP_KV_EXCHANGES)}")
+        if self.cp_mode != "hybrid" and (self.ulysses_degree is not None or self.cp_kv_exchange != "ring"):
+            raise ValueError(f"--ulysses-degree and --cp-kv-exchange apply to --cp-mode hybrid only (got --cp-mode "
+                             f"{self.cp_mode}); drop them or use --cp-mode hybrid")
+        if self.cp_mode == "hybrid" and self.ulysses_degree is not None:
+            u = self.ulysses_degree
+            if not isinstance(u, int) or not 1 < u < self.cp or self.cp % u:
+                raise ValueError(f"--ulysses-degree={u!r} with --cp={self.cp} must divide --cp and lie strictly "
+                                 "between 1 and --cp (hybrid splits cp into cp / u key/value ranks x u Ulysses "
+                                 "ranks); use --cp-mode ulysses for u = cp, --cp-mode ring|allgather for u = 1")
 
     @property
     def world_size(self) -> int:
@@ -247,12 +280,14 @@ class TrainConfig:
         if lay.cp > 1:
             # Ulysses trades sequence shards for head shards; the load-balanced ring splits each
             # sequence into 2 * cp chunks.
-            if lay.cp_mode in ("ulysses", "hybrid") and (mod.n_heads // lay.tp) % lay.cp:
+            if lay.cp_mode == "ulysses" and (mod.n_heads // lay.tp) % lay.cp:
                 raise ValueError(f"--cp={lay.cp} with --cp-mode {lay.cp_mode} must divide the query heads per "
                                  f"tensor-parallel rank ({mod.n_heads // lay.tp}); use --cp-mode ring or a smaller --cp")
             if lay.cp_mode == "ulysses" and (mod.n_kv_heads // lay.tp) % lay.cp:
                 raise ValueError(f"--cp={lay.cp} with --cp-mode ulysses must divide the key/value heads per "
                                  f"tensor-parallel rank ({mod.n_kv_heads // lay.tp}); use --cp-mode ring or a smaller --cp")
+            if lay.cp_mode == "hybrid":
+                self._check_hybrid()
             if self.seq_len % (2 * lay.cp):
                 raise ValueError(f"--seq-len={self.seq_len} must be divisible by 2 x --cp = {2 * lay.cp} "
                                  "(each context-parallel rank takes two load-balanced chunks of every sequence)")
@@ -287,6 +322,28 @@ class TrainConfig:
             raise ValueError(f"--seq-len={self.seq_len} exceeds the rotary tables of --model {self.model_name} "
                              f"(max_seq_len {mod.max_seq_len})")
 
+    def _check_hybrid(self) -> None:
+        """``--cp-mode hybrid``: fill in the derived Ulysses degree (``default_ulysses_degree``)
+        or check the given one against the heads per tensor-parallel rank, which the
+        all-to-all over the Ulysses axis splits (q's and k/v's alike)."""
+        lay, mod = self.layout, self.model
+        heads, kv_heads = mod.n_heads // lay.tp, mod.n_kv_heads // lay.tp
+        if lay.ulysses_degree is None:
+            u = default_ulysses_degree(lay.cp, heads, kv_heads)
+            if u is None:
+                raise ValueError(f"--cp={lay.cp} with --cp-mode hybrid: no Ulysses degree u with 1 < u < {lay.cp} "
+                                 f"divides --cp, the query heads ({heads}) and the key/value heads ({kv_heads}) per "
+                                 "tensor-parallel rank; use --cp-mode ring|allgather|ulysses, or a --cp with such "
+                                 "a divisor (4 or more)")
+            # frozen dataclass: the derived degree is recorded once, here, before any rank starts
+            object.__setattr__(self, "layout", dataclasses.replace(lay, ulysses_degree=u))
+            return
+        u = lay.ulysses_degree
+        if heads % u or kv_heads % u:
+            raise ValueError(f"--ulysses-degree={u} must divide the query heads ({heads}) and the key/value heads "
+                             f"({kv_heads}) per tensor-parallel rank: the all-to-all gives each Ulysses rank whole "
+                             f"heads; use a --ulysses-degree dividing {math.gcd(heads, kv_heads)}")
+
     def refuse_unlanded(self) -> None:
         """Raise if the layout needs a parallel feature, or a composition of features, that
         is not in the package yet."""
@@ -307,11 +364,6 @@ class TrainConfig:
                 f"--dp-replicate {lay.dp_replicate}, which hyper-parallel train does not support yet (only the "
                 "compositions with a parity test run: pipeline stages alone or fully_sharded over --dp-shard); use "
                 "--pp P [--dp-shard S] --nproc P*S")
-        if lay.cp > 1 and lay.cp_mode == "hybrid":
-            raise ValueError(
-                f"the layout {lay.describe()} uses --cp-mode hybrid, which hyper-parallel train does not support yet "
-                "(it needs the cp axis split into a 2-D (cp_kv, cp_ulysses) mesh, and the loader's sequence shards "
-                "laid out for it); use --cp-mode ulysses|ring|allgather")
 
     @property
     def run_dir(self) -> Path:

@@ -23,7 +23,8 @@ from hyper_parallel.train.data import Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, MetricsWriter, Progress, plot_losses
 from hyper_parallel.train.model import build_model
 from hyper_parallel.train.optim import AdamW, lr_at, set_parameter_values
-from hyper_parallel.train.parallelize import build_mesh, data_parallel_coordinate, parallelize
+from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh, context_parallel_style,
+                                              data_parallel_coordinate, parallelize)
 from hyper_parallel.train.pipeline import Pipeline, build_pipeline, forward_loss
 from hyper_parallel.train.pipeline import train_step as pipeline_train_step
 
@@ -48,7 +49,7 @@ class _Run:
     dp_rank: int
     dp_size: int
     dp_group: Any       # the group of the ranks whose losses are averaged: dp x cp (None for one)
-    cp_mesh: DeviceMesh | None  # the context-parallel mesh (None when cp == 1)
+    cp_mesh: DeviceMesh | None  # context_parallel_mesh: 1-D, 2-D for hybrid (None when cp == 1)
     pipe: Pipeline | None = None  # this rank's pipeline stages (None when pp == 1)
 
 
@@ -98,7 +99,8 @@ def _batch_tensors(run: _Run, batch: Any) -> list[Any]:
     tensors = [p.from_numpy(batch.tokens), p.from_numpy(batch.positions), p.from_numpy(batch.targets)]
     if run.cp_mesh is None:
         return tensors
-    return context_parallel_shard(tensors, [1, 1, 1], run.cp_mesh, load_balance=run.layout.cp_mode != "ulysses")
+    return context_parallel_shard(tensors, [1, 1, 1], run.cp_mesh,
+                                  load_balance=context_parallel_style(run.layout).load_balance)
 
 
 def _train_step(run: _Run, step: int) -> float:
@@ -165,18 +167,19 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     mesh = build_mesh(p, layout)
     rank, world = (0, 1) if mesh is None else (p.rank(), p.world_size())
     pipe = None
+    # the attention hooks and the loader's sequence shards use this one mesh
+    cp_mesh = context_parallel_mesh(mesh, layout)
     if layout.pp > 1:
         assert mesh is not None
         pipe = build_pipeline(p, cfg, build_model(p, cfg.model, cfg.seed), mesh)
         model, params = pipe.modules, pipe.parameters()
     else:
-        model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout)
+        model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout, cp_mesh)
         params = [param for _, param in p.named_parameters(model)]
     dp_rank, dp_size = data_parallel_coordinate(mesh)
     # a collective that creates a group: every rank makes it, even when it is not needed
     dp_group = (mesh["dp_replicate", "dp_shard", "cp"].flatten("dp_cp").get_group()
                 if mesh is not None and dp_size * layout.cp > 1 else None)
-    cp_mesh = mesh["cp"] if mesh is not None and layout.cp > 1 else None
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,

@@ -15,7 +15,7 @@ With tensor parallelism, fully_shard runs over the data-parallel submesh and sha
 rank's tensor-parallel shards again (FSDP2's 2-D composition, see docs/fully_shard.md).
 With pipeline parallelism (``mesh["pp"]``) the decoder is first cut into stages
 (``train/pipeline.py``), and step 4 runs on each stage module. Step 3 is not wired into the
-job yet, nor the hybrid context-parallel mode, nor pipelines with tensor, context or
+job yet, nor pipelines with tensor, context or
 replicated data parallelism; ``TrainConfig.refuse_unlanded`` stops such layouts before any
 rank starts, so the chain below holds only what runs.
 """
@@ -69,15 +69,40 @@ def context_parallel_style(layout: Layout) -> ContextParallel:
     """The ``ContextParallel`` of ``--cp-mode``: ``ulysses`` all-to-alls heads for sequence
     over all of ``cp`` (DeepSpeed-Ulysses); ``ring`` and ``allgather`` keep the heads and
     exchange K/V (ring attention, Liu et al. 2023; or one all-gather), with the head-tail
-    load-balanced sequence layout that evens out causal work."""
+    load-balanced sequence layout that evens out causal work; ``hybrid`` (USP, Fang & Zhao
+    2024) all-to-alls over ``ulysses_degree`` ranks, then exchanges K/V
+    (``cp_kv_exchange``) over the other ``cp / ulysses_degree``, load-balanced like ring."""
     if layout.cp_mode == "ulysses":
         return ContextParallel(ulysses_degree=None)
+    if layout.cp_mode == "hybrid":
+        return ContextParallel(ulysses_degree=layout.ulysses_degree, kv_exchange=layout.cp_kv_exchange,
+                               load_balance=True)
     return ContextParallel(ulysses_degree=1, kv_exchange=layout.cp_mode, load_balance=True)
+
+
+def context_parallel_mesh(mesh: DeviceMesh | None, layout: Layout) -> DeviceMesh | None:
+    """The mesh the attention hooks and the loader's ``context_parallel_shard`` share
+    (``None`` when ``cp == 1``): ``mesh["cp"]``, or for ``--cp-mode hybrid`` the 2-D
+    ``(cp_kv, cp_ulysses)`` submesh of a second mesh over the same ranks with the cp axis
+    split row-major into ``(cp / ulysses_degree, ulysses_degree)``: Ulysses on the inner
+    (closest) ranks, and each rank's flattened index in it is its ``cp`` coordinate, so the
+    sequence shards are those of the 1-D layout. Collective when it builds a mesh (groups)."""
+    if mesh is None or layout.cp == 1:
+        return None
+    if layout.cp_mode != "hybrid":
+        return mesh["cp"]
+    u = layout.ulysses_degree
+    assert u is not None, "TrainConfig derives --ulysses-degree for --cp-mode hybrid"
+    split = init_device_mesh(mesh.device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp // u, u,
+                                                layout.tp),
+                             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp_kv", "cp_ulysses", "tp"))
+    return split["cp_kv", "cp_ulysses"]
 
 
 def apply_context_parallel(model: Any, cp_mesh: DeviceMesh, layout: Layout) -> None:
     """Hook every block's parameter-free core attention (``[batch, seq / cp, heads,
-    head_dim]`` q/k/v) with ``context_parallel_style(layout)`` over ``cp_mesh`` (1-D).
+    head_dim]`` q/k/v) with ``context_parallel_style(layout)`` over ``cp_mesh``
+    (``context_parallel_mesh``: 1-D, or 2-D ``(cp_kv, cp_ulysses)`` for hybrid).
     Collectives: none here; each forward exchanges K/V (or all-to-alls heads)."""
     style = context_parallel_style(layout)
     for block in model.layers:
@@ -119,16 +144,17 @@ def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh) -> None:
     fully_shard(model, mesh=fsdp_mesh)
 
 
-def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout) -> Any:
+def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: DeviceMesh | None = None) -> Any:
     """Apply the layout chain (see the module doc) to ``model`` in place and return it.
     Build the optimizer (and take ``named_parameters``) after: fully_shard replaces the
-    parameters by their shards."""
+    parameters by their shards. ``cp_mesh``: ``context_parallel_mesh(mesh, layout)`` when
+    the caller built it already (it must shard the data over the same mesh); else built here."""
     if mesh is None:
         return model
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if layout.cp > 1:
-        apply_context_parallel(model, mesh["cp"], layout)
+        apply_context_parallel(model, cp_mesh if cp_mesh is not None else context_parallel_mesh(mesh, layout), layout)
     if layout.dp * layout.cp > 1:
         apply_fully_shard(model, fully_shard_mesh(mesh, layout))
     return model

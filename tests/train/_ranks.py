@@ -103,7 +103,7 @@ def check_layout_parity(out: str) -> list[float]:
 UNEVEN_MODEL = ModelConfig(dim=36, n_layers=2, n_heads=6, n_kv_heads=3, hidden_dim=66, max_seq_len=256)
 
 
-def check_data_parallel_parity(out: str, layouts: list[dict]) -> list[list[float]]:
+def check_data_parallel_parity(out: str, layouts: list[dict], uneven: bool = True) -> list[list[float]]:
     """Sharded data parallelism (fully_shard, FSDP2 order: each block then the root),
     HSDP and context parallelism (with fully_shard over the flattened (dp_shard, cp) mesh)
     against the single-process reference on the same seed and data, one layout after
@@ -121,15 +121,19 @@ def check_data_parallel_parity(out: str, layouts: list[dict]) -> list[list[float
     the same sum in another order, a few ulps per step; AdamW's first steps are close to
     ``lr * sign(grad)``, so a flipped sign of a near-zero gradient entry moves the next loss
     a little more than an ulp. Three steps stay within 2e-5 relative (measured on torch:
-    8.6e-8 for dp-shard 4 and for dp-replicate 2 x dp-shard 2)."""
+    8.6e-8 for dp-shard 4 and for dp-replicate 2 x dp-shard 2).
+
+    ``uneven=False``: the ``tiny`` preset instead of ``UNEVEN_MODEL`` (whose 3 key/value
+    heads no Ulysses degree of the hybrid cp mode divides)."""
     p = get_platform()
     n = p.world_size()
     runs = []
     for degrees in layouts:
         layout = Layout(**degrees)
         assert layout.world_size == n, (degrees, n)
-        cfg = tiny_config(f"{out}/{layout.describe()}", nproc=n, layout=layout, steps=3, eval_every=3,
-                          model=UNEVEN_MODEL, model_name="tiny+uneven")
+        model = dict(model=UNEVEN_MODEL, model_name="tiny+uneven") if uneven else {}
+        cfg = tiny_config(f"{out}/{layout.describe()}-{layout.cp_mode}", nproc=n, layout=layout, steps=3, eval_every=3,
+                          **model)
         run = setup(cfg)
         shapes = dict(parameter_shapes(cfg.model))
         local = {name: tuple(param.shape) for name, param in p.named_parameters(run.model)}
