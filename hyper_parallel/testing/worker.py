@@ -5,8 +5,8 @@ A child is started by ``hyper_parallel.testing.process`` as
 its own session. It then:
 
 1. reads its ``ChildSpec`` from the parent and adopts the parent's ``sys.path``;
-2. starts a watchdog that kills its whole process group when the parent is gone
-   (the parent may be SIGKILLed and never get to clean up);
+2. forks a sentinel that kills its whole process group when the parent is gone
+   (the parent may be SIGKILLed and never get to clean up); see [Note: the sentinel];
 3. worker: selects the platform and joins the process group, reports ``Ready`` and
    serves ``RunRequest``\\ s until ``CloseRequest`` (leave the group, exit 0) or end of
    file (the parent died: kill the group);
@@ -15,6 +15,18 @@ its own session. It then:
 
 Failed starts exit through ``os._exit`` after flushing stdio: framework atexit handlers
 can block on a half-initialised cluster. A clean close exits normally (see there why).
+
+[Note: the sentinel]
+The watcher of the parent is a separate process, not a thread of the child: a thread
+needs the GIL, and a framework's C++ code may hold it for as long as it blocks. The
+MindSpore scheduler does: ``mindspore.communication.init()`` holds the GIL until the
+cluster ends, so a watchdog thread in it stayed frozen in ``time.sleep`` after its
+parent was SIGKILLed, and the scheduler outlived the parent by ``MS_NODE_TIMEOUT``
+seconds (until it noticed its workers were gone). The sentinel is forked first thing
+(no thread and no framework exists yet, so the fork is cheap and safe), stays in the
+child's process group, and sleeps in ``select`` on process descriptors (pidfds) of the
+parent and of the child: the parent's end kills the group at once; the child's end (a
+clean exit) ends the sentinel.
 """
 
 from __future__ import annotations
@@ -23,10 +35,9 @@ import contextlib
 import faulthandler
 import os
 import pickle
+import select
 import signal
 import sys
-import threading
-import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import IO, Any, NoReturn
@@ -43,7 +54,9 @@ from hyper_parallel.testing.protocol import (
     StartFailed,
 )
 
-#: How often the watchdog checks that the parent is alive (seconds).
+#: How often the sentinel checks that the parent is alive (seconds) where it cannot
+#: sleep on process descriptors (kernels before Linux 5.3, other systems); with them it
+#: is woken at once and this is only a safety net.
 _PARENT_POLL_S = 0.5
 #: Same signal as ``process.STACK_DUMP_SIGNAL``; not imported from there to keep this
 #: module's imports to the protocol alone.
@@ -59,8 +72,8 @@ def main(fd: int) -> NoReturn:
     spec = conn.recv()
     if not isinstance(spec, ChildSpec):
         raise TypeError(f"hyper_parallel.testing.worker: expected a ChildSpec first, got {type(spec).__name__}")
+    _start_sentinel(spec.parent_pid, spec.stack_dump_path, fd)
     sys.path[:] = list(spec.sys_path)
-    _start_parent_watchdog(spec.parent_pid, spec.stack_dump_path)
     dump_file = open(spec.stack_dump_path, "w", encoding="utf-8")  # noqa: SIM115 - open for the process lifetime
     _enable_stack_dumps(dump_file)
     if spec.role is Role.SCHEDULER:
@@ -152,20 +165,59 @@ def _enable_stack_dumps(dump_file: IO[str]) -> None:
     faulthandler.register(_STACK_DUMP_SIGNAL, file=dump_file, all_threads=True, chain=False)
 
 
-def _start_parent_watchdog(parent_pid: int, stack_dump_path: str) -> None:
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_PARENT_POLL_S)
-        _die_orphaned(stack_dump_path)  # reparented: the parent is gone
+def _start_sentinel(parent_pid: int, stack_dump_path: str, channel_fd: int) -> None:
+    """Fork the process that kills this child's process group once ``parent_pid`` is gone
+    (see [Note: the sentinel]); returns in the child, never in the sentinel."""
+    parent_fd = _pidfd(parent_pid)
+    if os.getppid() != parent_pid:  # already reparented; also: parent_fd may name a new process
+        _die_orphaned(stack_dump_path)
+    child_pid = os.getpid()
+    child_fd = _pidfd(child_pid)
+    if os.fork() != 0:
+        for pidfd in (parent_fd, child_fd):
+            if pidfd is not None:
+                os.close(pidfd)
+        return
+    # the sentinel: it must not keep the channel open (the parent sees end of file
+    # when the child dies) nor be mistaken for the child
+    try:
+        os.close(channel_fd)
+        fds = [fd for fd in (parent_fd, child_fd) if fd is not None]
+        while True:
+            if not _alive(parent_pid, parent_fd):
+                _die_orphaned(stack_dump_path)
+            if os.getppid() != child_pid or (child_fd is not None and not _alive(child_pid, child_fd)):
+                os._exit(0)  # the child is gone: its parent saw the exit and owns the cleanup
+            select.select(fds, [], [], _PARENT_POLL_S)
+    except BaseException:  # noqa: BLE001 - the sentinel never returns into the child's code
+        traceback.print_exc()
+        os._exit(1)
 
-    threading.Thread(target=watch, name="hyper_parallel-parent-watchdog", daemon=True).start()
+
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when ``pid`` exits (Linux >= 5.3), else ``None``."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _alive(pid: int, pidfd: int | None) -> bool:
+    if pidfd is not None:
+        return not select.select([pidfd], [], [], 0)[0]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _die_orphaned(stack_dump_path: str) -> NoReturn:
     """The parent is gone and cannot clean up any more: remove this child's dump file,
     and the pool's folder once it is empty (the last child to get here finds it so), then
-    kill this child's process group: itself and anything it started (the killing thread
-    needs no GIL from a main thread that may be stuck in C)."""
+    kill this child's process group: itself, its sentinel and anything it started."""
     with contextlib.suppress(OSError):
         os.unlink(stack_dump_path)
     with contextlib.suppress(OSError):
