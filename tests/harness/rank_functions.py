@@ -51,3 +51,22 @@ def hang_on_rank(bad_rank: int, pid_file: str) -> int:
         Path(pid_file).write_text(str(grandchild.pid))
         time.sleep(600)
     return get_platform().rank()
+
+
+def late_all_reduce(late_rank: int, delay_s: float) -> list[float]:
+    """``late_rank`` reaches the all-reduce ``delay_s`` seconds after the others, as an
+    oversubscribed host makes a rank now and then."""
+    if get_platform().rank() == late_rank:
+        time.sleep(delay_s)
+    return all_reduce_rank_plus_one()
+
+
+def block_in_collective(marker_dir: str) -> int:
+    """Rank 0 waits inside an all-reduce (in the framework's C++ code) for rank 1, which
+    sleeps; each first writes ``marker_dir/rank<r>`` to say it got there."""
+    rank = get_platform().rank()
+    Path(marker_dir, f"rank{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(600)
+    all_reduce_rank_plus_one()
+    return rank
