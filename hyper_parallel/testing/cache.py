@@ -35,6 +35,10 @@ class PoolCache:
         self._pool_options = pool_options
         self._pools: OrderedDict[tuple[str, int], WorkerPool] = OrderedDict()  # least recently used first
         self.starts = 0  # pools started by this cache (tests read it to see a restart)
+        #: every start: (platform, world_size, seconds, why) with why "first", "after a
+        #: failure" or "after eviction"; the pytest plugin sums it up after the session
+        self.start_log: list[tuple[str, int, float, str]] = []
+        self._retired: dict[tuple[str, int], str] = {}  # key -> why its pool is gone
 
     def get(self, platform: str, world_size: int) -> WorkerPool:
         """A ready pool for ``(platform, world_size)``: the cached one if it is alive,
@@ -49,12 +53,20 @@ class PoolCache:
             _log.info("hyper_parallel.testing: replacing %r", pool)
             pool.kill()
             pool = None
+            self._retired[key] = "after a failure"
         if pool is None:
             while len(self._pools) >= self._max_pools:
-                _, evicted = self._pools.popitem(last=False)
+                evicted_key, evicted = self._pools.popitem(last=False)
                 evicted.close()
-            pool = WorkerPool(platform, world_size, start_timeout_s=self._start_timeout_s, **self._pool_options)
+                self._retired[evicted_key] = "after eviction"
+            why = self._retired.pop(key, "first")
+            try:
+                pool = WorkerPool(platform, world_size, start_timeout_s=self._start_timeout_s, **self._pool_options)
+            except BaseException:
+                self._retired[key] = "after a failure"
+                raise
             self.starts += 1
+            self.start_log.append((platform, world_size, pool.start_s, why))
         self._pools[key] = pool
         return pool
 

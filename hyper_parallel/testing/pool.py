@@ -110,7 +110,10 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, self._children.destroy)
         self._pids: list[int] = []
         self._scheduler_pid: int | None = None
+        started = time.monotonic()
         self._start()
+        #: seconds the start took (every rank joined the process group)
+        self.start_s = time.monotonic() - started
 
     # ---- introspection ----------------------------------------------------------
 

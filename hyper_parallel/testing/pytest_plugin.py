@@ -39,11 +39,32 @@ def rank_platform() -> str:
     return selected_platform()
 
 
+#: The session's ``PoolCache``, for the summary after the tests.
+_POOLS_KEY = pytest.StashKey[PoolCache]()
+
+
 @pytest.fixture(scope="session")
-def rank_pools() -> Iterator[PoolCache]:
+def rank_pools(pytestconfig: pytest.Config) -> Iterator[PoolCache]:
     """The session's pools, closed when the session ends."""
     with PoolCache() as cache:
+        pytestconfig.stash[_POOLS_KEY] = cache
         yield cache
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """One line per (platform, world size, reason): how many pools the session started
+    and the seconds they took to start (a MindSpore start costs seconds, so a restart
+    after a failure or an eviction shows here)."""
+    cache = config.stash.get(_POOLS_KEY, None)
+    if cache is None or not cache.start_log:
+        return
+    groups: dict[tuple[str, int, str], list[float]] = {}
+    for platform, world_size, seconds, why in cache.start_log:
+        groups.setdefault((platform, world_size, why), []).append(seconds)
+    total = sum(seconds for *_, seconds, _ in cache.start_log)
+    terminalreporter.write_sep("-", f"hyper_parallel.testing: {len(cache.start_log)} pools started in {total:.1f} s")
+    for (platform, world_size, why), times in sorted(groups.items()):
+        terminalreporter.write_line(f"{platform} world {world_size} {why}: {len(times)} x, {sum(times):.1f} s")
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ def test_rank_that_raises_is_named_and_the_pool_restarts(run_on_ranks: RunOnRank
     starts = rank_pools.starts
     assert run_on_ranks(fns.all_reduce_rank_plus_one, world_size=2) == [[3.0] * 4] * 2
     assert rank_pools.starts == starts + 1
+    assert rank_pools.start_log[-1][:2] == (rank_platform, 2) and rank_pools.start_log[-1][3] == "after a failure"
     assert set(rank_pools.get(rank_platform, 2).pids).isdisjoint(old_pids)
 
 
