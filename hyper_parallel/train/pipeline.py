@@ -10,8 +10,9 @@ module goes through the chain of ``parallelize.py`` on the submeshes of its coor
 tensor parallelism over ``mesh["tp"]`` (``TP_PLAN``: the stage's blocks; its embedding,
 norm and head stay replicated), context parallelism on each of its blocks' core attention
 over the loader's ``cp_mesh`` (1-D, or the 2-D ``(cp_kv, cp_ulysses)`` mesh of the hybrid
-mode), then fully_shard over the ``(dp_replicate, dp_shard x cp)`` submesh
-(``fully_shard_mesh``: HSDP with ``--dp-replicate``). The tensors crossing a stage
+mode), then fully_shard over ``fully_shard_mesh``: the ``dp_shard`` axis (merged with
+``cp``, whose ranks hold replicated parameters and different tokens), and HSDP on
+``(dp_replicate, that)`` with ``--dp-replicate``. The tensors crossing a stage
 boundary are plain local tensors: the residual stream ``[microbatch, seq / cp, dim]``
 (replicated over tp: the row-parallel projections end in an all-reduce) and the positions
 ``[microbatch, seq / cp]`` (the load-balanced positions this cp rank holds, so the next
@@ -20,7 +21,9 @@ of the same ``(dp_replicate, dp_shard, cp, tp)`` coordinate: the pp group of eac
 coordinate is its own, and its ranks hold the same shard of the batch and of the heads.
 The collectives of one stage (TP all-reduces, CP exchanges, fully_shard's all-gathers and
 reduce-scatters) run among ranks of one pipeline coordinate, which all run the same
-action list, so they are issued in the same order on every rank of each group.
+action list, so they are issued in the same order on every rank of each group (also the
+collectives of a forward that MindSpore recomputes for an out-of-order backward, see
+below).
 
 [Note: pipeline gradients and loss]
 The step's local batch (``batch / dp`` sequences) is cut into ``--microbatches`` equal
@@ -29,8 +32,8 @@ tokens, and the schedule scales each microbatch's loss gradient by ``1 / microba
 (``scale_grads``), so the sum over microbatches is the gradient of the mean over this
 rank's tokens, the loss of the unpipelined model (with ``--cp``: of its sequence shards,
 equal token counts on every cp rank). With ``--dp-shard`` (or ``--cp``, ``--dp-replicate``)
-every stage module is fully_sharded (each block, then the stage's root) over the data-parallel submesh of its
-pipeline coordinate: each microbatch's backward reduce-scatters (averages) its gradient
+every stage module is fully_sharded (each block, then the stage's root) over the
+data-parallel submesh of its pipeline coordinate: each microbatch's backward reduce-scatters (averages) its gradient
 over the data-parallel ranks, and the stage adds the microbatches' shards. That is one
 reduce-scatter per microbatch and unit instead of one per step (accumulating unreduced
 gradients with ``set_requires_gradient_sync(False)`` would save them, at the price of
@@ -157,7 +160,8 @@ def train_step(pipe: Pipeline, tensors: list[Any]) -> float | None:
 def forward_loss(pipe: Pipeline, tensors: list[Any], dim: int) -> float | None:
     """The loss of ``tensors`` through the stages, without recording (validation): each
     rank runs its stages in stage order, receiving the residual stream and the positions
-    (float32 ``[batch, seq, dim]`` and ``[batch, seq]``) from the previous stage's rank and
+    (float32 ``[batch, seq, dim]`` and ``[batch, seq]``; ``seq`` is this rank's
+    ``seq / cp`` tokens with context parallelism) from the previous stage's rank and
     sending its outputs to the next one (``isend``/``irecv`` over the pipeline group, one
     pair of messages per stage boundary). Returns the loss on the last stage's rank,
     ``None`` elsewhere. Call it under ``no_grad``."""
