@@ -33,8 +33,9 @@ tokens, and the schedule scales each microbatch's loss gradient by ``1 / microba
 rank's tokens, the loss of the unpipelined model (with ``--cp``: of its sequence shards,
 equal token counts on every cp rank). With ``--dp-shard`` (or ``--cp``, ``--dp-replicate``)
 every stage module is fully_sharded (each block, then the stage's root) over the
-data-parallel submesh of its pipeline coordinate: each microbatch's backward reduce-scatters (averages) its gradient
-over the data-parallel ranks, and the stage adds the microbatches' shards. That is one
+data-parallel submesh of its pipeline coordinate: each microbatch's backward
+reduce-scatters (averages) its gradient over the data-parallel ranks, and the stage adds
+the microbatches' shards. That is one
 reduce-scatter per microbatch and unit instead of one per step (accumulating unreduced
 gradients with ``set_requires_gradient_sync(False)`` would save them, at the price of
 knowing which backward of each unit comes last); the values are the same sums in another
@@ -107,7 +108,10 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     build the ``--pp-schedule`` over them. ``cp_mesh``: ``context_parallel_mesh(mesh,
     layout)``, the mesh the loader shards sequences over (required when ``cp > 1``).
     Collectives: broadcasts of the tensor-parallel shards, creation of the data-parallel
-    groups (through ``fully_shard_mesh``)."""
+    groups (through ``fully_shard_mesh``).
+
+    Raises:
+        ValueError: ``cp > 1`` without ``cp_mesh``."""
     layout = cfg.layout
     group = mesh["pp"].get_group()
     rank, size = mesh.get_local_rank("pp"), layout.pp

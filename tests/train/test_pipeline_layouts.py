@@ -86,7 +86,8 @@ def launch_reference(rank_pools, rank_platform: str, tmp_path_factory: pytest.Te
     return rank_pools.run(rank_platform, 1, reference_losses, cfg.to_dict(), timeout_s=300)[0]
 
 
-@pytest.mark.parametrize("flags", [case[1] for case in COMMAND_LINE_CASES], ids=[case[0] for case in COMMAND_LINE_CASES])
+@pytest.mark.parametrize("flags", [case[1] for case in COMMAND_LINE_CASES],
+                         ids=[case[0] for case in COMMAND_LINE_CASES])
 def test_command_line_pipeline_layout(request: pytest.FixtureRequest, tmp_path: Path, flags: list[str]) -> None:
     """MindSpore: the launcher starts 4 ranks of a pipeline composed with tp, dp-replicate or
     cp; the losses and validation losses (steps 2 and 3) equal the single-process
