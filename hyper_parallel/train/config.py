@@ -356,14 +356,8 @@ class TrainConfig:
                 f"support yet ({reasons}); layouts that run today: a single rank, tensor parallelism "
                 "(--tp N --nproc N), sharded data parallelism (--dp-shard S, with --dp-replicate R for HSDP, "
                 "--nproc R*S), both combined (--tp T --dp-shard S [--dp-replicate R], --nproc R*S*T), context "
-                "parallelism with any of those (--cp C, --nproc R*S*C*T) and pipeline parallelism with or without "
-                "--dp-shard (--pp P --dp-shard S, --nproc P*S)")
-        if lay.pp > 1 and (lay.tp > 1 or lay.cp > 1 or lay.dp_replicate > 1):
-            raise ValueError(
-                f"the layout {lay.describe()} combines pipeline parallelism with --tp {lay.tp} / --cp {lay.cp} / "
-                f"--dp-replicate {lay.dp_replicate}, which hyper-parallel train does not support yet (only the "
-                "compositions with a parity test run: pipeline stages alone or fully_sharded over --dp-shard); use "
-                "--pp P [--dp-shard S] --nproc P*S")
+                "parallelism with any of those (--cp C, --nproc R*S*C*T) and pipeline parallelism with any of those "
+                "(--pp P, --nproc P*R*S*C*T)")
 
     @property
     def run_dir(self) -> Path:

@@ -171,7 +171,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     cp_mesh = context_parallel_mesh(mesh, layout)
     if layout.pp > 1:
         assert mesh is not None
-        pipe = build_pipeline(p, cfg, build_model(p, cfg.model, cfg.seed), mesh)
+        pipe = build_pipeline(p, cfg, build_model(p, cfg.model, cfg.seed), mesh, cp_mesh)
         model, params = pipe.modules, pipe.parameters()
     else:
         model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout, cp_mesh)

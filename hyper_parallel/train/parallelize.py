@@ -14,9 +14,9 @@ Order of the chain, and why:
 With tensor parallelism, fully_shard runs over the data-parallel submesh and shards each
 rank's tensor-parallel shards again (FSDP2's 2-D composition, see docs/fully_shard.md).
 With pipeline parallelism (``mesh["pp"]``) the decoder is first cut into stages
-(``train/pipeline.py``), and step 4 runs on each stage module. Step 3 is not wired into the
-job yet, nor pipelines with tensor, context or
-replicated data parallelism; ``TrainConfig.refuse_unlanded`` stops such layouts before any
+(``train/pipeline.py``), and steps 1, 2 and 4 run on each stage module, each over the
+submesh of the stage's pipeline coordinate. Step 3 is not wired into the job yet;
+``TrainConfig.refuse_unlanded`` stops layouts that need what has not landed before any
 rank starts, so the chain below holds only what runs.
 """
 
@@ -105,7 +105,9 @@ def apply_context_parallel(model: Any, cp_mesh: DeviceMesh, layout: Layout) -> N
     (``context_parallel_mesh``: 1-D, or 2-D ``(cp_kv, cp_ulysses)`` for hybrid).
     Collectives: none here; each forward exchanges K/V (or all-to-alls heads)."""
     style = context_parallel_style(layout)
-    for block in model.layers:
+    # a pipeline stage keys its blocks by their index in the decoder (model.build_stage)
+    blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
+    for block in blocks:
         parallelize_module(block.attention.core, cp_mesh, style)
 
 

@@ -1,17 +1,41 @@
 """Pipeline parallelism in ``hyper-parallel train`` (``--pp``, ``--pp-schedule``,
-``--microbatches``): the decoder cut into stages, each stage fully_sharded over the
-data-parallel submesh, a schedule of ``hyper_parallel.core.pipeline_parallel`` running
-them, and a forward-only pass through the stages for the validation loss.
+``--microbatches``): the decoder cut into stages, each stage parallelized over the other
+axes of its pipeline coordinate, a schedule of ``hyper_parallel.core.pipeline_parallel``
+running them, and a forward-only pass through the stages for the validation loss.
+
+[Note: pipeline stages and the other axes]
+The mesh is ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first), so the ranks of one
+pipeline coordinate form a full ``dp_replicate x dp_shard x cp x tp`` mesh, and every stage
+module goes through the chain of ``parallelize.py`` on the submeshes of its coordinate:
+tensor parallelism over ``mesh["tp"]`` (``TP_PLAN``: the stage's blocks; its embedding,
+norm and head stay replicated), context parallelism on each of its blocks' core attention
+over the loader's ``cp_mesh`` (1-D, or the 2-D ``(cp_kv, cp_ulysses)`` mesh of the hybrid
+mode), then fully_shard over ``fully_shard_mesh``: the ``dp_shard`` axis (merged with
+``cp``, whose ranks hold replicated parameters and different tokens), and HSDP on
+``(dp_replicate, that)`` with ``--dp-replicate``. The tensors crossing a stage
+boundary are plain local tensors: the residual stream ``[microbatch, seq / cp, dim]``
+(replicated over tp: the row-parallel projections end in an all-reduce) and the positions
+``[microbatch, seq / cp]`` (the load-balanced positions this cp rank holds, so the next
+stage indexes the rotary tables with them). Pipeline rank ``r`` sends to rank ``r + 1``
+of the same ``(dp_replicate, dp_shard, cp, tp)`` coordinate: the pp group of each
+coordinate is its own, and its ranks hold the same shard of the batch and of the heads.
+The collectives of one stage (TP all-reduces, CP exchanges, fully_shard's all-gathers and
+reduce-scatters) run among ranks of one pipeline coordinate, which all run the same
+action list, so they are issued in the same order on every rank of each group (also the
+collectives of a forward that MindSpore recomputes for an out-of-order backward, see
+below).
 
 [Note: pipeline gradients and loss]
 The step's local batch (``batch / dp`` sequences) is cut into ``--microbatches`` equal
 microbatches. The last stage's loss of a microbatch is the mean cross-entropy over its
 tokens, and the schedule scales each microbatch's loss gradient by ``1 / microbatches``
 (``scale_grads``), so the sum over microbatches is the gradient of the mean over this
-rank's tokens, the loss of the unpipelined model. With ``--dp-shard`` every stage module
-is fully_sharded (each block, then the stage's root) over the data-parallel submesh of its
-pipeline coordinate: each microbatch's backward reduce-scatters (averages) its gradient
-over the data-parallel ranks, and the stage adds the microbatches' shards. That is one
+rank's tokens, the loss of the unpipelined model (with ``--cp``: of its sequence shards,
+equal token counts on every cp rank). With ``--dp-shard`` (or ``--cp``, ``--dp-replicate``)
+every stage module is fully_sharded (each block, then the stage's root) over the
+data-parallel submesh of its pipeline coordinate: each microbatch's backward
+reduce-scatters (averages) its gradient over the data-parallel ranks, and the stage adds
+the microbatches' shards. That is one
 reduce-scatter per microbatch and unit instead of one per step (accumulating unreduced
 gradients with ``set_requires_gradient_sync(False)`` would save them, at the price of
 knowing which backward of each unit comes last); the values are the same sums in another
@@ -38,7 +62,8 @@ from hyper_parallel.core.pipeline_parallel import (PipelineSchedule, PipelineSta
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
-from hyper_parallel.train.parallelize import apply_fully_shard, fully_shard_mesh
+from hyper_parallel.train.parallelize import (apply_context_parallel, apply_fully_shard, apply_tensor_parallel,
+                                              fully_shard_mesh)
 
 
 @dataclass
@@ -73,11 +98,20 @@ class Pipeline:
         return [grad for stage in self.stages for grad in stage.param_grads().values()]
 
 
-def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh) -> Pipeline:
+def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
+                   cp_mesh: DeviceMesh | None = None) -> Pipeline:
     """Cut ``model`` into ``cfg.layout.num_stages`` stages (``model.stage_layers``), keep this
-    rank's (loop placement: stage ``s`` on pipeline rank ``s % pp``), fully_shard each over
-    the data-parallel submesh when ``dp > 1`` and build the ``--pp-schedule`` over them.
-    Collective: creates the data-parallel groups (through ``fully_shard_mesh``)."""
+    rank's (loop placement: stage ``s`` on pipeline rank ``s % pp``), run the layout chain
+    of ``parallelize`` on each stage module (tensor parallelism over ``mesh["tp"]``,
+    context parallelism on its blocks' attention over ``cp_mesh``, fully_shard over the
+    data-parallel (x cp) submesh; see ``[Note: pipeline stages and the other axes]``) and
+    build the ``--pp-schedule`` over them. ``cp_mesh``: ``context_parallel_mesh(mesh,
+    layout)``, the mesh the loader shards sequences over (required when ``cp > 1``).
+    Collectives: broadcasts of the tensor-parallel shards, creation of the data-parallel
+    groups (through ``fully_shard_mesh``).
+
+    Raises:
+        ValueError: ``cp > 1`` without ``cp_mesh``."""
     layout = cfg.layout
     group = mesh["pp"].get_group()
     rank, size = mesh.get_local_rank("pp"), layout.pp
@@ -85,7 +119,16 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh) 
     ranges = stage_layers(cfg.model.n_layers, num_stages)
     indices = list(range(rank, num_stages, size))
     modules = [build_stage(p, cfg.model, model, ranges[s], s == 0, s == num_stages - 1) for s in indices]
-    if layout.dp > 1:
+    if layout.cp > 1 and cp_mesh is None:
+        raise ValueError("build_pipeline: cp > 1 needs cp_mesh, the mesh the loader shards the sequences over "
+                         "(context_parallel_mesh(mesh, layout))")
+    # the chain of parallelize.py (TP -> CP -> fully_shard), on every stage module
+    for module in modules:
+        if layout.tp > 1:
+            apply_tensor_parallel(module, mesh["tp"])
+        if layout.cp > 1:
+            apply_context_parallel(module, cp_mesh, layout)
+    if layout.dp * layout.cp > 1:
         dp_mesh = fully_shard_mesh(mesh, layout)
         for module in modules:
             apply_fully_shard(module, dp_mesh)
@@ -121,7 +164,8 @@ def train_step(pipe: Pipeline, tensors: list[Any]) -> float | None:
 def forward_loss(pipe: Pipeline, tensors: list[Any], dim: int) -> float | None:
     """The loss of ``tensors`` through the stages, without recording (validation): each
     rank runs its stages in stage order, receiving the residual stream and the positions
-    (float32 ``[batch, seq, dim]`` and ``[batch, seq]``) from the previous stage's rank and
+    (float32 ``[batch, seq, dim]`` and ``[batch, seq]``; ``seq`` is this rank's
+    ``seq / cp`` tokens with context parallelism) from the previous stage's rank and
     sending its outputs to the next one (``isend``/``irecv`` over the pipeline group, one
     pair of messages per stage boundary). Returns the loss on the last stage's rank,
     ``None`` elsewhere. Call it under ``no_grad``."""

@@ -289,3 +289,75 @@ def reference_losses(cfg_values: dict) -> list[list[float]]:
     cfg = TrainConfig.from_dict(cfg_values)
     rows = train(cfg, reference=True, write_outputs=False)
     return [losses(rows).tolist(), [row["val_loss"] for row in rows if "val_loss" in row]]
+
+
+def pipeline_local_shapes(cfg: TrainConfig, rank: int) -> list[tuple[int, ...]]:
+    """The shapes of the parameters rank ``rank`` of ``cfg``'s pipeline layout holds (sorted):
+    its stages' parameters (``stage_layers``: the embedding on stage 0, the norm and head on
+    the last), each split by the layout chain. Tensor parallelism (``TP_PLAN``): q/k/v and
+    w1/w3 keep ``rows / tp`` rows, wo and w2 ``cols / tp`` columns; then fully_shard keeps
+    ``ceil(rows / (dp_shard x cp))`` rows (padded; dp_replicate holds replicas)."""
+    lay = cfg.layout
+    coords = dict(zip(Layout.AXES, np.unravel_index(rank, tuple(lay.degrees().values()))))
+    shapes = parameter_shapes(cfg.model)
+    ranges = stage_layers(cfg.model.n_layers, lay.num_stages)
+    mine = [s for s in range(lay.num_stages) if s % lay.pp == coords["pp"]]
+    out = []
+    for s in mine:
+        for name, shape in shapes.items():
+            if not ((name == "tok_embeddings.weight" and s == 0)
+                    or (name in ("norm.weight", "output.weight") and s == lay.num_stages - 1)
+                    or any(name.startswith(f"layers.{i}.") for i in ranges[s])):
+                continue
+            local = list(shape)
+            if any(name.endswith(f".{w}.weight") for w in ("wq", "wk", "wv", "w1", "w3")):
+                local[0] //= lay.tp
+            elif name.endswith((".wo.weight", ".w2.weight")):
+                local[1] //= lay.tp
+            local[0] = -(-local[0] // (lay.dp_shard * lay.cp))
+            out.append(tuple(local))
+    return sorted(out)
+
+
+def check_pipeline_layout_parity(out: str, layouts: list[dict]) -> list[list[float]]:
+    """Pipelines composed with the other axes (``--pp`` with ``--tp``, ``--dp-replicate``,
+    ``--dp-shard``, ``--cp``): every stage module runs the chain TP -> CP -> fully_shard
+    over its own pipeline coordinate's submeshes. Against the single-process reference on
+    the same seed and data, one layout after the other in this rank function (MindSpore
+    pays seconds per multi-rank call): this rank holds its stages' parameters split as
+    ``pipeline_local_shapes`` says, and the training and validation losses match.
+
+    Tolerance: float32, 2e-5 relative over three steps, as in check_pipeline_parity and
+    check_layout_parity: the microbatch losses and gradients are sums in another order
+    (pipeline), the row-parallel projections add ``tp`` partial sums (tp), the gradients
+    are averaged over replicas and shards by all-reduce / reduce-scatter (dp), the
+    attention's softmax is split and merged by log-sum-exp (cp): a few ulps per step,
+    which AdamW's sign-like first steps can amplify a little."""
+    p = get_platform()
+    n = p.world_size()
+    runs = []
+    for degrees in layouts:
+        layout = Layout(**degrees)
+        assert layout.world_size == n, (degrees, n)
+        model = (PIPELINE_MODEL, "tiny-4-layers") if layout.num_stages == 4 else (PRESETS["tiny"], "tiny")
+        name = f"{layout.describe()}-{layout.pp_schedule}-{layout.cp_mode}"
+        cfg = tiny_config(f"{out}/{name}", nproc=n, layout=layout, steps=3, eval_every=3, model=model[0],
+                          model_name=model[1])
+        run = setup(cfg)
+        got_shapes = sorted(tuple(param.shape) for param in run.params)
+        want_shapes = pipeline_local_shapes(cfg, p.rank())
+        assert got_shapes == want_shapes, (name, got_shapes, want_shapes)
+        rows = train(cfg, write_outputs=False, run=run)
+        runs.append((cfg, losses(rows), rows[-1]["val_loss"]))
+    # rank 0 runs the reference after every layout's collectives (see check_data_parallel_parity)
+    if p.rank() == 0:
+        references = {}
+        for cfg, got, val in runs:
+            if cfg.model_name not in references:  # the reference ignores the layout: one per model
+                ref_rows = train(cfg, reference=True, write_outputs=False)
+                references[cfg.model_name] = (losses(ref_rows), ref_rows[-1]["val_loss"])
+            ref, ref_val = references[cfg.model_name]
+            name = f"{cfg.layout.describe()} {cfg.layout.pp_schedule} {cfg.layout.cp_mode}"
+            np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"{name} vs single process")
+            np.testing.assert_allclose(val, ref_val, rtol=2e-5, atol=0, err_msg=f"{name} validation loss")
+    return [got.tolist() for _, got, _ in runs]
