@@ -23,10 +23,12 @@ TEST_DATA = (str(Path(json.__file__).parent),)
 
 def tiny_config(out: str, tp: int = 1, steps: int = 4, **changes: object) -> TrainConfig:
     """A run of the ``tiny`` preset (a fraction of a second per step on CPU)."""
-    values = dict(data=TEST_DATA, platform=get_platform().framework, nproc=tp, layout=Layout(tp=tp), model=PRESETS["tiny"],
+    values = dict(data=TEST_DATA, nproc=tp, layout=Layout(tp=tp), model=PRESETS["tiny"],
                   model_name="tiny", seq_len=32, batch_size=4, steps=steps, lr=3e-3, warmup_steps=2, eval_every=2,
                   eval_batches=1, checkpoint_every=0, out=out, progress=False)
     values.update(changes)
+    # ``platform=`` given: no backend is resolved here (a test's launching process builds configs too)
+    values.setdefault("platform", get_platform().framework)
     return TrainConfig(**values)  # type: ignore[arg-type]
 
 
