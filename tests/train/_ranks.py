@@ -207,13 +207,6 @@ def check_dp_shard_parity_and_resume(out: str) -> list[float]:
     return check_data_parallel_parity(f"{out}/parity", [{"dp_shard": n}, {"cp": n, "cp_mode": "allgather"}])[0]
 
 
-def framework_losses(out: str) -> list[float]:
-    """The tensor-parallel run's losses on this rank (for the torch vs MindSpore test)."""
-    p = get_platform()
-    return losses(train(tiny_config(f"{out}/{p.name}", tp=p.world_size()), write_outputs=False)).tolist()
-
-
-
 #: ``tiny`` with 4 layers: interleaved 1F1B over 2 pipeline ranks runs 4 stages of one block.
 PIPELINE_MODEL = ModelConfig(dim=32, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=64, max_seq_len=256)
 
