@@ -16,6 +16,29 @@ from hyper_parallel.train.model import parameter_shapes
 from hyper_parallel.train.parallelize import TP_PLAN
 from tests.train._ranks import losses, tiny_config
 
+#: Relative tolerance of torch against MindSpore on the same seed, data and layout.
+#: Both frameworks start from bit-identical float32 weights (one numpy generator) and see
+#: the same batches; the layouts' collectives and their order are the same code (core),
+#: so only the rank-local kernels differ:
+#:
+#: - MindSpore's CPU ``exp`` is ~2.7e-6 relative-approximate. The cross-entropy is
+#:   ``log(sum(exp(logit - max))) - logit``: a relative error e on every term moves the log
+#:   by at most e, 2.7e-6 absolute, i.e. 5e-7 relative to a loss of 5.5 nats. The exps of
+#:   the attention softmax and of SiLU perturb activations by the same relative order,
+#:   which the next GEMMs carry through.
+#: - GEMM accumulation orders differ: a float32 dot product of K <= 64 terms is off by
+#:   ~sqrt(K) x 2^-24 = 5e-7 relative, typically.
+#:
+#: So the first loss differs by ~1e-6 relative at most (measured 4.2e-7 for every layout).
+#: The gradients inherit ~1e-6 relative differences; AdamW's update ``lr * m / sqrt(v)``
+#: does not depend on a gradient's scale, so the parameters move apart by ~1e-6 of a step
+#: per step (a near-zero gradient entry whose sign flips moves more, but touches the loss
+#: only to second order), and a few steps keep the losses within the first step's
+#: difference (measured 4-5e-7 at every step and for the validation losses, at lr 3e-3;
+#: the pipeline launches of test_train.py at lr 1e-2 stay within 1e-5 too). 1e-5 leaves a
+#: 10x margin over the bound for another CPU's kernel paths.
+CROSS_FRAMEWORK_RTOL = 1e-5
+
 #: Steps of every parity run: the first AdamW steps (warmup 2) and one more, long enough
 #: for a wrong gradient to show in the loss, short enough for MindSpore's CPU ranks.
 STEPS = 3
@@ -101,3 +124,11 @@ def check_against_reference(out: str, layouts: list[dict]) -> list[list[float]]:
                                        err_msg=f"{cfg.layout.describe()} ({cfg.layout.cp_mode}) vs single process "
                                                "(losses, then the validation loss)")
     return curves
+
+
+def run_losses(cfg_values: dict) -> list[list[float]]:
+    """The run of ``cfg_values`` (``TrainConfig.to_dict()``, any layout of this world) on
+    this rank, without writing outputs: ``[losses, validation losses]`` (the same on every
+    rank). For the torch vs MindSpore comparison of a run launched on the other framework."""
+    rows = train(TrainConfig.from_dict(cfg_values), write_outputs=False)
+    return [losses(rows).tolist(), [row["val_loss"] for row in rows if "val_loss" in row]]

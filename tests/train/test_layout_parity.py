@@ -2,8 +2,9 @@
 with the other layouts:
 
 - torch against MindSpore on the same seed, data and layout, for the issue's layouts
-  (dp-shard 4, dp-shard 2 x cp 2 with ring attention, tp 2 x dp-shard 2, pp 2 x dp-shard 2,
-  dp-replicate 2 x dp-shard 2) and cp 4 hybrid (Ulysses x all-gathered K/V);
+  (dp-shard 4, dp-shard 2 x cp 2 with ring attention, tp 2 x dp-shard 2, dp-replicate 2 x
+  dp-shard 2; pp 2 x dp-shard 2 in test_train.py's test_command_line_run) and cp 4 hybrid
+  (Ulysses x all-gathered K/V);
 - cp 4 in the hybrid mode with dp-shard 2, with dp-replicate 2 and with tp 2, and tp 2 x
   dp-replicate 2 x dp-shard 2 (8 ranks) against the single-process reference (MindSpore
   only on request: see test_eight_rank_layouts_match_single_process).
@@ -22,10 +23,7 @@ import pytest
 
 from hyper_parallel.testing import run_on_ranks as run_on_fresh_ranks
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
-from hyper_parallel.train.config import TrainConfig
-from hyper_parallel.train.launch import launch
-from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
-from tests.train._parity_ranks import check_against_reference, layout_config, layout_losses
+from tests.train._parity_ranks import CROSS_FRAMEWORK_RTOL, check_against_reference, layout_losses
 
 #: Compared across frameworks on 4 ranks, in one call per framework: the issue's layouts and
 #: the context-parallel kinds: ring K/V exchange (dp-shard 2 x cp 2), and cp 4 hybrid with
@@ -39,11 +37,11 @@ CROSS_FRAMEWORK_LAYOUTS = [
     {"cp": 4, "cp_mode": "hybrid", "ulysses_degree": 2, "cp_kv_exchange": "allgather"},
 ]
 
-#: Compared across frameworks too; on MindSpore it runs through the launcher, not the
-#: harness's pool: a pipeline stage waits in a receive for its neighbour's whole forward or
-#: backward, and MindSpore's CPU receive gives up after the pools' node timeout (5 s, see
-#: test_train.py's test_pipeline_matches_single_process), the launcher's after a minute.
-PIPELINE_LAYOUT = {"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "gpipe"}
+# Pipeline layouts are compared across frameworks in test_train.py's test_command_line_run:
+# MindSpore runs them only through the launcher (a pipeline stage waits in a receive for its
+# neighbour's whole forward or backward; MindSpore's CPU receive gives up after the harness
+# pools' node timeout, 5 s, the launcher's after a minute), and that test already launches
+# pp 2 (interleaved 1F1B) and pp 2 x dp-shard 2 (GPipe) on MindSpore: its run is reused.
 
 #: On 8 ranks: cp 4 hybrid (Ulysses 2 on the inner ranks x a K/V exchange over 2) composed
 #: with each other kind of parallelism, and tp 2 x HSDP (dp-replicate 2 x dp-shard 2).
@@ -55,35 +53,14 @@ EIGHT_RANK_LAYOUTS = [
 ]
 
 
-def _launched_curve(cfg: TrainConfig) -> list[float]:
-    """``[losses..., validation loss]`` of ``cfg`` run by the framework's launcher."""
-    launch(cfg)
-    rows = read_metrics(cfg.run_dir / METRICS_FILE)
-    return [*(row["loss"] for row in rows), rows[-1]["val_loss"]]
-
-
 def test_torch_and_mindspore_agree(run_on_ranks, tmp_path: Path) -> None:
     """The same seed, data and layout on both frameworks give the same losses and
-    validation loss, for every layout of ``CROSS_FRAMEWORK_LAYOUTS`` and ``PIPELINE_LAYOUT``.
+    validation loss, for every layout of ``CROSS_FRAMEWORK_LAYOUTS``.
 
-    Tolerance, rtol 1e-5. Both frameworks start from bit-identical float32 weights (one
-    numpy generator) and see the same batches; the layouts' collectives and their order
-    are the same code (core), so only the rank-local kernels differ:
-
-    - MindSpore's CPU ``exp`` is ~2.7e-6 relative-approximate. The cross-entropy is
-      ``log(sum(exp(logit - max))) - logit``: a relative error e on every term moves the
-      log by at most e, 2.7e-6 absolute, i.e. 5e-7 relative to a loss of 5.5 nats. The
-      exps of the attention softmax and of SiLU perturb activations by the same relative
-      order, which the next GEMMs carry through.
-    - GEMM accumulation orders differ: a float32 dot product of K <= 64 terms is off by
-      ~sqrt(K) x 2^-24 = 5e-7 relative, typically.
-
-    So the first loss differs by ~1e-6 relative at most (measured 4.2e-7 for every layout).
-    The gradients inherit ~1e-6 relative differences; AdamW's update ``lr * m / sqrt(v)``
-    is insensitive to a gradient's scale, so the parameters move apart by ~1e-6 of a step
-    per step, and three steps keep the losses within the first step's difference (measured
-    4-5e-7 at every step and for the validation loss). rtol 1e-5 leaves a 10x margin over
-    the bound for another CPU's kernel paths.
+    Tolerance: ``CROSS_FRAMEWORK_RTOL`` (1e-5, derived there from MindSpore's approximate
+    ``exp`` and the GEMM orders; measured 4-5e-7). The pipeline layouts are compared in
+    test_train.py's test_command_line_run, reusing its MindSpore launch (the only way
+    MindSpore runs pipelines on CPU).
 
     Runs in the mindspore-cpu session, which starts the torch ranks itself (seconds; a
     MindSpore world costs much more)."""
@@ -94,16 +71,13 @@ def test_torch_and_mindspore_agree(run_on_ranks, tmp_path: Path) -> None:
         pytest.skip("torch is not installed")
     mindspore = run_on_ranks(layout_losses, str(tmp_path / "mindspore"), CROSS_FRAMEWORK_LAYOUTS, world_size=4,
                              timeout_s=600)
-    mindspore_pp = _launched_curve(layout_config(str(tmp_path / "mindspore"), PIPELINE_LAYOUT, platform="mindspore",
-                                                 timeout_s=600.0))
-    torch = run_on_fresh_ranks(layout_losses, 4, str(tmp_path / "torch"), [*CROSS_FRAMEWORK_LAYOUTS, PIPELINE_LAYOUT],
+    torch = run_on_fresh_ranks(layout_losses, 4, str(tmp_path / "torch"), CROSS_FRAMEWORK_LAYOUTS,
                                platform="torch-cpu", timeout_s=600)
     for results in (mindspore, torch):
         for other in results[1:]:  # every rank reports the loss of the whole batch
             np.testing.assert_array_equal(other, results[0])
-    got = [*mindspore[0], mindspore_pp]
-    for degrees, ms_curve, torch_curve in zip([*CROSS_FRAMEWORK_LAYOUTS, PIPELINE_LAYOUT], got, torch[0]):
-        np.testing.assert_allclose(ms_curve, torch_curve, rtol=1e-5, atol=0,
+    for degrees, ms_curve, torch_curve in zip(CROSS_FRAMEWORK_LAYOUTS, mindspore[0], torch[0]):
+        np.testing.assert_allclose(ms_curve, torch_curve, rtol=CROSS_FRAMEWORK_RTOL, atol=0,
                                    err_msg=f"{degrees}: MindSpore vs torch (losses, then the validation loss)")
 
 

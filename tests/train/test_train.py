@@ -11,6 +11,7 @@ cp or dp-replicate is refused until it lands."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hyper_parallel.testing import run_on_ranks as run_on_fresh_ranks
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args, main, parity_report
+from tests.train._parity_ranks import CROSS_FRAMEWORK_RTOL, run_losses
 from tests.train._ranks import (TEST_DATA, check_data_parallel_parity, check_dp_shard_parity_and_resume,
                                 check_layout_parity, check_pipeline_parity, reference_losses)
 
@@ -235,6 +238,13 @@ def test_command_line_run(run_on_ranks, tmp_path: Path, flags: list[str], ranks:
     got = [[row["loss"] for row in rows], [row["val_loss"] for row in rows if "val_loss" in row]]
     np.testing.assert_allclose(got[0], ref[0], rtol=2e-5, atol=0, err_msg=f"{flags}: losses vs single process")
     np.testing.assert_allclose(got[1], ref[1], rtol=2e-5, atol=0, err_msg=f"{flags}: validation vs single process")
+    if framework_of(platform) == "mindspore" and importlib.util.find_spec("torch") is not None:
+        # torch against MindSpore on this pipeline layout, reusing this launch (MindSpore runs
+        # pipelines only through the launcher); the tolerance is derived at CROSS_FRAMEWORK_RTOL
+        theirs = run_on_fresh_ranks(run_losses, ranks, cfg.to_dict(), platform="torch-cpu", timeout_s=300)[0]
+        for mine, other, what in zip(got, theirs, ("losses", "validation losses")):
+            np.testing.assert_allclose(mine, other, rtol=CROSS_FRAMEWORK_RTOL, atol=0,
+                                       err_msg=f"{flags}: MindSpore vs torch ({what})")
 
 
 def test_resume_with_another_layout_is_refused(tmp_path: Path, capsys) -> None:
