@@ -29,7 +29,7 @@ from tests.train._ranks import losses, tiny_config
 #: - GEMM accumulation orders differ: a float32 dot product of K <= 64 terms is off by
 #:   ~sqrt(K) x 2^-24 = 5e-7 relative, typically.
 #:
-#: So the first loss differs by ~1e-6 relative at most (measured 4.2e-7 for every layout).
+#: So the first loss differs by ~1e-6 relative at most (measured 3.9-4.1e-7 on every layout).
 #: The gradients inherit ~1e-6 relative differences; AdamW's update ``lr * m / sqrt(v)``
 #: does not depend on a gradient's scale, so the parameters move apart by ~1e-6 of a step
 #: per step (a near-zero gradient entry whose sign flips moves more, but touches the loss
