@@ -100,8 +100,9 @@ def test_eight_rank_layouts_match_single_process(tmp_path: Path) -> None:
     (~430 MB each) on a 2-core host are too slow and unstable for CI. Measured on the
     2-core development host under load (load average 35-43): through the harness's pool
     the CPU collectives gave up in the first step ("AllGather failed": a receive waits at
-    most the pools' 5 s node timeout) in 2 of 2 runs; through the launcher (60 s bound) one
-    of the layouts took 289 s (252 CPU seconds). The pieces run on MindSpore on 4 ranks:
+    most the pools' 5 s node timeout) in 3 of 3 runs; through the launcher (60 s bound)
+    dp-shard 2 x cp 4 hybrid ran, its losses within 5e-7 of torch's, but took 289 s (252
+    CPU seconds) for that one layout. The pieces run on MindSpore on 4 ranks:
     cp 4 hybrid, tp 2 x dp-shard 2 and HSDP against the reference (test_train.py) and
     against torch (test_torch_and_mindspore_agree); the compositions add only meshes,
     built by backend-neutral code."""
