@@ -98,7 +98,7 @@ def test_eight_rank_layouts_match_single_process(tmp_path: Path) -> None:
 
     MindSpore only with ``HYPER_PARALLEL_TEST_MINDSPORE_8_RANKS=1``: 8 MindSpore ranks
     (~430 MB each) on a 2-core host are too slow and unstable for CI. Measured on the
-    2-core development host under load (load average 35-43): through the harness's pool
+    2-core development host under load (load average 25-43): through the harness's pool
     the CPU collectives gave up in the first step ("AllGather failed": a receive waits at
     most the pools' 5 s node timeout) in 3 of 3 runs; through the launcher (60 s bound)
     dp-shard 2 x cp 4 hybrid ran, its losses within 5e-7 of torch's, but took 289 s (252
