@@ -23,10 +23,12 @@ TEST_DATA = (str(Path(json.__file__).parent),)
 
 def tiny_config(out: str, tp: int = 1, steps: int = 4, **changes: object) -> TrainConfig:
     """A run of the ``tiny`` preset (a fraction of a second per step on CPU)."""
-    values = dict(data=TEST_DATA, platform=get_platform().framework, nproc=tp, layout=Layout(tp=tp), model=PRESETS["tiny"],
+    values = dict(data=TEST_DATA, nproc=tp, layout=Layout(tp=tp), model=PRESETS["tiny"],
                   model_name="tiny", seq_len=32, batch_size=4, steps=steps, lr=3e-3, warmup_steps=2, eval_every=2,
                   eval_batches=1, checkpoint_every=0, out=out, progress=False)
     values.update(changes)
+    # ``platform=`` given: no backend is resolved here (a test's launching process builds configs too)
+    values.setdefault("platform", get_platform().framework)
     return TrainConfig(**values)  # type: ignore[arg-type]
 
 
@@ -203,13 +205,6 @@ def check_dp_shard_parity_and_resume(out: str) -> list[float]:
     # last: rank 0 runs the reference after the collectives (see check_data_parallel_parity)
     n = get_platform().world_size()
     return check_data_parallel_parity(f"{out}/parity", [{"dp_shard": n}, {"cp": n, "cp_mode": "allgather"}])[0]
-
-
-def framework_losses(out: str) -> list[float]:
-    """The tensor-parallel run's losses on this rank (for the torch vs MindSpore test)."""
-    p = get_platform()
-    return losses(train(tiny_config(f"{out}/{p.name}", tp=p.world_size()), write_outputs=False)).tolist()
-
 
 
 #: ``tiny`` with 4 layers: interleaved 1F1B over 2 pipeline ranks runs 4 stages of one block.
