@@ -26,9 +26,10 @@ Order: tensor parallelism, context parallelism, activation checkpointing, fully_
   checkpointing. Its forward hooks gather the parameters and hand the module the
   gathered tensors; the checkpointed forward saves nothing, so the unit's gathered
   parameters are freed after the forward as usual. Its backward pre-hook gathers them
-  again and hands them to the module for the recomputation ([Note: recomputation and
-  gathered parameters] in ``core/fully_shard/hsdp_state``); gradients flow through the
-  first forward's graph, so each parameter's gradient is reduce-scattered once.
+  again, and its hooks on the modules that hold them hand them to the recomputation
+  ([Note: recomputation and gathered parameters] in ``core/fully_shard/hsdp_state``);
+  gradients flow through the first forward's graph, so each parameter's gradient is
+  reduce-scattered once.
 - A fully_shard unit *inside* a checkpointed module would run its hooks twice and push
   its saved-tensor hooks inside the checkpoint's: ``checkpoint_wrapper`` refuses a
   module that holds one, and fully_shard refuses to run a unit inside a checkpointed
