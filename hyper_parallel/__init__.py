@@ -4,6 +4,7 @@ The core algorithms are written once against ``hyper_parallel.platform``; pick t
 backend with ``hyper_parallel.init(platform=...)`` or ``HYPER_PARALLEL_PLATFORM``.
 """
 
+from hyper_parallel.core.activation_checkpoint import apply_activation_checkpointing, checkpoint_wrapper
 from hyper_parallel.core.context_parallel import (
     AsyncContextParallel,
     ContextParallel,
@@ -68,5 +69,7 @@ __all__ = [
     "CommComputeOverlap", "HookCoordinator", "MoE", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
     "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
     "ScheduleZBVZeroBubble",
+    # activation checkpointing
+    "apply_activation_checkpointing", "checkpoint_wrapper",
 ]
 __version__ = "0.1.0"

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
     tr.add_argument("--warmup-steps", type=int, default=10)
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute each decoder block's activations in the backward instead of keeping them "
+                         "(less activation memory, one more block forward per step; not with --pp)")
     tr.add_argument("--eval-every", type=int, default=25, help="validation loss every K steps")
     tr.add_argument("--data", nargs="+", default=[], metavar="PATH",
                     help="text files or folders (default: the standard library's .py files)")
@@ -115,7 +118,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        warmup_steps=args.warmup_steps, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
                        out=args.out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing)
 
 
 def parity_report(run: list[dict], reference: list[dict]) -> dict:

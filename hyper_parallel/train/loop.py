@@ -174,7 +174,9 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
         pipe = build_pipeline(p, cfg, build_model(p, cfg.model, cfg.seed), mesh, cp_mesh)
         model, params = pipe.modules, pipe.parameters()
     else:
-        model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout, cp_mesh)
+        # the reference runs without activation checkpointing: it must not change the math
+        model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout, cp_mesh,
+                            activation_checkpointing=cfg.activation_checkpointing and not reference)
         params = [param for _, param in p.named_parameters(model)]
     dp_rank, dp_size = data_parallel_coordinate(mesh)
     # a collective that creates a group: every rank makes it, even when it is not needed

@@ -15,15 +15,17 @@ With tensor parallelism, fully_shard runs over the data-parallel submesh and sha
 rank's tensor-parallel shards again (FSDP2's 2-D composition, see docs/fully_shard.md).
 With pipeline parallelism (``mesh["pp"]``) the decoder is first cut into stages
 (``train/pipeline.py``), and steps 1, 2 and 4 run on each stage module, each over the
-submesh of the stage's pipeline coordinate. Step 3 is not wired into the job yet;
-``TrainConfig.refuse_unlanded`` stops layouts that need what has not landed before any
-rank starts, so the chain below holds only what runs.
+submesh of the stage's pipeline coordinate. Step 3 (``--activation-checkpointing``)
+checkpoints each decoder block in place (``core/activation_checkpoint``), so fully_shard's
+block units are the checkpointed blocks and their gathers and reduce-scatters run around
+the recomputation; it is refused with ``--pp`` (``TrainConfig``), before any rank starts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
 from hyper_parallel.core.context_parallel import ContextParallel
 from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
 from hyper_parallel.core.fully_shard import fully_shard
@@ -111,6 +113,16 @@ def apply_context_parallel(model: Any, cp_mesh: DeviceMesh, layout: Layout) -> N
         parallelize_module(block.attention.core, cp_mesh, style)
 
 
+def apply_activation_checkpointing(model: Any) -> None:
+    """Checkpoint every decoder block in place (``checkpoint_wrapper``): a block keeps only
+    its input ``[batch, seq / cp, dim]`` (and the rotary tables it is handed) for the
+    backward, which runs the block's forward again, tensor- and context-parallel hooks
+    and their collectives included, before its gradients. Collectives: none here."""
+    blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
+    for block in blocks:
+        checkpoint_wrapper(block)
+
+
 def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The mesh fully_shard shards over: 1-D ``dp_shard`` when there is no replication,
     else the 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). With ``tp > 1`` it is a submesh
@@ -146,17 +158,23 @@ def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh) -> None:
     fully_shard(model, mesh=fsdp_mesh)
 
 
-def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: DeviceMesh | None = None) -> Any:
+def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: DeviceMesh | None = None,
+                activation_checkpointing: bool = False) -> Any:
     """Apply the layout chain (see the module doc) to ``model`` in place and return it.
     Build the optimizer (and take ``named_parameters``) after: fully_shard replaces the
     parameters by their shards. ``cp_mesh``: ``context_parallel_mesh(mesh, layout)`` when
-    the caller built it already (it must shard the data over the same mesh); else built here."""
+    the caller built it already (it must shard the data over the same mesh); else built here.
+    ``activation_checkpointing``: step 3, also on a single rank (``mesh`` ``None``)."""
     if mesh is None:
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
         return model
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if layout.cp > 1:
         apply_context_parallel(model, cp_mesh if cp_mesh is not None else context_parallel_mesh(mesh, layout), layout)
+    if activation_checkpointing:  # after TP and CP: their hooks sit inside the blocks and run again
+        apply_activation_checkpointing(model)
     if layout.dp * layout.cp > 1:
         apply_fully_shard(model, fully_shard_mesh(mesh, layout))
     return model

@@ -364,3 +364,58 @@ def check_linear_modules_and_replaced_forward() -> None:
 
 def test_linear_modules_and_replaced_forward(run_on_ranks) -> None:
     run_on_ranks(check_linear_modules_and_replaced_forward, world_size=1)
+
+
+def check_recompute() -> None:
+    """``recompute``: the output and every gradient equal the plain forward's bit for bit;
+    the forward (with its module hooks) runs once more, recording, during the backward;
+    and what the operations inside save is not handed to enclosing saved-tensor hooks
+    (fully_shard's ``release_saved_tensors``): a weight read inside gets its gradient
+    through the first forward's graph and ``reload`` is never asked for it."""
+    p = get_platform()
+    weights = mlp_weights(4, 5, 3)
+    model = build_mlp(p, weights)
+    params = [param for _, param in p.named_parameters(model)]
+    x, g = rank_data(0, (6, 4)), rank_data(1, (6, 3))
+    calls: list[bool] = []
+    handle = p.register_forward_pre_hook(model.fc1, lambda m, args: calls.append(p.grad_enabled()))
+    results = {}
+    for checkpointed in (False, True):
+        calls.clear()
+        fn = (lambda x_: p.recompute(model, x_)) if checkpointed else model
+        out, backward = p.vjp(fn, [p.from_numpy(x)], params)
+        assert len(calls) == 1, calls
+        (gx,), gp = backward([p.from_numpy(g)])
+        assert calls == ([True, True] if checkpointed else [True]), f"forward calls with recompute={checkpointed}: {calls}"
+        results[checkpointed] = [p.to_numpy(t) for t in (out, gx, *gp)]
+    handle.remove()
+    for name, plain, again in zip(["output", "input gradient", *weights], results[False], results[True]):
+        np.testing.assert_array_equal(again, plain, err_msg=f"recompute changed the {name}")
+
+    w0, x0 = rank_data(1, (4, 3)), rank_data(2, (2, 4))
+    ones = np.ones((2, 3), np.float32)
+    for checkpointed in (False, True):
+        reloads: list[int] = []
+
+        def reload(index: int):
+            reloads.append(index)
+            return p.from_numpy(w0)
+
+        def outer(x_, leaf):
+            with p.no_grad():
+                source = p.from_numpy(w0)
+            w = p.apply_function(_Identity, leaf, source)
+            with p.release_saved_tensors([w], reload):
+                inner = lambda t: (t @ w) * 2.0  # noqa: E731 - the matmul saves w and t
+                return p.recompute(inner, x_) if checkpointed else inner(x_)
+
+        _, backward = p.vjp(outer, [p.from_numpy(x0), p.from_numpy(w0)])
+        (dx, dleaf), _ = backward([p.from_numpy(ones)])
+        close(p.to_numpy(dx), 2.0 * ones @ w0.T, f"input gradient, recompute={checkpointed}")
+        close(p.to_numpy(dleaf), 2.0 * x0.T @ ones, f"weight gradient through the first forward, recompute={checkpointed}")
+        assert (reloads == []) if checkpointed else (reloads != []), \
+            f"recompute={checkpointed}: the enclosing hooks reloaded {reloads}"
+
+
+def test_recompute(run_on_ranks) -> None:
+    run_on_ranks(check_recompute, world_size=1)

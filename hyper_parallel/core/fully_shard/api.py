@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from hyper_parallel.core.activation_checkpoint.checkpoint import is_checkpointed
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
@@ -164,6 +165,12 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
                 raise ValueError(f"fully_shard: {name + '.' if name else ''}{attr} is a parameter of an inner "
                                  "fully_shard unit but is also read outside it (a weight tied across units); "
                                  "apply fully_shard to a module that holds every use (e.g. the root only)")
+        if is_checkpointed(sub) and _direct_params(sub):
+            # [Note: recomputation and gathered parameters] (hsdp_state): the module's own
+            # hooks run outside its recomputation, so nothing could hand it the gathered tensors.
+            raise ValueError(f"fully_shard: {name or type(module).__name__} is checkpointed and holds parameters "
+                             f"directly ({', '.join(attr for attr, _ in _direct_params(sub))}); checkpoint a module "
+                             "whose parameters live in its submodules (a decoder block), or one around it")
     if mesh is None:  # after the checks: building a mesh creates groups (a collective)
         mesh = init_device_mesh(p.device_type, (p.world_size(),))
     _check_mesh(mesh, reshard_after_forward)

@@ -62,14 +62,35 @@ During the forward a module reads ``module.<name>``; the sharded parameter stays
 registered (the optimizer and ``named_parameters`` see shards) and the gathered tensor
 is put in the instance ``__dict__``, which both torch ``Module`` and MindSpore ``Cell``
 consult before their registered parameters; it is removed after the forward.
+
+[Note: recomputation and gathered parameters]
+A module checkpointed by activation checkpointing (``core/activation_checkpoint``) runs
+its forward again inside the backward, reading ``module.<name>`` again after the
+post-forward hook removed the gathered tensors. The recomputation must read tensors that,
+like ``GatherParam``'s outputs in the forward, require gradients: an operation saves
+less for a constant operand, and the frameworks match recomputed saved tensors to the
+forward's by their order. So the unit hooks every module that holds one of its
+parameters (``_pre_recompute``/``_post_recompute``): in the recomputation only
+(``checkpoint_phase()``), each parameter is read through a new ``GatherParam`` of the
+gathered tensor (the backward pre-hook gathered it; gathered here otherwise). That graph
+only supplies saved values and is never run backward: gradients flow through the first
+forward's ``GatherParam``, whose backward reduce-scatters each gradient once. Entries
+the recomputation leaves behind (the frameworks stop it early, skipping post-hooks) are
+removed when the parameter's gradient is final (``on_grad``) and by ``reshard``. A
+module checkpointed as a whole runs its own hooks outside the recomputation, so
+fully_shard refuses a parameter held directly by a checkpointed module, and a unit
+whose hooks would run inside a checkpointed forward (sharded inside a checkpointed
+module): its saved-tensor hooks would take the saves of the checkpoint's.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
 from hyper_parallel.core.dtensor.device_mesh import _axis_lines
 from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam, WaitReduce
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
@@ -143,6 +164,8 @@ class HSDPState:
         self.backward_prefetch: list[HSDPState] | None = None  # None: the next unit the backward reaches
         self._release: Any = None  # the entered release_saved_tensors context during forward
         self._hook_copy: bool = False  # holds what the hooks gathered: [Note: no stale gathered copy]
+        # (id(owner), attribute) -> the tensor _pre_recompute put there, until it is removed
+        self._recomputed: dict[tuple[int, str], Any] = {}
         self._grads_pending: int = 0
         self._param_dtype: Any = None if mp_policy.param_dtype is None else p.dtype(mp_policy.param_dtype)
         reduce = mp_policy.reduce_dtype or mp_policy.param_dtype
@@ -153,6 +176,14 @@ class HSDPState:
             p.register_forward_hook(module, self._post_forward),
             p.register_full_backward_pre_hook(module, self._pre_backward),
         ]
+        # [Note: recomputation and gathered parameters]: the modules that read the parameters
+        owners: dict[int, tuple[Any, list[tuple[HSDPParam, str]]]] = {}
+        for hp in params:
+            for owner, name in hp.uses:
+                owners.setdefault(id(owner), (owner, []))[1].append((hp, name))
+        for owner, entries in owners.values():
+            self._handles.append(p.register_forward_pre_hook(owner, functools.partial(self._pre_recompute, entries)))
+            self._handles.append(p.register_forward_hook(owner, functools.partial(self._post_recompute, entries)))
 
     # -- public -----------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -191,6 +222,7 @@ class HSDPState:
             if hp.pending is not None:
                 hp.finish_gather()
             hp.drop_unsharded()
+            self._unsubstitute(hp)
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[Any]) -> None:
         """When this unit's forward starts, issue the all-gathers of these fully sharded
@@ -224,6 +256,10 @@ class HSDPState:
 
     def _pre_forward(self, module: Any, args: Any) -> Any:
         p = get_platform()
+        if checkpoint_phase() is not None:  # [Note: recomputation and gathered parameters]
+            raise RuntimeError(f"fully_shard: the unit of {type(module).__name__} runs inside an activation-"
+                               "checkpointed forward; apply activation checkpointing first, then fully_shard the "
+                               "checkpointed module (or an ancestor), not a module inside it")
         context = self.context
         if self.is_root:
             context.post_forward_order = []
@@ -312,8 +348,38 @@ class HSDPState:
                 return [order[index - 1]]
         return []
 
+    def _pre_recompute(self, entries: list[tuple[HSDPParam, str]], module: Any, args: Any) -> None:
+        if checkpoint_phase() is not CheckpointPhase.RECOMPUTE:
+            return None
+        p = get_platform()
+        for hp, name in entries:  # [Note: recomputation and gathered parameters]
+            self._gathered(hp)
+            full = p.apply_function(GatherParam, hp.sharded, hp, self)
+            vars(module)[name] = full
+            self._recomputed[(id(module), name)] = full
+        return None
+
+    def _post_recompute(self, entries: list[tuple[HSDPParam, str]], module: Any, args: Any, output: Any) -> None:
+        if checkpoint_phase() is CheckpointPhase.RECOMPUTE:
+            for _, name in entries:
+                self._unsubstitute_one(module, name)
+        return None
+
+    def _unsubstitute(self, hp: HSDPParam) -> None:
+        for owner, name in hp.uses:
+            self._unsubstitute_one(owner, name)
+
+    def _unsubstitute_one(self, owner: Any, name: str) -> None:
+        """Remove what ``_pre_recompute`` put in ``owner.<name>`` (and nothing else: a
+        forward's own substitution stays, see [Note: recomputation and gathered parameters])."""
+        full = self._recomputed.pop((id(owner), name), None)
+        if full is not None and vars(owner).get(name) is full:
+            del vars(owner)[name]
+
     def _reload(self, index: int) -> Any:
-        hp = self.params[index]
+        return self._gathered(self.params[index])
+
+    def _gathered(self, hp: HSDPParam) -> Any:
         if hp.unsharded is None:
             self._hook_copy = True
             if hp.pending is None:
@@ -346,6 +412,7 @@ class HSDPState:
             result = hp.to_home(p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype))
         # This parameter's gradient is final: its gathered copies are no longer needed.
         hp.drop_unsharded()
+        self._unsubstitute(hp)
         hp.block = None
         self._grads_pending -= 1
         if self._grads_pending <= 0:

@@ -77,3 +77,36 @@ class AutogradSection(ABC):
         fully_shard uses it to free gathered parameters after the forward and re-gather
         them in the backward. ``reload`` runs inside the backward, once per saved use.
         """
+
+    @abstractmethod
+    def recompute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` and return its output, keeping none of the tensors that the
+        operations inside ``fn`` save for backward; the backward runs ``fn(*args)`` again,
+        with recording on, when it first needs one of them, and uses the recomputed ones
+        (activation checkpointing: Chen et al., "Training Deep Nets with Sublinear Memory
+        Cost", 2016). Non-reentrant, built on saved-tensor hooks: torch
+        ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``, MindSpore
+        ``mindspore.recompute(fn, *args, use_reentrant=False)``.
+
+        Gradients flow through the graph of the *first* forward, so what ``fn`` reads
+        from outside (parameters, captured tensors, a custom function's inputs) receives
+        its gradient once, from that graph; the recomputed graph only supplies saved
+        values. What is kept from the forward: the tensors in ``args`` (by reference)
+        and the framework's random-number state, restored for the recomputation (a
+        dropout draws the same mask). What runs twice: everything ``fn`` does up to the
+        last tensor the backward needs (module hooks and collectives included;
+        recomputation stops there on both frameworks, so every rank must save the same
+        tensors in the same order for collectives to match). ``fn`` must read the same
+        values in the recomputation (a caller that frees what ``fn`` reads between the
+        forward and the backward restores it first: fully_shard does, see
+        [Note: recomputation and gathered parameters] in ``core/fully_shard/hsdp_state``).
+        Outside recording (``no_grad``; MindSpore outside ``vjp``) ``fn(*args)`` just
+        runs. Positional tensors only; bind keyword arguments into ``fn``
+        (``functools.partial``). Composes with ``release_saved_tensors``: inside ``fn``
+        the innermost saved-tensor hooks (this member's) take every saved tensor.
+
+        Raises:
+            RuntimeError: from the framework, when the recomputation saves tensors of
+                other shapes or dtypes, or fewer, than the forward (``fn`` took another
+                path); whatever ``fn`` raises.
+        """

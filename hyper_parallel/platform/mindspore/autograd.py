@@ -128,6 +128,16 @@ class MindSporeAutograd(AutogradSection):
 
         return self._ms.saved_tensors_hooks(pack, unpack)
 
+    def recompute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``mindspore.recompute(fn, *args, use_reentrant=False)``: the saved-tensor-hooks
+        form (any callable; the reentrant form takes Cells only and differentiates the
+        Cell's own Parameters, not what a hook substituted for them). It saves the RNG
+        state and restores it for the recomputation, and stops it at the last saved
+        tensor, as torch does."""
+        from mindspore.common.recompute import recompute
+
+        return recompute(fn, *args, use_reentrant=False)
+
     def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
         """``mindspore.vjp(fn, *tensor_inputs, weights=params)``.
 

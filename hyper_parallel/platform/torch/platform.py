@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from hyper_parallel.platform import host_memory, host_streams
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
@@ -162,6 +163,11 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
+
+    def recompute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # Non-reentrant: saved-tensor hooks, gradients through the first forward's graph;
+        # the RNG state is kept and restored (preserve_rng_state defaults to True).
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
     def release_saved_tensors(self, sources: Sequence[Any],
                               reload: Callable[[int], Any]) -> AbstractContextManager[None]:

@@ -1,0 +1,203 @@
+"""Activation checkpointing: a block's activations are not kept for backward but
+recomputed there (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016).
+
+The API follows torch's (``torch.utils.checkpoint.checkpoint(use_reentrant=False)``,
+``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``'s ``checkpoint_wrapper``
+and ``apply_activation_checkpointing``) with MindSpore's in-place ``Cell.recompute()``
+semantics: a module is checkpointed where it is, its forward replaced on the instance
+(``platform.register_forward_hook(replace_forward=True)``), so parameter names,
+checkpoints and tensor-parallel plans are unchanged and the module's own hooks still run
+around the checkpointed forward. The recomputation is the framework's own,
+non-reentrant one (``platform.recompute``).
+
+[Note: composing activation checkpointing with the other layouts]
+Order: tensor parallelism, context parallelism, activation checkpointing, fully_shard
+(torchtitan's ``parallelize_llama``). What runs where:
+
+- Hooks of modules *inside* a checkpointed module run in the forward and again in the
+  recomputation. Tensor-parallel styles and ``ContextParallel`` are such hooks: they
+  redistribute activations with differentiable collectives and push the attention's
+  context frame on entry (popped on exit), so the recomputation issues the same
+  collectives in the same order on every rank and finds its frame the same way.
+  Recomputation stops after the last tensor the backward needs, at the same point on
+  every rank; a collective after it (a block's final row-parallel all-reduce) runs once.
+- Hooks of the checkpointed module itself and of its ancestors run once. fully_shard
+  belongs there: apply it to the checkpointed block (or an ancestor) *after*
+  checkpointing. Its forward hooks gather the parameters and hand the module the
+  gathered tensors; the checkpointed forward saves nothing, so the unit's gathered
+  parameters are freed after the forward as usual. Its backward pre-hook gathers them
+  again, and its hooks on the modules that hold them hand them to the recomputation
+  ([Note: recomputation and gathered parameters] in ``core/fully_shard/hsdp_state``);
+  gradients flow through the first forward's graph, so each parameter's gradient is
+  reduce-scattered once.
+- A fully_shard unit *inside* a checkpointed module would run its hooks twice and push
+  its saved-tensor hooks inside the checkpoint's: ``checkpoint_wrapper`` refuses a
+  module that holds one, and fully_shard refuses to run a unit inside a checkpointed
+  forward (a unit sharded after the wrapper was applied).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from hyper_parallel.core.activation_checkpoint.region import _PHASE, CheckpointPhase
+from hyper_parallel.platform import get_platform
+
+#: The attribute of a checkpointed module that holds its forward replacement's handle.
+CHECKPOINT_ATTR = "_checkpoint_handle"
+
+
+def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` without keeping its intermediate activations: the tensors its
+    operations save for backward are dropped after the forward and recomputed, by
+    running ``fn(*args)`` again, when the backward first needs one (torch
+    ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``, MindSpore
+    ``mindspore.recompute(fn, *args, use_reentrant=False)``).
+
+    Memory: instead of every saved activation of ``fn`` (for a decoder block
+    ``[batch, seq, hidden]``-sized tensors, a dozen or more), only ``args`` and the
+    output are kept until the backward. Time: one more forward of ``fn`` in the
+    backward, with its collectives (see [Note: composing activation checkpointing with
+    the other layouts]). Gradients are those of ``fn(*args)`` without checkpointing, bit
+    for bit on a deterministic ``fn`` (the random-number state is restored for the
+    recomputation, so dropout draws the same mask). ``checkpoint_phase()`` tells code
+    inside ``fn`` which run it is in.
+
+    Args:
+        fn: deterministic given the random-number state; it must take the same path
+            (the same saved tensors in the same order) when run again.
+        *args: positional inputs (tensors are kept by reference); bind keyword
+            arguments into ``fn`` (``functools.partial``).
+
+    Returns:
+        What ``fn(*args)`` returns.
+
+    Raises:
+        RuntimeError: from the framework, when the recomputation saves tensors of other
+            shapes or dtypes, or fewer, than the forward.
+    """
+    p = get_platform()
+    runs = 0
+
+    def run(*inputs: Any) -> Any:
+        nonlocal runs
+        phase = CheckpointPhase.FORWARD if runs == 0 else CheckpointPhase.RECOMPUTE
+        runs += 1
+        token = _PHASE.set(phase)
+        try:
+            return fn(*inputs)
+        finally:
+            _PHASE.reset(token)
+
+    return p.recompute(run, *args)
+
+
+def _checkpointed_forward(module: Any, args: tuple[Any, ...], forward: Callable[..., Any]) -> Any:
+    return checkpoint(forward, *args)
+
+
+def checkpoint_wrapper(module: Any) -> Any:
+    """Checkpoint ``module`` in place: each call runs its forward through ``checkpoint``
+    (its intermediate activations are recomputed in the backward). The module stays
+    where it is, with its parameter names and its hooks (which run once, around the
+    checkpointed forward; hooks of its submodules run again in the recomputation).
+    ``remove_checkpoint_wrapper`` undoes it.
+
+    Args:
+        module: a torch ``nn.Module`` / MindSpore ``Cell`` whose forward is deterministic.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: ``module`` is checkpointed already, or ``module`` or a submodule is
+            fully sharded (apply activation checkpointing first, then fully_shard, see
+            [Note: composing activation checkpointing with the other layouts]).
+    """
+    _check_wrappable(module, "checkpoint_wrapper", type(module).__name__)
+    p = get_platform()
+    vars(module)[CHECKPOINT_ATTR] = p.register_forward_hook(module, _checkpointed_forward, replace_forward=True)
+    return module
+
+
+def is_checkpointed(module: Any) -> bool:
+    """True when ``checkpoint_wrapper`` checkpoints ``module``."""
+    return CHECKPOINT_ATTR in vars(module)
+
+
+def remove_checkpoint_wrapper(module: Any) -> Any:
+    """Restore the forward ``checkpoint_wrapper`` replaced and return ``module``.
+
+    Raises:
+        ValueError: ``module`` is not checkpointed.
+        RuntimeError: another forward replacement of ``module`` made after the wrapper
+            is still in place (remove that first).
+    """
+    handle = vars(module).get(CHECKPOINT_ATTR)
+    if handle is None:
+        raise ValueError(f"remove_checkpoint_wrapper: {type(module).__name__} is not checkpointed")
+    handle.remove()
+    del vars(module)[CHECKPOINT_ATTR]
+    return module
+
+
+def apply_activation_checkpointing(model: Any, check_fn: Callable[[Any], bool] | None = None, *,
+                                   fqns: list[str] | None = None) -> list[str]:
+    """Checkpoint, in place, every submodule of ``model`` for which ``check_fn(module)``
+    is true (torch's ``apply_activation_checkpointing(model, check_fn=...)``), or the
+    submodules named in ``fqns`` (dotted names from ``model``, ``""`` for ``model``).
+    A module below one already selected is skipped: its outer module recomputes it.
+
+    Typical use, one checkpoint per transformer block, before fully_shard:
+    ``apply_activation_checkpointing(model, fqns=[f"layers.{i}" for i in range(n)])``.
+
+    Returns:
+        The dotted names of the modules checkpointed, outermost first.
+
+    Raises:
+        ValueError: neither or both of ``check_fn`` and ``fqns`` given; a name in ``fqns``
+            that is not a submodule (the message lists the nearest); and what
+            ``checkpoint_wrapper`` raises. Checked for every module before any is wrapped.
+    """
+    p = get_platform()
+    if (check_fn is None) == (fqns is None):
+        raise ValueError("apply_activation_checkpointing: give exactly one of check_fn (a predicate on modules) "
+                         "and fqns (dotted submodule names)")
+    modules = list(p.named_modules(model))
+    if fqns is not None:
+        names = {name for name, _ in modules}
+        missing = [fqn for fqn in fqns if fqn not in names]
+        if missing:
+            near = difflib.get_close_matches(missing[0], sorted(names), n=3)
+            raise ValueError(f"apply_activation_checkpointing: no submodule {missing[0]!r} in "
+                             f"{type(model).__name__}; nearest: {near}")
+        wanted = set(fqns)
+        selected = [(name, sub) for name, sub in modules if name in wanted]
+    else:
+        selected = [(name, sub) for name, sub in modules if check_fn(sub)]
+    chosen: list[tuple[str, Any]] = []
+    for name, sub in selected:  # named_modules lists a parent before its children
+        if not any(name == outer or outer == "" or name.startswith(outer + ".") for outer, _ in chosen):
+            chosen.append((name, sub))
+    for name, sub in chosen:  # every module checked before any is wrapped: nothing is half-applied
+        _check_wrappable(sub, "apply_activation_checkpointing", name or "<model>")
+    for _, sub in chosen:
+        checkpoint_wrapper(sub)
+    return [name for name, _ in chosen]
+
+
+def _check_wrappable(module: Any, caller: str, name: str) -> None:
+    # Imported here: fully_shard imports ``region`` from this package.
+    from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR
+
+    if CHECKPOINT_ATTR in vars(module):
+        raise ValueError(f"{caller}: {name} is already checkpointed")
+    sharded = [sub_name or "<itself>" for sub_name, sub in get_platform().named_modules(module)
+               if STATE_ATTR in vars(sub)]
+    if sharded:
+        raise ValueError(f"{caller}: {name} holds fully sharded modules {sharded[:3]}; apply activation "
+                         "checkpointing before fully_shard (the chain is tensor parallel, context parallel, "
+                         "activation checkpointing, fully_shard), then fully_shard the checkpointed module or an "
+                         "ancestor")

@@ -1,0 +1,148 @@
+"""Activation checkpointing (``core/activation_checkpoint``) on the train job's Llama-style
+decoder: a checkpointed model against the same model unwrapped, same seed, same data,
+two AdamW steps, on one rank and composed with fully_shard, tensor parallelism and
+context parallelism (swept inside one rank function: MindSpore pays seconds per call).
+
+Exact equality: a checkpointed block runs the same operations on the same values
+(recomputed, not approximated), the gradients flow through the first forward's graph,
+and the collectives (all-reduce, all-to-all, all-gather, reduce-scatter) are the same
+ones on the same inputs, so outputs and gradients match bit for bit. A recomputation
+that read stale or ungathered parameters, or a gradient reduce-scattered twice, would
+not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyper_parallel.core.activation_checkpoint import (CheckpointPhase, apply_activation_checkpointing, checkpoint,
+                                                       checkpoint_phase, checkpoint_wrapper, is_checkpointed,
+                                                       remove_checkpoint_wrapper)
+from hyper_parallel.core.dtensor import init_device_mesh
+from hyper_parallel.core.fully_shard import fully_shard
+from hyper_parallel.platform import get_platform
+from hyper_parallel.train.config import Layout
+from hyper_parallel.train.data import rank_batch
+from hyper_parallel.train.loop import _batch_tensors, _scalar, setup
+from hyper_parallel.train.model import build_model
+from tests.train._ranks import tiny_config
+
+STEPS = 2
+
+
+def _observe(p, model) -> dict[str, list[str]]:
+    """Forward pre-hooks that log the phase they run in: on a module inside block 0
+    (runs again in the recomputation) and on block 0 itself (runs once)."""
+    log: dict[str, list[str]] = {"inner": [], "block": []}
+    p.register_forward_pre_hook(model.layers[0].feed_forward,
+                                lambda m, a: log["inner"].append(str(getattr(checkpoint_phase(), "value", None))))
+    p.register_forward_pre_hook(model.layers[0], lambda m, a: log["block"].append("call"))
+    return log
+
+
+def _train(run, checkpointed: bool) -> tuple[list[float], list[list[np.ndarray]], dict[str, list[str]]]:
+    """``STEPS`` steps of the train job's loop body; the losses, gradients and hook log."""
+    p, cfg = run.p, run.cfg
+    log = _observe(p, run.model)
+    losses, grads = [], []
+    for step in range(STEPS):
+        batch = rank_batch(run.corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
+        loss, backward = p.vjp(run.model, _batch_tensors(run, batch), run.params)
+        calls = len(log["inner"])
+        _, step_grads = backward([_scalar(p, 1.0)])
+        # one forward per step; the checkpointed block's inside runs again in the backward
+        assert len(log["inner"]) == calls + (1 if checkpointed else 0), log
+        losses.append(float(p.to_numpy(loss)))
+        grads.append([p.to_numpy(g) for g in step_grads])
+        run.optimizer.step(step_grads, 1e-2)
+    expected_inner = ["forward", "recompute"] * STEPS if checkpointed else ["None"] * STEPS
+    assert log["inner"] == expected_inner, log
+    assert log["block"] == ["call"] * STEPS, log  # the block's own hooks (fully_shard's) run once
+    return losses, grads, log
+
+
+def check_parity(layouts: list[dict]) -> list[str]:
+    """For each layout: the train job's decoder with every block checkpointed (step 3 of
+    the chain, between CP and fully_shard) against the same layout without, bit for bit."""
+    p = get_platform()
+    done = []
+    for degrees in layouts:
+        cfg = tiny_config("/tmp/unused", nproc=p.world_size(), layout=Layout(**degrees), steps=STEPS)
+        plain_losses, plain_grads, _ = _train(setup(cfg), checkpointed=False)
+        run = setup(cfg.replace(activation_checkpointing=True))
+        assert all(is_checkpointed(block) for block in run.model.layers)
+        losses, grads, _ = _train(run, checkpointed=True)
+        np.testing.assert_array_equal(losses, plain_losses, err_msg=f"{degrees}: losses")
+        names = [name for name, _ in p.named_parameters(run.model)]
+        for step in range(STEPS):
+            for name, got, want in zip(names, grads[step], plain_grads[step]):
+                np.testing.assert_array_equal(got, want, err_msg=f"{degrees}: step {step} gradient of {name}")
+        # fully_shard put the gathered parameters back for the recomputation and took them
+        # away when their gradients were final: nothing is left in the modules' instance
+        # dicts (both frameworks keep registered parameters elsewhere)
+        for name, module in p.named_modules(run.model):
+            assert "weight" not in vars(module), f"{degrees}: a gathered {name}.weight outlived the step"
+        done.append(str(degrees))
+    return done
+
+
+def test_single_rank(run_on_ranks) -> None:
+    assert run_on_ranks(check_parity, [{}], world_size=1) == [["{}"]]
+
+
+def test_with_fully_shard_tensor_and_context_parallel(run_on_ranks) -> None:
+    layouts = [{"dp_shard": 2}, {"tp": 2}, {"cp": 2, "cp_mode": "ulysses"}, {"cp": 2, "cp_mode": "ring"}]
+    assert run_on_ranks(check_parity, layouts, world_size=2, timeout_s=600) == [[str(d) for d in layouts]] * 2
+
+
+def check_api() -> None:
+    """The functional form, removal, selection and the refusals, on one rank."""
+    p = get_platform()
+    cfg = tiny_config("/tmp/unused").model
+    model = build_model(p, cfg, 0)
+    x = p.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    phases = []
+
+    def fn(t):
+        phases.append(checkpoint_phase())
+        return (t * t).sum()
+
+    out, backward = p.vjp(lambda t: checkpoint(fn, t), [x])
+    (gx,), _ = backward([_scalar(p, 1.0)])
+    np.testing.assert_array_equal(p.to_numpy(gx), 2 * p.to_numpy(x))
+    assert phases == [CheckpointPhase.FORWARD, CheckpointPhase.RECOMPUTE], phases
+    assert checkpoint_phase() is None
+
+    # check_fn selects modules; a module below a selected one is skipped
+    names = apply_activation_checkpointing(model, check_fn=lambda m: m is model.layers or "Block" in type(m).__name__)
+    assert names == ["layers"], names
+    assert remove_checkpoint_wrapper(model.layers) is model.layers and not is_checkpointed(model.layers)
+    assert apply_activation_checkpointing(model, fqns=["layers.1", "layers.0"]) == ["layers.0", "layers.1"]
+    with pytest.raises(ValueError, match="layers.0 is already checkpointed"):
+        apply_activation_checkpointing(model, fqns=["layers.0"])
+    with pytest.raises(ValueError, match="no submodule 'layers.7' .* nearest"):
+        apply_activation_checkpointing(model, fqns=["layers.7"])
+    with pytest.raises(ValueError, match="exactly one of check_fn"):
+        apply_activation_checkpointing(model)
+    with pytest.raises(ValueError, match="is not checkpointed"):
+        remove_checkpoint_wrapper(model.norm)
+
+    # fully_shard first, then checkpointing: refused, before anything is wrapped
+    other = build_model(p, cfg, 0)
+    mesh = init_device_mesh(p.device_type, (1,))
+    fully_shard(other.layers[1].feed_forward, mesh=mesh)
+    with pytest.raises(ValueError, match="holds fully sharded modules .*apply activation checkpointing before "
+                                         "fully_shard"):
+        apply_activation_checkpointing(other, fqns=["layers.0", "layers.1"])
+    assert not is_checkpointed(other.layers[0])
+    # fully_shard of a module inside a block checkpointed before: refused when it runs
+    third = build_model(p, cfg, 0)
+    checkpoint_wrapper(third.layers[0])
+    fully_shard(third.layers[0].feed_forward, mesh=mesh)
+    tokens = p.from_numpy(np.zeros((1, 4), np.int64))
+    with pytest.raises(RuntimeError, match="runs inside an activation-checkpointed forward"):
+        p.vjp(third, [tokens, tokens, tokens])
+
+
+def test_api(run_on_ranks) -> None:
+    run_on_ranks(check_api, world_size=1)
