@@ -18,7 +18,6 @@ import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 
 from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PP_SCHEDULES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
