@@ -134,17 +134,18 @@ def parity_report(run: list[dict], reference: list[dict]) -> dict:
 
 
 def _check_resume_layout(cfg: TrainConfig) -> None:
-    """A checkpoint of another layout fails here, before any rank starts."""
+    """A checkpoint that cannot be resumed (another model or format) fails here, before any
+    rank starts; one of another layout is resharded by the ranks."""
     import warnings
 
     from hyper_parallel.train import checkpoint
-    from hyper_parallel.train.loop import layout_record
+    from hyper_parallel.train.loop import model_record
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the ranks warn about a skipped checkpoint themselves
         found = checkpoint.latest_manifest(cfg.checkpoint_path)
     if found is not None:
-        checkpoint.check_layout(found[0], found[1], layout_record(cfg, cfg.layout), cfg.nproc)
+        checkpoint.check_compatible(found[0], found[1], model_record(cfg))
 
 
 def run_train(cfg: TrainConfig) -> int:
