@@ -163,10 +163,10 @@ def _padded(piece: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return out
 
 
-def checkpoint_pieces(run: _Run) -> dict[str, checkpoint.Piece]:
+def checkpoint_pieces(run: _Run, state: dict[str, np.ndarray]) -> dict[str, checkpoint.Piece]:
     """``{"<kind>/<fqn>": Piece}``: this rank's unpadded pieces of every parameter and of
-    its AdamW moments (see ``[Note: layout-independent pieces]`` in ``checkpoint``)."""
-    state = run.optimizer.state_arrays()
+    its AdamW moments (``state``: ``optimizer.state_arrays()``; see ``[Note:
+    layout-independent pieces]`` in ``checkpoint``)."""
     pieces = {}
     for i, (name, param) in enumerate(zip(run.names, run.params)):
         box = run.boxes[name]
@@ -178,15 +178,13 @@ def checkpoint_pieces(run: _Run) -> dict[str, checkpoint.Piece]:
     return pieces
 
 
-def checkpoint_meta(run: _Run) -> dict[str, Any]:
-    """The manifest's description of the run: layout, model, data stream, optimizer step."""
-    return {"layout": layout_record(run.cfg, run.layout), "model": model_record(run.cfg),
-            "data": data_record(run.cfg), "optimizer_step": int(run.optimizer.state_arrays()["step"])}
-
-
 def save_checkpoint(run: _Run, root: Path, step: int) -> Path:
-    """Write the checkpoint of ``step`` under ``root`` (collective: barriers)."""
-    return checkpoint.save(run.p, root, step, checkpoint_pieces(run), checkpoint_meta(run), run.world, run.rank)
+    """Write the checkpoint of ``step`` under ``root`` (collective: barriers), with the
+    layout, the model, the data stream and the optimizer step in its manifest."""
+    state = run.optimizer.state_arrays()
+    meta = {"layout": layout_record(run.cfg, run.layout), "model": model_record(run.cfg),
+            "data": data_record(run.cfg), "optimizer_step": int(state["step"])}
+    return checkpoint.save(run.p, root, step, checkpoint_pieces(run, state), meta, run.world, run.rank)
 
 
 def load_checkpoint(run: _Run, root: Path) -> checkpoint.Loaded | None:
