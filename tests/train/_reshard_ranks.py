@@ -12,11 +12,17 @@ import numpy as np
 from hyper_parallel.core.fully_shard import Box
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train import checkpoint
-from hyper_parallel.train.config import PRESETS, Layout
+from hyper_parallel.train.config import PRESETS, Layout, ModelConfig
 from hyper_parallel.train.loop import layout_record, load_checkpoint, restore, save_checkpoint, setup, train
 from tests.train._ranks import PIPELINE_MODEL, losses, tiny_config
 
-MODELS = {"tiny": PRESETS["tiny"], "tiny-4-layers": PIPELINE_MODEL}
+#: ``tiny`` with uneven shards: the SwiGLU input projections (66 rows) are 17, 17, 17, 15 rows
+#: over dp-shard 4 and 17, 16 of each tensor-parallel half over dp-shard 2, so pieces of
+#: different layouts overlap partially and fully_shard pads; 6 query and 2 key/value heads
+#: divide over tp 2.
+UNEVEN_MODEL = ModelConfig(dim=36, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=66, max_seq_len=256)
+
+MODELS = {"tiny": PRESETS["tiny"], "tiny+uneven": UNEVEN_MODEL, "tiny-4-layers": PIPELINE_MODEL}
 
 #: steps between checkpoints; hop ``i`` of a chain resumes at step ``EVERY * i``
 EVERY = 1

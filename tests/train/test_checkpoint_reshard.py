@@ -21,9 +21,9 @@ from tests.train._reshard_ranks import check_reshard_chains
 REPO = Path(__file__).resolve().parents[2]
 
 #: (model, layouts): each layout resumes the previous one's checkpoint. tp 2 x dp-shard 2
-#: -> dp-shard 4 (tensor-parallel boxes into fully_shard rows) -> dp-replicate 2 x cp 2
-#: (replicas: each box written once; fully_shard over cp).
-CHAINS = [("tiny", [{"tp": 2, "dp_shard": 2}, {"dp_shard": 4}, {"dp_replicate": 2, "cp": 2, "cp_mode": "ring"}])]
+#: -> dp-shard 4 (tensor-parallel boxes into uneven fully_shard rows) -> dp-replicate 2 x cp 2
+#: (replicas: each box written once; fully_shard over cp), then rank 0 alone.
+CHAINS = [("tiny+uneven", [{"tp": 2, "dp_shard": 2}, {"dp_shard": 4}, {"dp_replicate": 2, "cp": 2, "cp_mode": "ring"}])]
 
 #: torch only (MindSpore's pipelines run through the launcher, see test_train.py): a
 #: 2-stage pipeline x dp-shard 2 -> one stage over dp-shard 4 -> 4 stages (interleaved).
