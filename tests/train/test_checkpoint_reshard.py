@@ -4,6 +4,7 @@ single-process reference; and the MindSpore pipeline's resume through the launch
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
+from hyper_parallel.train.cli import main
 from hyper_parallel.train.metrics import read_metrics
 from tests.train._ranks import TEST_DATA
 from tests.train._reshard_ranks import check_reshard_chains
@@ -87,3 +89,19 @@ def test_mindspore_pipeline_resume_through_the_launcher(tmp_path: Path) -> None:
     assert "written by layout pp=2 (2 ranks, 2 pipeline stages); resharding it into layout dp_shard=2 (2 ranks)" \
         in done.stderr, done.stderr[-3000:]
     np.testing.assert_allclose(_losses(resharded), full[1:], rtol=2e-5, atol=0, err_msg="pp 2 -> dp-shard 2 at step 1")
+
+
+def test_first_format_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
+    """A checkpoint of the first format (per-rank arrays of one layout, no boxes) stops the
+    resume before any rank starts, naming both formats and the fix."""
+    step = tmp_path / "step_00000002"
+    step.mkdir()
+    manifest = {"step": 2, "world_size": 2, "layout": {"degrees": {"tp": 2}}, "shards": {}}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", "tiny", "--nproc", "1", "--resume", "--checkpoint-dir", str(tmp_path),
+              "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "step_00000002 has format 1" in message and "reads format 2" in message, message
+    assert "start a new --checkpoint-dir" in message, message
