@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", default="runs/latest", help="run folder: metrics.jsonl, loss.png, checkpoints/")
     out.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
     out.add_argument("--checkpoint-every", type=int, default=50, help="0: only at the end")
-    out.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    out.add_argument("--resume", action="store_true",
+                     help="continue from the newest complete checkpoint (written by any layout of the same "
+                          "model: resharded)")
     out.add_argument("--check-parity", action="store_true",
                      help="also run a single-process reference and report the largest relative loss difference")
     out.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is killed")
