@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,15 +38,24 @@ def full_tensors(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return manifest, checkpoint.read_pieces(path, manifest, boxes)
 
 
-def _copy_step(src: Path, dst: Path, step: int) -> None:
-    """Rank 0 copies checkpoint ``step`` from ``src`` to ``dst`` (a fresh folder)."""
+def _copy_step(src: Path, dst: Path, step: int, timeout_s: float = 300.0) -> None:
+    """Rank 0 copies checkpoint ``step`` from ``src`` to ``dst`` (a fresh folder) and marks
+    it done; the other ranks wait for the mark on the filesystem, not in a collective:
+    rank 0 arrives here after plotting the previous hop's curve alone, which on a loaded
+    host outlasts MindSpore's CPU collective timeout in the harness pools (5 s)."""
     p = get_platform()
+    done = dst / ".copied"
     if p.rank() == 0:
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
         shutil.copytree(src / f"step_{step:08d}", dst / f"step_{step:08d}")
-    if p.world_size() > 1:
-        p.barrier().wait()
+        done.touch()
+        return
+    deadline = time.monotonic() + timeout_s
+    while not done.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {p.rank()}: rank 0 did not copy {src}/step_{step:08d} to {dst} in {timeout_s} s")
+        time.sleep(0.05)
 
 
 def _chain(out: str, model_name: str, chain: list[dict]) -> tuple[list[np.ndarray], list[tuple[Path, Path]], object]:
