@@ -1,25 +1,46 @@
-"""Sharded, atomic checkpoints: every rank writes its own shard, and a checkpoint becomes
-visible only once it is complete.
+"""Sharded, atomic, layout-independent checkpoints: every rank writes the pieces it holds,
+each described by its box in the global tensor, and a checkpoint becomes visible only once
+it is complete. A checkpoint written in one layout loads in any other (resharding): each
+rank reads only the pieces that overlap its own.
 
 [Note: atomic checkpoints]
 Layout on disk::
 
     <checkpoint_dir>/step_00000050/manifest.json      written last, by rank 0
-    <checkpoint_dir>/step_00000050/rank_00000.npz     parameters (local shards) + optimizer state
+    <checkpoint_dir>/step_00000050/rank_00000.npz     the pieces rank 0 owns
     <checkpoint_dir>/step_00000050/rank_00001.npz ...
 
 1. Rank 0 makes a fresh ``.step_00000050.tmp`` folder; barrier.
-2. Every rank writes its ``.npz`` there, fsyncs it and writes its size and SHA-256 beside it; barrier.
-3. Rank 0 writes ``manifest.json`` (step, layout, world size, each shard's size and
-   digest), fsyncs it, renames the folder to ``step_00000050`` (one atomic ``rename``) and
-   fsyncs the parent; barrier.
+2. Every rank writes ``rank_N.index.json``: the key and box of each piece it holds; barrier.
+3. Every rank writes its ``.npz`` there (the pieces it owns, see below), fsyncs it and
+   writes its size and SHA-256 beside it; barrier.
+4. Rank 0 writes ``manifest.json`` (format, step, layout, model, world size, every
+   tensor's pieces and each shard's size and digest), fsyncs it, renames the folder to
+   ``step_00000050`` (one atomic ``rename``) and fsyncs the parent; barrier.
 
-A crash before step 3 leaves only a ``.tmp`` folder, which loading ignores and the next
+A crash before step 4 leaves only a ``.tmp`` folder, which loading ignores and the next
 save replaces; the previous checkpoint is untouched. A checkpoint that was cut off anyway
 (copied partially, a disk that lost a write) fails verification: a missing manifest or a
 shard whose size or digest differs. Loading then warns and falls back to the previous
 checkpoint. Every rank verifies the same files, so all ranks pick the same one.
 The folder must be shared by all ranks (one machine, or a shared filesystem).
+
+[Note: layout-independent pieces]
+A piece is one rank's part of one tensor: ``"<kind>/<fqn>"`` (``param/layers.0.attention.wq.weight``,
+``exp_avg/...``, ``exp_avg_sq/...``: AdamW's moments have their parameter's shape) with its
+``Box`` (``hyper_parallel.core.fully_shard.Box``: the global shape, ``starts`` and
+``lengths`` per dim) as ``local_boxes`` reports it: the fully_shard chunk inside the
+tensor-parallel chunk, without fully_shard's padding, under the decoder's parameter names
+(pipeline stages keep them). Ranks that hold the same box (replicas: ``--dp-replicate``,
+and the tensor-parallel ranks of a parameter tensor parallelism does not shard) write it
+once: the lowest such rank owns it, which every rank decides from the index files of
+step 2. The manifest lists, for each key, its global shape and its pieces (file, box).
+
+Loading in any layout: for each key and this rank's box, the pieces that overlap it are
+read (``copy_overlap``; ``np.load`` of an ``.npz`` reads one array at a time, so no rank
+holds more than its own shard plus one saved piece), and the copied values must cover
+the box. The loop pads what fully_shard pads with zeros (padding rows stay zero in
+training: no gradient reaches them, and weight decay keeps zero at zero).
 """
 
 from __future__ import annotations
@@ -35,9 +56,12 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.fully_shard import Box, copy_overlap
 from hyper_parallel.platform import Platform
 
 MANIFEST = "manifest.json"
+#: the manifest's ``format``: 2 = pieces with boxes (format 1, per-rank arrays of one layout, is refused)
+FORMAT = 2
 #: complete checkpoints kept (older ones are deleted after a save)
 KEEP = 3
 
@@ -48,6 +72,10 @@ def _step_dir(root: Path, step: int) -> Path:
 
 def _shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.npz"
+
+
+def _index_name(rank: int) -> str:
+    return f"rank_{rank:05d}.index.json"
 
 
 def _digest(path: Path) -> str:
@@ -72,18 +100,42 @@ def _barrier(p: Platform, world: int) -> None:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """This rank's part of one tensor: its ``box`` and the values (shape ``box.lengths``)."""
+
+    box: Box
+    value: np.ndarray
+
+
+@dataclass(frozen=True)
 class Loaded:
-    """A verified checkpoint: its step and this rank's arrays."""
+    """A verified checkpoint: its step, manifest, and this rank's pieces.
+
+    ``arrays``: ``{"<kind>/<fqn>": array of the asked box's lengths}`` for every key the
+    checkpoint holds. ``resharded``: it was written by another layout or world size."""
 
     step: int
     path: Path
+    manifest: dict[str, Any]
     arrays: dict[str, np.ndarray]
+    resharded: bool
 
 
-def save(p: Platform, root: Path, step: int, arrays: dict[str, np.ndarray], layout: dict[str, Any],
-         world: int, rank: int) -> Path:
-    """Write this rank's ``arrays`` as part of the checkpoint of ``step`` (collective over
-    the ``world`` ranks: barriers; see the note at the top). Returns the checkpoint folder."""
+def _box_record(box: Box, value: np.ndarray) -> dict[str, Any]:
+    return {"shape": list(box.shape), "dtype": str(value.dtype), "starts": list(box.starts),
+            "lengths": list(box.lengths)}
+
+
+def _same_piece(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a["starts"] == b["starts"] and a["lengths"] == b["lengths"]
+
+
+def save(p: Platform, root: Path, step: int, pieces: dict[str, Piece], meta: dict[str, Any], world: int,
+         rank: int) -> Path:
+    """Write this rank's ``pieces`` (``{"<kind>/<fqn>": Piece}``) as part of the checkpoint
+    of ``step``, with ``meta`` (``layout``, ``model``, ``data``, ``optimizer_step``:
+    JSON values, the same on every rank) in the manifest. Collective over the ``world``
+    ranks: barriers, no data exchange (see the notes at the top). Returns the folder."""
     tmp = root / f".step_{step:08d}.tmp"
     final = _step_dir(root, step)
     if rank == 0:
@@ -91,23 +143,26 @@ def save(p: Platform, root: Path, step: int, arrays: dict[str, np.ndarray], layo
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier(p, world)
+    held = {key: _box_record(piece.box, piece.value) for key, piece in sorted(pieces.items())
+            if piece.value.size}  # an uneven shard past the end holds nothing
+    (tmp / _index_name(rank)).write_text(json.dumps(held))
+    _barrier(p, world)
+    # the lowest rank holding a box owns it: drop what a lower rank holds already
+    owned = dict(held)
+    for other in range(rank):
+        theirs = json.loads((tmp / _index_name(other)).read_text())
+        for key, record in theirs.items():
+            if key in owned and _same_piece(owned[key], record):
+                del owned[key]
     shard = tmp / _shard_name(rank)
     with shard.open("wb") as f:
-        np.savez(f, **arrays)
+        np.savez(f, **{key: np.ascontiguousarray(pieces[key].value) for key in owned})
         f.flush()
         os.fsync(f.fileno())
     (tmp / (shard.name + ".sha256")).write_text(f"{shard.stat().st_size} {_digest(shard)}\n")
     _barrier(p, world)
     if rank == 0:
-        shards = {}
-        for r in range(world):
-            size, digest = (tmp / (_shard_name(r) + ".sha256")).read_text().split()
-            shards[_shard_name(r)] = {"bytes": int(size), "sha256": digest}
-        manifest = {"step": step, "world_size": world, "layout": layout, "shards": shards}
-        with (tmp / MANIFEST).open("w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_manifest(tmp, step, world, meta)
         if final.exists():  # a checkpoint of the same step from an earlier run
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -116,6 +171,30 @@ def save(p: Platform, root: Path, step: int, arrays: dict[str, np.ndarray], layo
             shutil.rmtree(_step_dir(root, old), ignore_errors=True)
     _barrier(p, world)
     return final
+
+
+def _write_manifest(tmp: Path, step: int, world: int, meta: dict[str, Any]) -> None:
+    """Rank 0, step 4 of the note: every key's pieces (owner: the lowest rank holding the
+    box) and every shard's size and digest, fsynced."""
+    tensors: dict[str, dict[str, Any]] = {}
+    shards = {}
+    for r in range(world):
+        index = tmp / _index_name(r)
+        for key, record in json.loads(index.read_text()).items():
+            entry = tensors.setdefault(key, {"shape": record["shape"], "dtype": record["dtype"], "pieces": []})
+            if not any(_same_piece(piece, record) for piece in entry["pieces"]):
+                entry["pieces"].append({"file": _shard_name(r), "starts": record["starts"],
+                                        "lengths": record["lengths"]})
+        size, digest = (tmp / (_shard_name(r) + ".sha256")).read_text().split()
+        shards[_shard_name(r)] = {"bytes": int(size), "sha256": digest}
+    for r in range(world):  # the manifest holds what they said
+        (tmp / _index_name(r)).unlink()
+    manifest = {"format": FORMAT, "step": step, "world_size": world, **meta, "tensors": dict(sorted(tensors.items())),
+                "shards": shards}
+    with (tmp / MANIFEST).open("w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -164,28 +243,102 @@ def latest_manifest(root: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def check_layout(path: Path, manifest: dict[str, Any], layout: dict[str, Any], world: int) -> None:
-    """Raise ``ValueError`` if the checkpoint at ``path`` was written with another layout or
-    world size (its shards hold other slices; resharding on load is not supported)."""
-    if manifest["world_size"] != world or manifest["layout"] != layout:
-        raise ValueError(f"--resume: checkpoint {path} was written by {manifest['world_size']} ranks with layout "
-                         f"{manifest['layout']}, but this run has {world} ranks with layout {layout}; resume with "
-                         "the same layout (or start a new --checkpoint-dir)")
+def describe_layout(layout: dict[str, Any], world: int) -> str:
+    """``"tp=2 x dp_shard=2 (4 ranks)"``, ``"pp=2 (2 ranks, 4 pipeline stages)"`` for a
+    manifest's ``layout`` record."""
+    parts = [f"{axis}={degree}" for axis, degree in layout["degrees"].items() if degree > 1]
+    stages = f", {layout['pipeline_stages']} pipeline stages" if "pipeline_stages" in layout else ""
+    return f"{' x '.join(parts) or 'single rank'} ({world} rank{'s' if world > 1 else ''}{stages})"
 
 
-def load_latest(root: Path, layout: dict[str, Any], world: int, rank: int) -> Loaded | None:
-    """The newest complete checkpoint under ``root``, this rank's arrays; ``None`` if there is
-    none. An incomplete newer one is skipped with a warning naming why.
+def check_compatible(path: Path, manifest: dict[str, Any], model: dict[str, Any]) -> None:
+    """Raise ``ValueError`` if the checkpoint at ``path`` cannot be loaded into a run of
+    ``model`` (the model record, ``loop.model_record``) in any layout: it has another
+    format, or another model (other sizes give other tensors; other constants another
+    function)."""
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"--resume: checkpoint {path} has format {manifest.get('format', 1)} (per-rank arrays of one "
+                         f"layout, without their boxes), this version reads format {FORMAT}; resume with the version "
+                         "that wrote it, or start a new --checkpoint-dir")
+    saved = manifest["model"]
+    differ = sorted(name for name in set(saved) | set(model) if saved.get(name) != model.get(name))
+    if differ:
+        raise ValueError(f"--resume: checkpoint {path} holds a model with "
+                         f"{', '.join(f'{name}={saved.get(name)!r}' for name in differ)}, but this run's model has "
+                         f"{', '.join(f'{name}={model.get(name)!r}' for name in differ)}; resume with the model that "
+                         "wrote it (--model and the size flags) or start a new --checkpoint-dir (the layout may "
+                         "differ: checkpoints are resharded)")
+
+
+def reshard_message(path: Path, manifest: dict[str, Any], layout: dict[str, Any], world: int) -> str | None:
+    """What a resume in another layout says (``None`` in the same layout)."""
+    if manifest["layout"] == layout and manifest["world_size"] == world:
+        return None
+    return (f"--resume: checkpoint {path} (step {manifest['step']}) was written by layout "
+            f"{describe_layout(manifest['layout'], manifest['world_size'])}; resharding it into layout "
+            f"{describe_layout(layout, world)} (each rank reads the pieces that overlap its own)")
+
+
+def read_pieces(path: Path, manifest: dict[str, Any], boxes: dict[str, Box]) -> dict[str, np.ndarray]:
+    """This rank's values of each key of ``boxes`` (``{"<kind>/<fqn>": Box}``) that the
+    checkpoint holds, assembled from the overlapping pieces (no communication).
 
     Raises:
-        ValueError: the checkpoint was written with another layout or world size (its
-            shards hold other slices; resharding on load is not supported).
+        ValueError: a key's global shape differs from the checkpoint's, or its pieces do
+            not cover the box (a checkpoint that was edited).
+    """
+    tensors = manifest["tensors"]
+    files: dict[str, Any] = {}
+    out = {}
+    try:
+        for key, box in boxes.items():
+            if key not in tensors:
+                continue
+            entry = tensors[key]
+            if tuple(entry["shape"]) != box.shape:
+                raise ValueError(f"--resume: {key} has shape {tuple(entry['shape'])} in checkpoint {path} but "
+                                 f"{box.shape} in this run's model")
+            local = np.zeros(box.lengths, np.dtype(entry["dtype"]))
+            covered = 0
+            for piece in entry["pieces"]:
+                name = piece["file"]
+
+                def read(name: str = name, key: str = key) -> np.ndarray:
+                    if name not in files:
+                        files[name] = np.load(path / name)
+                    return files[name][key]
+
+                covered += copy_overlap(local, box.starts, piece["starts"], piece["lengths"], read)
+            if covered != local.size:
+                raise ValueError(f"--resume: the pieces of {key} in checkpoint {path} cover {covered} of the "
+                                 f"{local.size} values this rank needs; the checkpoint is incomplete")
+            out[key] = local
+    finally:
+        for data in files.values():
+            data.close()
+    return out
+
+
+def load_latest(root: Path, boxes: dict[str, Box], layout: dict[str, Any], model: dict[str, Any],
+                world: int) -> Loaded | None:
+    """The newest complete checkpoint under ``root``, this rank's pieces of ``boxes``
+    (``{"<kind>/<fqn>": Box}``); ``None`` if there is none. An incomplete newer one is
+    skipped with a warning naming why. ``layout``, ``world``: this run's (another
+    layout reshards, ``Loaded.resharded``). No communication.
+
+    Raises:
+        ValueError: the checkpoint has another format or model (``check_compatible``),
+            lacks a parameter of ``boxes`` (``param/...``), or a shape differs.
     """
     found = latest_manifest(root)
     if found is None:
         return None
     path, manifest = found
-    check_layout(path, manifest, layout, world)
-    with np.load(path / _shard_name(rank)) as data:
-        arrays = {key: data[key] for key in data.files}
-    return Loaded(int(manifest["step"]), path, arrays)
+    check_compatible(path, manifest, model)
+    missing = sorted(key for key in boxes if key.startswith("param/") and key not in manifest["tensors"])
+    if missing:
+        raise ValueError(f"--resume: checkpoint {path} lacks {len(missing)} parameters of this run's model (first: "
+                         f"{missing[:3]}); resume with the model that wrote it or start a new --checkpoint-dir")
+    arrays = read_pieces(path, manifest, boxes)
+    resharded = reshard_message(path, manifest, layout, world) is not None
+    return Loaded(int(manifest["step"]), path, manifest, arrays, resharded)

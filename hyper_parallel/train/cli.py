@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", default="runs/latest", help="run folder: metrics.jsonl, loss.png, checkpoints/")
     out.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
     out.add_argument("--checkpoint-every", type=int, default=50, help="0: only at the end")
-    out.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    out.add_argument("--resume", action="store_true",
+                     help="continue from the newest complete checkpoint (written by any layout of the same "
+                          "model: resharded)")
     out.add_argument("--check-parity", action="store_true",
                      help="also run a single-process reference and report the largest relative loss difference")
     out.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is killed")
@@ -136,17 +138,18 @@ def parity_report(run: list[dict], reference: list[dict]) -> dict:
 
 
 def _check_resume_layout(cfg: TrainConfig) -> None:
-    """A checkpoint of another layout fails here, before any rank starts."""
+    """A checkpoint that cannot be resumed (another model or format) fails here, before any
+    rank starts; one of another layout is resharded by the ranks."""
     import warnings
 
     from hyper_parallel.train import checkpoint
-    from hyper_parallel.train.loop import layout_record
+    from hyper_parallel.train.loop import model_record
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the ranks warn about a skipped checkpoint themselves
         found = checkpoint.latest_manifest(cfg.checkpoint_path)
     if found is not None:
-        checkpoint.check_layout(found[0], found[1], layout_record(cfg, cfg.layout), cfg.nproc)
+        checkpoint.check_compatible(found[0], found[1], model_record(cfg))
 
 
 def run_train(cfg: TrainConfig) -> int:

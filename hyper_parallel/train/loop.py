@@ -4,18 +4,30 @@ Per step: this rank's share of the step's batch (``data.rank_batch``), forward a
 through ``platform.vjp`` (the one backward entry of both frameworks), an AdamW step on the
 local parameters, then metrics (rank 0 writes them), validation every ``eval_every`` steps
 and a checkpoint every ``checkpoint_every`` steps and at the end.
+
+Checkpoints hold each rank's unpadded pieces of the parameters and of AdamW's moments
+under the decoder's parameter names, with their boxes in the global tensors
+(``checkpoint_pieces``; ``checkpoint``'s notes), so ``--resume`` continues in any layout of
+the same model: the same layout bit-identically, another one after resharding (each rank
+reads the pieces overlapping its own; rank 0 prints that it reshards). The step is the
+data position: batches depend only on ``(seed, step)`` (``data``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hyper_parallel.core.context_parallel import context_parallel_shard
 from hyper_parallel.core.dtensor import DeviceMesh
+from hyper_parallel.core.fully_shard import Box, local_boxes
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train import checkpoint
 from hyper_parallel.train.config import Layout, TrainConfig
@@ -51,6 +63,8 @@ class _Run:
     dp_group: Any       # the group of the ranks whose losses are averaged: dp x cp (None for one)
     cp_mesh: DeviceMesh | None  # context_parallel_mesh: 1-D, 2-D for hybrid (None when cp == 1)
     pipe: Pipeline | None = None  # this rank's pipeline stages (None when pp == 1)
+    names: list[str] = field(default_factory=list)  # the decoder's name of each entry of params
+    boxes: dict[str, Box] = field(default_factory=dict)  # name -> this rank's box (local_boxes)
 
 
 def _scalar(p: Platform, value: float) -> Any:
@@ -133,29 +147,85 @@ def _validation_loss(run: _Run) -> float:
     return _mean_over_dp(run, float(np.mean(losses)))
 
 
-def _checkpoint_arrays(run: _Run) -> dict[str, np.ndarray]:
-    arrays = {f"param.{i}": run.p.to_numpy(param) for i, param in enumerate(run.params)}
-    arrays.update({f"optim.{key}": value for key, value in run.optimizer.state_arrays().items()})
-    return arrays
+#: what a checkpoint holds per parameter: the values and AdamW's two moments (its shape)
+CHECKPOINT_KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _restore(run: _Run, loaded: checkpoint.Loaded) -> None:
-    set_parameter_values(run.p, run.params, [loaded.arrays[f"param.{i}"] for i in range(len(run.params))])
-    run.optimizer.load_state_arrays({key[len("optim."):]: value for key, value in loaded.arrays.items()
-                                     if key.startswith("optim.")})
+def _piece(local: np.ndarray, box: Box) -> np.ndarray:
+    """The unpadded piece of a local array (fully_shard pads at the end of its shard dim)."""
+    return local[tuple(slice(0, n) for n in box.lengths)]
 
 
-def _layout_record(run: _Run) -> dict[str, Any]:
-    return layout_record(run.cfg, run.layout)
+def _padded(piece: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``piece`` in a zero array of the local ``shape`` (the padding fully_shard keeps at zero)."""
+    out = np.zeros(shape, piece.dtype)
+    out[tuple(slice(0, n) for n in piece.shape)] = piece
+    return out
+
+
+def checkpoint_pieces(run: _Run, state: dict[str, np.ndarray]) -> dict[str, checkpoint.Piece]:
+    """``{"<kind>/<fqn>": Piece}``: this rank's unpadded pieces of every parameter and of
+    its AdamW moments (``state``: ``optimizer.state_arrays()``; see ``[Note:
+    layout-independent pieces]`` in ``checkpoint``)."""
+    pieces = {}
+    for i, (name, param) in enumerate(zip(run.names, run.params)):
+        box = run.boxes[name]
+        locals_ = {"param": run.p.to_numpy(param), "exp_avg": state.get(f"exp_avg.{i}"),
+                   "exp_avg_sq": state.get(f"exp_avg_sq.{i}")}
+        for kind, local in locals_.items():
+            if local is not None:  # torch has no moments for a parameter that never had a gradient
+                pieces[f"{kind}/{name}"] = checkpoint.Piece(box, _piece(local, box))
+    return pieces
+
+
+def save_checkpoint(run: _Run, root: Path, step: int) -> Path:
+    """Write the checkpoint of ``step`` under ``root`` (collective: barriers), with the
+    layout, the model, the data stream and the optimizer step in its manifest."""
+    state = run.optimizer.state_arrays()
+    meta = {"layout": layout_record(run.cfg, run.layout), "model": model_record(run.cfg),
+            "data": data_record(run.cfg), "optimizer_step": int(state["step"])}
+    return checkpoint.save(run.p, root, step, checkpoint_pieces(run, state), meta, run.world, run.rank)
+
+
+def load_checkpoint(run: _Run, root: Path) -> checkpoint.Loaded | None:
+    """This rank's pieces of the newest complete checkpoint under ``root`` (any layout;
+    ``None`` if there is none). No communication."""
+    boxes = {f"{kind}/{name}": run.boxes[name] for name in run.names for kind in CHECKPOINT_KINDS}
+    return checkpoint.load_latest(root, boxes, layout_record(run.cfg, run.layout), model_record(run.cfg), run.world)
+
+
+def restore(run: _Run, loaded: checkpoint.Loaded) -> None:
+    """Set the parameters and the AdamW state from ``loaded`` (padded to the local shapes)."""
+    arrays = loaded.arrays
+    shapes = [tuple(param.shape) for param in run.params]
+    set_parameter_values(run.p, run.params, [_padded(arrays[f"param/{name}"], shape)
+                                             for name, shape in zip(run.names, shapes)])
+    state: dict[str, np.ndarray] = {"step": np.asarray(loaded.manifest["optimizer_step"], np.int64)}
+    for i, (name, shape) in enumerate(zip(run.names, shapes)):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if f"{kind}/{name}" in arrays:
+                state[f"{kind}.{i}"] = _padded(arrays[f"{kind}/{name}"], shape)
+    run.optimizer.load_state_arrays(state)
 
 
 def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
-    """What a checkpoint's shards depend on: the degrees and the model's sizes."""
-    record: dict[str, Any] = {"degrees": layout.degrees(), "model": cfg.model_name, "dim": cfg.model.dim,
-                              "n_layers": cfg.model.n_layers}
-    if layout.pp > 1:  # the stages (and so each rank's parameters) depend on the schedule too
+    """The layout a checkpoint was written by: the degrees (and the pipeline stages). A
+    resume in another one reshards."""
+    record: dict[str, Any] = {"degrees": layout.degrees()}
+    if layout.pp > 1:
         record["pipeline_stages"] = layout.num_stages
     return record
+
+
+def model_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The model a checkpoint holds: every field of ``ModelConfig`` (a resume needs the same)."""
+    return dataclasses.asdict(cfg.model)
+
+
+def data_record(cfg: TrainConfig) -> dict[str, Any]:
+    """What, with the step, decides the batches (``data.global_batch``): a resume with other
+    values continues on another data stream (allowed, with a warning)."""
+    return {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}
 
 
 def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
@@ -173,11 +243,15 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
         assert mesh is not None
         pipe = build_pipeline(p, cfg, build_model(p, cfg.model, cfg.seed), mesh, cp_mesh)
         model, params = pipe.modules, pipe.parameters()
+        # the stages keep the decoder's parameter names (model.build_stage), in pipe.parameters() order
+        names = [name for module in pipe.modules for name, _ in p.named_parameters(module)]
+        boxes = {name: box for module in pipe.modules for name, box in local_boxes(module).items()}
     else:
         # the reference runs without activation checkpointing: it must not change the math
         model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout, cp_mesh,
                             activation_checkpointing=cfg.activation_checkpointing and not reference)
-        params = [param for _, param in p.named_parameters(model)]
+        names, params = (list(items) for items in zip(*p.named_parameters(model)))
+        boxes = local_boxes(model)
     dp_rank, dp_size = data_parallel_coordinate(mesh)
     # a collective that creates a group: every rank makes it, even when it is not needed
     dp_group = (mesh["dp_replicate", "dp_shard", "cp"].flatten("dp_cp").get_group()
@@ -185,7 +259,18 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,
-                cp_mesh, pipe)
+                cp_mesh, pipe, names, boxes)
+
+
+def _announce(run: _Run, loaded: checkpoint.Loaded) -> None:
+    """Rank 0 says when the resume reshards; every rank warns when the data stream changes."""
+    message = checkpoint.reshard_message(loaded.path, loaded.manifest, layout_record(run.cfg, run.layout), run.world)
+    if message is not None and run.rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    saved, now = loaded.manifest.get("data"), data_record(run.cfg)
+    if saved is not None and saved != now:
+        warnings.warn(f"--resume: checkpoint {loaded.path} was written by a run with {saved}, this run has {now}: "
+                      "the batches after the resume differ from the interrupted run's", RuntimeWarning, stacklevel=3)
 
 
 def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
@@ -204,9 +289,10 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
     start = 0
     ckpt_root = cfg.checkpoint_path
     if cfg.resume:
-        loaded = checkpoint.load_latest(ckpt_root, _layout_record(run), run.world, run.rank)
+        loaded = load_checkpoint(run, ckpt_root)
         if loaded is not None:
-            _restore(run, loaded)
+            _announce(run, loaded)
+            restore(run, loaded)
             start = loaded.step
     leader = run.rank == 0 and write_outputs
     writer = MetricsWriter(cfg.run_dir, start) if leader else None
@@ -229,7 +315,7 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
                 writer.write(row)
             progress.update(row)
             if write_outputs and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
-                checkpoint.save(p, ckpt_root, step, _checkpoint_arrays(run), _layout_record(run), run.world, run.rank)
+                save_checkpoint(run, ckpt_root, step)
     finally:
         progress.close()
         if writer is not None:

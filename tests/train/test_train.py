@@ -258,17 +258,21 @@ def test_command_line_run(run_on_ranks, tmp_path: Path, flags: list[str], ranks:
                                        err_msg=f"{flags}: MindSpore vs torch ({what})")
 
 
-def test_resume_with_another_layout_is_refused(tmp_path: Path, capsys) -> None:
-    """A checkpoint holds one layout's shards: resuming with another stops before any rank."""
+def test_resume_with_another_model_is_refused(tmp_path: Path, capsys) -> None:
+    """A checkpoint resumes in any layout (tests/train/test_checkpoint_reshard.py), but not
+    into another model: that stops before any rank starts, naming the differing sizes."""
+    from hyper_parallel.core.fully_shard import Box
     from hyper_parallel.train import checkpoint
-    from hyper_parallel.train.loop import layout_record
+    from hyper_parallel.train.loop import layout_record, model_record
 
     written = _config("--model", "tiny", "--tp", "2")
-    checkpoint.save(None, tmp_path, 2, {"param.0": np.zeros(3, np.float32)},
-                    layout_record(written, written.layout), world=1, rank=0)
+    piece = checkpoint.Piece(Box((3,), (0,), (3,)), np.zeros(3, np.float32))
+    meta = {"layout": layout_record(written, written.layout), "model": model_record(written)}
+    checkpoint.save(None, tmp_path, 2, {"param/norm.weight": piece}, meta, world=1, rank=0)
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--model", "tiny", "--nproc", "1", "--resume", "--checkpoint-dir", str(tmp_path),
-              "--out", str(tmp_path / "run")])
+        main(["train", "--model", "tiny", "--dim", "64", "--nproc", "1", "--resume", "--checkpoint-dir",
+              str(tmp_path), "--out", str(tmp_path / "run")])
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
-    assert "step_00000002" in message and "'tp': 2" in message and "resume with the same layout" in message, message
+    assert "step_00000002" in message and "dim=32" in message and "dim=64" in message, message
+    assert "resume with the model that wrote it" in message, message

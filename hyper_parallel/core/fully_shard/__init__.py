@@ -5,11 +5,11 @@ from hyper_parallel.core.fully_shard.buffer_pool import GatherBufferPool
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import HSDPState, TrainingState
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from hyper_parallel.core.fully_shard.state_dict import (full_state_dict, load_full_state_dict,
-                                                        load_sharded_state_dict, save_sharded_state_dict,
-                                                        sharded_state_dict)
+from hyper_parallel.core.fully_shard.state_dict import (Box, copy_overlap, full_state_dict, load_full_state_dict,
+                                                        load_sharded_state_dict, local_boxes,
+                                                        save_sharded_state_dict, sharded_state_dict)
 from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_parallel
 
 __all__ = ["CPUOffloadPolicy", "GatherBufferPool", "HSDPParam", "HSDPState", "MixedPrecisionPolicy", "OffloadPolicy", "TrainingState", "full_state_dict", "fully_shard",
            "hsdp_state", "load_full_state_dict", "load_sharded_state_dict", "save_sharded_state_dict",
-           "sharded_state_dict", "find_blocks", "weight_parallel"]
+           "sharded_state_dict", "find_blocks", "weight_parallel", "Box", "copy_overlap", "local_boxes"]

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPState
 from hyper_parallel.core.tensor_parallel.style import TP_SHARDS_ATTR
 from hyper_parallel.platform import get_platform
+
 
 def _managed(module: Any) -> dict[int, HSDPParam]:
     """``id(sharded parameter) -> HSDPParam`` for every unit under ``module``."""
@@ -76,6 +79,50 @@ def _box(param: Any, hp: HSDPParam | None, tp: Any) -> tuple[list[int], list[int
 
 def _take(array: np.ndarray, starts: list[int], lengths: list[int]) -> np.ndarray:
     return array[tuple(slice(s, s + n) for s, n in zip(starts, lengths))]
+
+
+@dataclass(frozen=True)
+class Box:
+    """Where one rank's piece of a parameter lies in the global (unsharded) tensor:
+    ``shape`` the global shape, the piece ``[starts[d], starts[d] + lengths[d])`` along
+    each dim ``d``. A length may be 0 (an uneven shard past the end)."""
+
+    shape: tuple[int, ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+def local_boxes(module: Any) -> dict[str, Box]:
+    """``{fqn: Box}`` for every entry of ``named_parameters(module)``: the box of this
+    rank's unpadded piece (the fully_shard chunk inside the tensor-parallel chunk; the
+    whole tensor for a parameter neither shards). The local parameter holds the piece in
+    its leading ``lengths`` entries along each dim (fully_shard pads at the end of its
+    shard dim). No communication."""
+    p = get_platform()
+    managed = _managed(module)
+    out = {}
+    for fqn, param in p.named_parameters(module):
+        hp = managed.get(id(param))
+        tp = _tp_shard(hp, module, fqn)
+        starts, lengths = _box(param, hp, tp)
+        out[fqn] = Box(_global_shape(param, hp, tp), tuple(starts), tuple(lengths))
+    return out
+
+
+def copy_overlap(dst: np.ndarray, dst_starts: tuple[int, ...] | list[int], src_starts: tuple[int, ...] | list[int],
+                 src_lengths: tuple[int, ...] | list[int], read: Callable[[], np.ndarray]) -> int:
+    """Copy the overlap of a saved piece (global box ``src_starts``/``src_lengths``) into
+    ``dst`` (the piece of global box ``dst_starts``/``dst.shape``). ``read`` returns the
+    saved piece and is called only when the boxes overlap, so a loader reads only the
+    pieces it needs. Returns the number of values copied."""
+    lo = [max(s, w) for s, w in zip(src_starts, dst_starts)]
+    hi = [min(s + n, w + m) for s, n, w, m in zip(src_starts, src_lengths, dst_starts, dst.shape)]
+    if any(h <= l for l, h in zip(lo, hi)):
+        return 0
+    data = read()
+    src = tuple(slice(l - s, h - s) for l, h, s in zip(lo, hi, src_starts))
+    dst[tuple(slice(l - w, h - w) for l, h, w in zip(lo, hi, dst_starts))] = data[src]
+    return int(np.prod([h - l for l, h in zip(lo, hi)]))
 
 
 def sharded_state_dict(module: Any) -> dict[str, Any]:
@@ -218,15 +265,8 @@ def load_sharded_state_dict(module: Any, path: str) -> None:
         local = np.zeros(want_lengths, np.float32)
         covered = 0
         for info, file in infos:
-            lo = [max(s, w) for s, w in zip(info["starts"], want_starts)]
-            hi = [min(s + n, w + m) for s, n, w, m in zip(info["starts"], info["lengths"], want_starts, want_lengths)]
-            if any(h <= l for l, h in zip(lo, hi)):
-                continue
-            data = files.setdefault(file, np.load(file))[_key(fqn)]
-            src = tuple(slice(l - s, h - s) for l, h, s in zip(lo, hi, info["starts"]))
-            dst = tuple(slice(l - w, h - w) for l, h, w in zip(lo, hi, want_starts))
-            local[dst] = data[src]
-            covered += int(np.prod([h - l for l, h in zip(lo, hi)]))
+            covered += copy_overlap(local, want_starts, info["starts"], info["lengths"],
+                                    lambda file=file: files.setdefault(file, np.load(file))[_key(fqn)])
         if covered != local.size:
             raise ValueError(f"load_sharded_state_dict: the pieces of {fqn} at {path!r} cover {covered} of the "
                              f"{local.size} values this rank needs; the checkpoint is incomplete")

@@ -1,0 +1,107 @@
+"""Checkpoints of ``hyper-parallel train`` resumed in another layout (resharded on load):
+exact state after the reshard, loss curves matching the uninterrupted run and the
+single-process reference; and the MindSpore pipeline's resume through the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hyper_parallel.testing.rendezvous import framework_of, selected_platform
+from hyper_parallel.train.cli import main
+from hyper_parallel.train.metrics import read_metrics
+from tests.train._ranks import TEST_DATA
+from tests.train._reshard_ranks import check_reshard_chains
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: (model, layouts): each layout resumes the previous one's checkpoint. tp 2 x dp-shard 2
+#: -> dp-shard 4 (tensor-parallel boxes into uneven fully_shard rows) -> dp-replicate 2 x cp 2
+#: (replicas: each box written once; fully_shard over cp), then rank 0 alone.
+CHAINS = [("tiny+uneven", [{"tp": 2, "dp_shard": 2}, {"dp_shard": 4}, {"dp_replicate": 2, "cp": 2, "cp_mode": "ring"}])]
+
+#: torch only (MindSpore's pipelines run through the launcher, see test_train.py): a
+#: 2-stage pipeline x dp-shard 2 -> one stage over dp-shard 4 -> 4 stages (interleaved).
+PIPELINE_CHAINS = [("tiny-4-layers", [{"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "1f1b"},
+                                      {"dp_shard": 4},
+                                      {"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "interleaved-1f1b"}])]
+
+
+def test_resume_in_another_layout(run_on_ranks, tmp_path: Path) -> None:
+    chains = CHAINS + (PIPELINE_CHAINS if framework_of(selected_platform()) == "torch" else [])
+    results = run_on_ranks(check_reshard_chains, str(tmp_path), chains, world_size=4, timeout_s=600)
+    for other in results[1:]:  # every rank reports the loss of the whole batch
+        for mine, theirs in zip(other, results[0]):
+            np.testing.assert_array_equal(mine, theirs)
+
+
+def _launch(tmp_path: Path, out: Path, flags: list[str]) -> subprocess.CompletedProcess:
+    """``hyper-parallel train`` from a shell on ``tiny`` for 3 steps, a checkpoint every step."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    args = ["train", "--platform", selected_platform(), *flags, "--model", "tiny", "--steps", "3", "--seq-len", "32",
+            "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--eval-every", "3", "--checkpoint-every", "1",
+            "--out", str(out), "--no-progress", "--data", *TEST_DATA]
+    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _losses(out: Path) -> list[float]:
+    return [row["loss"] for row in read_metrics(out / "metrics.jsonl")]
+
+
+def test_mindspore_pipeline_resume_through_the_launcher(tmp_path: Path) -> None:
+    """MindSpore pp 2 (1F1B, 2 microbatches), each rank one stage: resumed from step 2 in
+    the same layout, step 3's loss is bit-identical to the uninterrupted run's; resumed
+    from step 1 as one stage over dp-shard 2, the curve matches within 2e-5 relative (the
+    gradients are the same sums in another order: microbatches accumulated on a stage vs
+    one reduce-scatter over two data-parallel ranks; see the layouts' parity tests).
+
+    Through the launcher (a pipeline's receives wait up to a minute there; the harness
+    pools' MindSpore node timeout is 5 s, see test_train.py's pipeline tests). torch's
+    pipelines resume through the harness (test_resume_in_another_layout)."""
+    if framework_of(selected_platform()) != "mindspore":
+        pytest.skip("torch: pipeline resume and resharding run through the harness (test_resume_in_another_layout)")
+    out = tmp_path / "pp2"
+    pp = ["--pp", "2", "--microbatches", "2", "--pp-schedule", "1f1b"]
+    _launch(tmp_path, out, pp)
+    full = _losses(out)
+    ckpt = out / "checkpoints"
+    assert sorted(path.name for path in ckpt.iterdir()) == [f"step_{s:08d}" for s in (1, 2, 3)]
+    # the single-stage run resumes from step 1 (in its own folder: it writes steps 2 and 3)
+    resharded = tmp_path / "dp2"
+    shutil.copytree(ckpt / "step_00000001", resharded / "checkpoints" / "step_00000001")
+    shutil.rmtree(ckpt / "step_00000003")  # interrupted after step 2's checkpoint
+    done = _launch(tmp_path, out, [*pp, "--resume"])
+    assert "resharding" not in done.stderr, done.stderr[-3000:]
+    resumed = _losses(out)
+    assert resumed[:2] == full[:2] and len(resumed) == 3, (resumed, full)
+    assert resumed[2] == full[2], f"pp 2 resumed at step 2: {resumed[2]!r} != uninterrupted {full[2]!r}"
+    done = _launch(tmp_path, resharded, ["--dp-shard", "2", "--nproc", "2", "--resume"])
+    assert "written by layout pp=2 (2 ranks, 2 pipeline stages); resharding it into layout dp_shard=2 (2 ranks)" \
+        in done.stderr, done.stderr[-3000:]
+    np.testing.assert_allclose(_losses(resharded), full[1:], rtol=2e-5, atol=0, err_msg="pp 2 -> dp-shard 2 at step 1")
+
+
+def test_first_format_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
+    """A checkpoint of the first format (per-rank arrays of one layout, no boxes) stops the
+    resume before any rank starts, naming both formats and the fix."""
+    step = tmp_path / "step_00000002"
+    step.mkdir()
+    manifest = {"step": 2, "world_size": 2, "layout": {"degrees": {"tp": 2}}, "shards": {}}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", "tiny", "--nproc", "1", "--resume", "--checkpoint-dir", str(tmp_path),
+              "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "step_00000002 has format 1" in message and "reads format 2" in message, message
+    assert "start a new --checkpoint-dir" in message, message
