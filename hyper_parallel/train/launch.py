@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -54,10 +55,13 @@ def _base_env(cfg: TrainConfig) -> dict[str, str]:
             env["GLOO_SOCKET_IFNAME"] = loopback
     if cfg.platform.startswith("mindspore"):
         env.setdefault("GLOG_v", "3")  # MindSpore logs each rendezvous retry as a warning
-        # A lost rank fails the cluster in seconds, not minutes. The same bound caps how long
-        # a CPU receive waits for its message; a pipeline stage waits for its neighbour's
-        # whole forward or backward, so pipelines get a minute.
-        bound = "60" if cfg.layout.pp > 1 else "10"
+        # MindSpore's heartbeat bound also caps how long a CPU receive waits for its message,
+        # and a pipeline stage waits for its neighbour's whole forward or backward: with a
+        # bound of a minute, a loaded 2-core host failed a pp 2 x dp-replicate 2 run in CI.
+        # A failed rank is not found by this bound but by launch() (its process exits and
+        # the group is killed: seconds, test_launch_failures), so it only has to outlast
+        # the run's own --timeout.
+        bound = str(math.ceil(cfg.timeout_s))
         env.setdefault("MS_NODE_TIMEOUT", bound)
         env.setdefault("MS_HEARTBEAT_RETRY_TIMEOUT", bound)
     return env
