@@ -26,7 +26,7 @@ import pytest
 
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args
-from tests.train._ranks import TEST_DATA, check_pipeline_layout_parity, reference_losses
+from tests.train._ranks import TEST_DATA, check_pipeline_parity, reference_losses
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,14 +49,14 @@ def test_pipeline_layouts_match_single_process(run_on_ranks, tmp_path: Path, wor
                                                layouts: list[dict]) -> None:
     """Each composition: this rank holds its stages' parameters split by TP and
     fully_shard, and the training and validation losses equal the reference's within
-    2e-5 relative (see check_pipeline_layout_parity for the tolerance). Every rank
+    2e-5 relative (see check_pipeline_parity for the tolerance). Every rank
     reports the same losses (the last stage's, averaged and handed to all ranks).
 
     torch only: MindSpore runs these compositions through the launcher
     (test_command_line_pipeline_layout), see the module doc."""
     if framework_of(selected_platform()) == "mindspore":
         pytest.skip("MindSpore: pipeline compositions run through the launcher (test_command_line_pipeline_layout)")
-    results = run_on_ranks(check_pipeline_layout_parity, str(tmp_path), layouts, world_size=world_size,
+    results = run_on_ranks(check_pipeline_parity, str(tmp_path), layouts, world_size=world_size,
                            timeout_s=400)
     for other in results[1:]:
         np.testing.assert_array_equal(other, results[0])
@@ -91,7 +91,7 @@ def launch_reference(rank_pools, rank_platform: str, tmp_path_factory: pytest.Te
 def test_command_line_pipeline_layout(request: pytest.FixtureRequest, tmp_path: Path, flags: list[str]) -> None:
     """MindSpore: the launcher starts 4 ranks of a pipeline composed with tp, dp-replicate or
     cp; the losses and validation losses (steps 2 and 3) equal the single-process
-    reference's within 2e-5 relative (as in check_pipeline_layout_parity), and rank 0
+    reference's within 2e-5 relative (as in check_pipeline_parity), and rank 0
     reports 4 ranks' memory. torch runs the same layouts through the harness
     (test_pipeline_layouts_match_single_process)."""
     platform = selected_platform()
