@@ -111,8 +111,8 @@ def check_modes(only: tuple[str, ...] = ()) -> int:
     """Every case of ``cases(world)`` (of the modes in ``only``, when given): forward,
     unshard and q/k/v gradients vs the float64 reference. The cases of a mode share one
     ``vjp``: MindSpore pays ~0.5 s per ``vjp``. No framework work runs between the
-    collectives of one call but the cases' own: MindSpore's CPU collectives give up when a
-    peer arrives more than ~5 s late (``MS_NODE_TIMEOUT`` of the harness)."""
+    collectives of one call but the cases' own, so a slow reference on one rank does not
+    hold its peers inside a collective."""
     p = get_platform()
     cp, r = p.world_size(), p.rank()
     mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
