@@ -23,6 +23,11 @@ _TORCH_OPS = {
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
 }
 
+# torch 2.13 renamed the flat-buffer collectives (the old names warn with FutureWarning);
+# the torch releases torch_npu supports predate the new names.
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def _buffer(tensor: torch.Tensor) -> torch.Tensor:
     """A private copy, for collectives that write into their input (all-reduce, broadcast)."""
@@ -81,7 +86,7 @@ class TorchCollectives:
             out = tensor.new_empty((n * tensor.shape[0], *tensor.shape[1:]))
         else:  # the caller's buffer: the collective writes into it directly
             check_gather_out(out, tensor, n, member="all_gather_into_tensor")
-        native = dist.all_gather_into_tensor(out, _source(tensor), group=self._group(group), async_op=async_op)
+        native = _ALL_GATHER_FLAT(out, _source(tensor), group=self._group(group), async_op=async_op)
         return _work(native, out, async_op)
 
     def reduce_scatter_tensor(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, group: Any = None,
@@ -95,8 +100,8 @@ class TorchCollectives:
         rows = check_divisible(tensor.shape[0], n, what="reduce_scatter_tensor: tensor.shape[0]",
                                fix="pad dim 0 to a multiple of the group size")
         out = tensor.new_empty((rows, *tensor.shape[1:]))
-        native = dist.reduce_scatter_tensor(out, _source(tensor), _TORCH_OPS[op], group=self._group(group),
-                                            async_op=async_op)
+        native = _REDUCE_SCATTER_FLAT(out, _source(tensor), _TORCH_OPS[op], group=self._group(group),
+                                      async_op=async_op)
         return _work(native, out, async_op)
 
     def all_to_all_single(self, tensor: Any, output_split_sizes: Sequence[int] | None = None,
