@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each decoder block's activations in the backward instead of keeping them "
-                         "(less activation memory, one more block forward per step; not with --pp)")
+                         "(less activation memory, one more block forward per step; with --pp in every stage, "
+                         "recomputed in each microbatch's backward)")
     tr.add_argument("--eval-every", type=int, default=25, help="validation loss every K steps")
     tr.add_argument("--data", nargs="+", default=[], metavar="PATH",
                     help="text files or folders (default: the standard library's .py files)")

@@ -225,7 +225,8 @@ class TrainConfig:
         out: the run folder (metrics, plot, logs).
         data: files or folders of text (empty: the running interpreter's standard library).
         activation_checkpointing: recompute each decoder block's activations in the
-            backward instead of keeping them (step 3 of the layout chain; not with ``--pp``).
+            backward instead of keeping them (step 3 of the layout chain; with ``--pp`` in
+            every stage, recomputed inside each microbatch's backward).
     """
 
     platform: str = "torch"
@@ -321,12 +322,6 @@ class TrainConfig:
                 f"--batch-size={self.batch_size} must be divisible by the data-parallel degree ({lay.dp}) x "
                 f"--microbatches ({lay.microbatches}) = {lay.dp * lay.microbatches}: each data-parallel rank takes "
                 "an equal share of every batch")
-        if self.activation_checkpointing and lay.pp > 1:
-            # A stage's split backward (zero-bubble schedules) and MindSpore's re-recorded
-            # out-of-order backwards would each recompute checkpointed blocks once more;
-            # not tested, so refused rather than left to chance.
-            raise ValueError(f"--activation-checkpointing is not supported with --pp={lay.pp} yet: the pipeline "
-                             "stages run their own backward schedule; drop --activation-checkpointing or --pp")
         if self.seq_len > mod.max_seq_len:
             raise ValueError(f"--seq-len={self.seq_len} exceeds the rotary tables of --model {self.model_name} "
                              f"(max_seq_len {mod.max_seq_len})")

@@ -14,11 +14,12 @@ Order of the chain, and why:
 With tensor parallelism, fully_shard runs over the data-parallel submesh and shards each
 rank's tensor-parallel shards again (FSDP2's 2-D composition, see docs/fully_shard.md).
 With pipeline parallelism (``mesh["pp"]``) the decoder is first cut into stages
-(``train/pipeline.py``), and steps 1, 2 and 4 run on each stage module, each over the
+(``train/pipeline.py``), and steps 1 to 4 run on each stage module, each over the
 submesh of the stage's pipeline coordinate. Step 3 (``--activation-checkpointing``)
 checkpoints each decoder block in place (``core/activation_checkpoint``), so fully_shard's
 block units are the checkpointed blocks and their gathers and reduce-scatters run around
-the recomputation; it is refused with ``--pp`` (``TrainConfig``), before any rank starts.
+the recomputation; with ``--pp`` it runs on each stage module too, between CP and
+fully_shard, and each microbatch's backward recomputes the stage's blocks.
 """
 
 from __future__ import annotations

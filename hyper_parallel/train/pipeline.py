@@ -62,8 +62,8 @@ from hyper_parallel.core.pipeline_parallel import (PipelineSchedule, PipelineSta
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
-from hyper_parallel.train.parallelize import (apply_context_parallel, apply_fully_shard, apply_tensor_parallel,
-                                              fully_shard_mesh)
+from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel, apply_fully_shard,
+                                              apply_tensor_parallel, fully_shard_mesh)
 
 
 @dataclass
@@ -103,8 +103,9 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     """Cut ``model`` into ``cfg.layout.num_stages`` stages (``model.stage_layers``), keep this
     rank's (loop placement: stage ``s`` on pipeline rank ``s % pp``), run the layout chain
     of ``parallelize`` on each stage module (tensor parallelism over ``mesh["tp"]``,
-    context parallelism on its blocks' attention over ``cp_mesh``, fully_shard over the
-    data-parallel (x cp) submesh; see ``[Note: pipeline stages and the other axes]``) and
+    context parallelism on its blocks' attention over ``cp_mesh``, each block checkpointed
+    with ``cfg.activation_checkpointing``, fully_shard over the data-parallel (x cp)
+    submesh; see ``[Note: pipeline stages and the other axes]``) and
     build the ``--pp-schedule`` over them. ``cp_mesh``: ``context_parallel_mesh(mesh,
     layout)``, the mesh the loader shards sequences over (required when ``cp > 1``).
     Collectives: broadcasts of the tensor-parallel shards, creation of the data-parallel
@@ -122,12 +123,15 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     if layout.cp > 1 and cp_mesh is None:
         raise ValueError("build_pipeline: cp > 1 needs cp_mesh, the mesh the loader shards the sequences over "
                          "(context_parallel_mesh(mesh, layout))")
-    # the chain of parallelize.py (TP -> CP -> fully_shard), on every stage module
+    # the chain of parallelize.py (TP -> CP -> activation checkpointing -> fully_shard), on
+    # every stage module
     for module in modules:
         if layout.tp > 1:
             apply_tensor_parallel(module, mesh["tp"])
         if layout.cp > 1:
             apply_context_parallel(module, cp_mesh, layout)
+        if cfg.activation_checkpointing:  # [Note: activation checkpointing in pipeline stages]
+            apply_activation_checkpointing(module)
     if layout.dp * layout.cp > 1:
         dp_mesh = fully_shard_mesh(mesh, layout)
         for module in modules:

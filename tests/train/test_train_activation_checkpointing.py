@@ -1,7 +1,8 @@
 """``hyper-parallel train --activation-checkpointing``: each decoder block recomputed in
 the backward (step 3 of the layout chain, between context parallelism and fully_shard)
 gives the loss curve of the single-process reference (which runs without it), on layouts
-that combine it with tensor parallelism, fully_shard and context parallelism."""
+that combine it with tensor parallelism, fully_shard and context parallelism (with
+pipelines: test_pipeline_activation_checkpointing)."""
 
 from __future__ import annotations
 
@@ -54,11 +55,17 @@ def test_checkpointed_layouts_match_single_process(run_on_ranks, tmp_path: Path)
         np.testing.assert_array_equal(other, results[0])
 
 
-def test_flag_parses_and_is_refused_with_pipelines() -> None:
+def test_flag_parses_and_is_accepted_with_pipelines() -> None:
+    """The flag round-trips through the config, and ``--pp`` takes it (each stage's blocks
+    are checkpointed; parity in test_pipeline_activation_checkpointing)."""
     parser = build_parser()
     cfg = config_from_args(parser.parse_args(["train", "--activation-checkpointing", "--dp-shard", "2"]))
     assert cfg.activation_checkpointing and type(cfg).from_dict(cfg.to_dict()) == cfg
     assert not config_from_args(parser.parse_args(["train"])).activation_checkpointing
-    with pytest.raises(ValueError, match=r"--activation-checkpointing is not supported with --pp=2 yet.*drop "
-                                         r"--activation-checkpointing or --pp"):
-        config_from_args(parser.parse_args(["train", "--activation-checkpointing", "--pp", "2", "--nproc", "2"]))
+    piped = config_from_args(parser.parse_args(["train", "--activation-checkpointing", "--pp", "2", "--nproc", "2"]))
+    piped.refuse_unlanded()
+    assert piped.activation_checkpointing and piped.layout.pp == 2
+    # the other rules of --pp still hold with the flag
+    with pytest.raises(ValueError, match=r"--microbatches=1 must be >= --pp=2"):
+        config_from_args(parser.parse_args(["train", "--activation-checkpointing", "--pp", "2", "--nproc", "2",
+                                            "--microbatches", "1"]))

@@ -34,6 +34,42 @@ Order: tensor parallelism, context parallelism, activation checkpointing, fully_
   its saved-tensor hooks inside the checkpoint's: ``checkpoint_wrapper`` refuses a
   module that holds one, and fully_shard refuses to run a unit inside a checkpointed
   forward (a unit sharded after the wrapper was applied).
+
+[Note: activation checkpointing in pipeline stages]
+A pipeline stage (``core/pipeline_parallel``) records each microbatch's forward ``F``
+under ``platform.vjp`` and runs its backward later, out of order across microbatches
+(1F1B, interleaved) and, on zero-bubble schedules, split into ``I`` (input gradients)
+and ``W`` (weight gradients). Checkpointed blocks inside a stage keep only their inputs
+per microbatch; each ``checkpoint`` call of a forward is its own recomputation, fed by
+that microbatch's kept inputs, so a backward recomputes its own microbatch whatever the
+order. The recomputation runs inside that microbatch's ``B`` or ``I``:
+
+- The I/W split replaces the stage's linear layers by a custom function
+  (``weight_grad._SplitLinear``) that keeps its operands on its context, not as saved
+  tensors. The recomputation must take the forward's path, since the frameworks match
+  recomputed saved tensors to the forward's by order (a native linear layer saves its
+  input and weight where the split one saved nothing; torch reports the mismatch,
+  MindSpore does not check). So the runtime runs every backward of a stage (``B``,
+  ``I``, ``W``) with the split layers recording into that microbatch's ``Capture``:
+  recomputed, they are split layers too, and count in no ``Capture.applied`` (that
+  graph never runs backward). Gradients flow through the first forward's split layers:
+  in ``I`` each stores ``(x, grad_y)``, its input from the forward and the output
+  gradient the recomputed activations produced, and ``W`` lands them, once.
+- torch's ``W`` walks the kept graph again for the parameters outside split layers
+  (norm gains): autograd asks for the blocks' saved tensors again and torch recomputes
+  once per backward pass, so the blocks run a third time, their collectives on every
+  rank of the stage's groups at the same action; the split layers that deferred in
+  ``I`` return no weight gradient in that walk, so none is counted twice. MindSpore's
+  ``I`` computes every gradient in one backward (``W`` hands them out): one
+  recomputation. MindSpore's out-of-order backwards re-record the stage's forward
+  ([Note: out-of-order backwards] in ``platform/mindspore/autograd.py``): the blocks run
+  in that recording as a forward and again as its recomputation.
+- fully_shard composes as above: each microbatch's backward of a unit gathers the
+  parameters for the recomputation and reduce-scatters the gradient once.
+
+The gradients equal the un-checkpointed pipeline's bit for bit on every schedule
+(``tests/pipeline_parallel/test_activation_checkpoint_stages.py``). Memory: split
+linear layers keep their inputs until ``W`` with or without checkpointing.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ then gives the unpipelined model's gradients).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap
@@ -298,6 +299,14 @@ class _StepState:
                 self.outputs_to_send[(s, m)] = outs
         self.backward[(s, m)] = backward
 
+    def _recording(self, s: int, capture: Capture | None) -> AbstractContextManager[None]:
+        """Around a backward of stage ``s``: its split linear layers record into the
+        microbatch's ``capture``, so that a checkpointed block recomputed inside this
+        backward takes the path its forward took ([Note: activation checkpointing in
+        pipeline stages] in ``core/activation_checkpoint/checkpoint``)."""
+        split = self.schedule._stages[s].weight_split
+        return nullcontext() if split is None or capture is None else split.recording(capture)
+
     def _grads_of_outputs(self, s: int, m: int) -> list[Any]:
         p = self.p
         if s == self.schedule.num_stages - 1:
@@ -323,7 +332,8 @@ class _StepState:
         if capture is not None and part == "input":
             capture.deferring = True  # split linear layers store (x, grad_y) for W
         try:
-            input_grads, param_grads = backward(grads_out, part=part)
+            with self._recording(s, capture):
+                input_grads, param_grads = backward(grads_out, part=part)
         finally:
             if capture is not None:
                 capture.deferring = False
@@ -349,7 +359,8 @@ class _StepState:
         params = [param for _, param in stage.named_params]
         grads: list[Any] = [None] * len(params)
         if backward is not None:
-            grads = list(backward(grads_out, part="weight")[1])
+            with self._recording(s, capture):
+                grads = list(backward(grads_out, part="weight")[1])
         if capture is not None and stage.weight_split is not None:
             landed = stage.weight_split.land(capture, params)
             grads = [own if new is None else (new if own is None else own + new) for own, new in zip(grads, landed)]

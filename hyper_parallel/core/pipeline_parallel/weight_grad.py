@@ -37,6 +37,8 @@ re-walk: its ``W`` runs the stored weight-gradient matmuls and nothing else.
 
 The forward outside a pipeline step (no capture on this thread: evaluation, the
 runtime's shape inference) is the layer's own forward, untouched.
+The runtime runs every backward of a microbatch with its capture recording, so a
+checkpointed block recomputed inside it takes the split path its forward took.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
 from hyper_parallel.platform.base import CustomFunction, Platform, RemovableHandle
 
 
@@ -57,7 +60,10 @@ class Capture:
             gradients' operands instead of computing them.
         entries: per deferred layer application, ``(layer, x [..., in], grad_y [..., out])``
             with ``layer`` the index in ``LinearWeightSplit.layers``.
-        applied: split layer applications recorded (a MindSpore recompute records twice).
+        applied: split layer applications recorded (a MindSpore recompute records twice;
+            an activation checkpoint's recomputation does not count, see [Note:
+            activation checkpointing in pipeline stages] in
+            ``core/activation_checkpoint/checkpoint.py``).
         deferred: applications whose backward stored its entry.
     """
 
@@ -79,7 +85,8 @@ class _SplitLinear(CustomFunction):
         ctx.x, ctx.weight, ctx.has_bias = x, weight, bias is not None
         ctx.split, ctx.capture, ctx.layer = split, capture, layer
         ctx.deferred = False
-        capture.applied += 1
+        if checkpoint_phase() is not CheckpointPhase.RECOMPUTE:  # a recomputation's graph never runs backward
+            capture.applied += 1
         return forward(x)
 
     @staticmethod
