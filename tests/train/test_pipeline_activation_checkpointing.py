@@ -38,7 +38,7 @@ def check_checkpointed_pipelines(out: str, layouts: list[dict]) -> list[list[flo
     reduce-scattered twice, or a recomputation reading other parameters, would not be
     equal. And the losses match the single-process reference (rank 0, after every
     layout's collectives) within 2e-5 relative, the layouts' own tolerance without
-    checkpointing (check_pipeline_layout_parity in ``tests/train/_ranks.py``: sums in
+    checkpointing (check_pipeline_parity in ``tests/train/_ranks.py``: sums in
     another order, a few ulps per step)."""
     p = get_platform()
     n = p.world_size()
