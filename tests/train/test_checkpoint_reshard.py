@@ -1,6 +1,6 @@
 """Checkpoints of ``hyper-parallel train`` resumed in another layout (resharded on load):
 exact state after the reshard, loss curves matching the uninterrupted run and the
-single-process reference; and the MindSpore pipeline's resume through the launcher."""
+single-process reference; and a pipeline's resume through the launcher."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyper_parallel.testing.rendezvous import framework_of, selected_platform
+from hyper_parallel.testing.rendezvous import selected_platform
 from hyper_parallel.train.cli import main
 from hyper_parallel.train.metrics import read_metrics
 from tests.train._ranks import TEST_DATA
@@ -27,16 +27,15 @@ REPO = Path(__file__).resolve().parents[2]
 #: (replicas: each box written once; fully_shard over cp), then rank 0 alone.
 CHAINS = [("tiny+uneven", [{"tp": 2, "dp_shard": 2}, {"dp_shard": 4}, {"dp_replicate": 2, "cp": 2, "cp_mode": "ring"}])]
 
-#: torch only (MindSpore's pipelines run through the launcher, see test_train.py): a
-#: 2-stage pipeline x dp-shard 2 -> one stage over dp-shard 4 -> 4 stages (interleaved).
+#: A 2-stage pipeline x dp-shard 2 -> one stage over dp-shard 4 -> 4 stages (interleaved).
 PIPELINE_CHAINS = [("tiny-4-layers", [{"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "1f1b"},
                                       {"dp_shard": 4},
                                       {"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "interleaved-1f1b"}])]
 
 
 def test_resume_in_another_layout(run_on_ranks, tmp_path: Path) -> None:
-    chains = CHAINS + (PIPELINE_CHAINS if framework_of(selected_platform()) == "torch" else [])
-    results = run_on_ranks(check_reshard_chains, str(tmp_path), chains, world_size=4, timeout_s=600)
+    results = run_on_ranks(check_reshard_chains, str(tmp_path), CHAINS + PIPELINE_CHAINS, world_size=4,
+                           timeout_s=600)
     for other in results[1:]:  # every rank reports the loss of the whole batch
         for mine, theirs in zip(other, results[0]):
             np.testing.assert_array_equal(mine, theirs)
@@ -58,18 +57,15 @@ def _losses(out: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(out / "metrics.jsonl")]
 
 
-def test_mindspore_pipeline_resume_through_the_launcher(tmp_path: Path) -> None:
-    """MindSpore pp 2 (1F1B, 2 microbatches), each rank one stage: resumed from step 2 in
+def test_pipeline_resume_through_the_launcher(tmp_path: Path) -> None:
+    """pp 2 (1F1B, 2 microbatches), each rank one stage: resumed from step 2 in
     the same layout, step 3's loss is bit-identical to the uninterrupted run's; resumed
     from step 1 as one stage over dp-shard 2, the curve matches within 2e-5 relative (the
     gradients are the same sums in another order: microbatches accumulated on a stage vs
     one reduce-scatter over two data-parallel ranks; see the layouts' parity tests).
 
-    Through the launcher (a pipeline's receives wait up to a minute there; the harness
-    pools' MindSpore node timeout is 5 s, see test_train.py's pipeline tests). torch's
-    pipelines resume through the harness (test_resume_in_another_layout)."""
-    if framework_of(selected_platform()) != "mindspore":
-        pytest.skip("torch: pipeline resume and resharding run through the harness (test_resume_in_another_layout)")
+    Through the launcher, on both backends (test_resume_in_another_layout resumes
+    pipelines across more layouts through the harness)."""
     out = tmp_path / "pp2"
     pp = ["--pp", "2", "--microbatches", "2", "--pp-schedule", "1f1b"]
     _launch(tmp_path, out, pp)

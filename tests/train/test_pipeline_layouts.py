@@ -8,8 +8,7 @@ these compositions, caught before any rank starts.
 Layouts tested: on 4 ranks pp 2 x tp 2 (1F1B; interleaved 1F1B), pp 2 x dp-replicate 2
 (GPipe), pp 2 x cp 2 (ring 1F1B; Ulysses GPipe; all-gather interleaved); on 8 ranks
 pp 2 x tp 2 x dp-shard 2 (1F1B) and pp 2 x cp 4 hybrid (Ulysses 2 x ring 2). All through
-the harness; MindSpore runs the 4-rank layouts (the 8-rank ones cost it minutes on the
-2-core CI host). The launcher's own MindSpore pipeline runs are in
+the harness, on both backends. The launcher's own pipeline runs are in
 test_train.test_command_line_run and test_checkpoint_reshard.
 """
 
@@ -20,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args
 from tests.train._ranks import check_pipeline_parity
 
@@ -44,13 +42,7 @@ def test_pipeline_layouts_match_single_process(run_on_ranks, tmp_path: Path, wor
     """Each composition: this rank holds its stages' parameters split by TP and
     fully_shard, and the training and validation losses equal the reference's within
     2e-5 relative (see check_pipeline_parity for the tolerance). Every rank
-    reports the same losses (the last stage's, averaged and handed to all ranks).
-
-    MindSpore runs the 4-rank layouts (~65 s on the loaded 2-core host); 8 ranks of it
-    there would cost minutes, see the module doc."""
-    if world_size == 8 and framework_of(selected_platform()) == "mindspore":
-        pytest.skip("MindSpore: the 8-rank pipeline compositions run on torch only (CI time); "
-                    "the 4-rank layouts cover each axis with pp on MindSpore")
+    reports the same losses (the last stage's, averaged and handed to all ranks)."""
     results = run_on_ranks(check_pipeline_parity, str(tmp_path), layouts, world_size=world_size,
                            timeout_s=400)
     for other in results[1:]:

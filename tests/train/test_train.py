@@ -90,16 +90,7 @@ def test_pipeline_matches_single_process(run_on_ranks, tmp_path: Path, world_siz
     """Pipeline stages (embedding on the first, norm and head on the last) run by the
     library's schedules, alone and fully_sharded over dp-shard: training and validation
     losses equal the single-process reference's; a pipelined checkpoint resumes
-    bit-identically.
-
-    MindSpore runs pp 2 x dp-shard 2 here (the launcher's run of it is skipped there) and
-    leaves pp 2 to the launcher's interleaved run (test_command_line_run[pp2-interleaved]):
-    measured in one run on a loaded host, pp 2 here took 362 s (1F1B with resume, then
-    interleaved) against 242 s for the launch; pp 2 x dp-shard 2 148 s here against 165 s
-    for its launch."""
-    if framework_of(selected_platform()) == "mindspore" and world_size == 2:
-        pytest.skip("MindSpore: pp 2 parity runs through the launcher (test_command_line_run[pp2-interleaved]), "
-                    "which costs two thirds of this case")
+    bit-identically."""
     results = run_on_ranks(check_pipeline_parity, str(tmp_path), layouts, resume, world_size=world_size,
                            timeout_s=400)
     for other in results[1:]:  # every rank reports the last stage's loss
@@ -215,12 +206,6 @@ def test_command_line_run(run_on_ranks, tmp_path: Path, flags: list[str], ranks:
     losses equal the single-process reference's (tolerance: as in check_pipeline_parity,
     2e-5 relative)."""
     platform = selected_platform()
-    if framework_of(platform) == "torch" and "interleaved-1f1b" in flags:
-        pytest.skip("torch: interleaved pipelines are checked through the harness "
-                    "(test_pipeline_matches_single_process)")
-    if framework_of(platform) == "mindspore" and "gpipe" in flags:
-        pytest.skip("MindSpore: pp 2 x dp-shard 2 is checked through the harness "
-                    "(test_pipeline_matches_single_process[pp2xdp2])")
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     every = (steps + 1) // 2  # an evaluation and a checkpoint midway and at the end
