@@ -24,8 +24,10 @@ CP_MODES = ("ulysses", "ring", "allgather", "hybrid")
 #: its ``cp_kv`` axis (``ContextParallel(kv_exchange=...)``).
 CP_KV_EXCHANGES = ("ring", "allgather")
 
-#: ``--pp-schedule`` values, the generators of ``hyper_parallel.core.pipeline_parallel.schedules``.
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+#: ``--pp-schedule`` values, the generators of ``hyper_parallel.core.pipeline_parallel.schedules``
+#: (``zbh1``: ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, one stage
+#: per rank, backwards split into input- and weight-gradient passes).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbh1")
 
 #: Parallel features a layout may need, and whether ``hyper-parallel train`` runs them yet.
 #: A layout that needs one that is not wired into the job is refused before any rank starts;
@@ -310,6 +312,14 @@ class TrainConfig:
             if lay.pp_schedule == "interleaved-1f1b" and lay.microbatches % lay.pp:
                 raise ValueError(f"--microbatches={lay.microbatches} must be a multiple of --pp={lay.pp} for "
                                  "--pp-schedule interleaved-1f1b (microbatches go round the ranks in groups of --pp)")
+            if lay.pp_schedule == "zbh1" and lay.dp * lay.cp > 1:
+                # the split linear layers' weight gradients, computed in W from the gathered
+                # weight, are not handed to fully_shard's gathered parameter (whose backward
+                # reduce-scatters them): they would land on the shard with the full shape
+                raise ValueError(f"--pp-schedule zbh1 cannot be combined with fully_shard (--dp-shard={lay.dp_shard}, "
+                                 f"--dp-replicate={lay.dp_replicate}, --cp={lay.cp}): its deferred weight gradients "
+                                 "do not reach fully_shard's reduce-scatter yet; use --pp-schedule 1f1b or "
+                                 "interleaved-1f1b with data or context parallelism, or zbh1 with --pp and --tp only")
             if mod.tie_embeddings:
                 raise ValueError("--tie-embeddings cannot be pipelined: the embedding sits on the first stage and the "
                                  "output head on the last, so the shared weight's gradient would have to be summed "

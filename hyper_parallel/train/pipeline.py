@@ -47,6 +47,19 @@ data-parallel rank of the stage, in the schedule's order).
 
 The reported loss is the mean of the last stage's microbatch losses, averaged over the
 last stage's ranks and handed to every rank by one all-reduce over the world.
+
+[Note: zero-bubble schedules in train]
+``--pp-schedule zbh1`` runs ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+2024; ``ScheduleInterleavedZeroBubble`` with one stage per rank, the loop placement of the
+other one-stage schedules): each backward is split into ``I`` (input gradients, which the
+previous stage waits for) and a deferred ``W`` (the weight gradients), and the stages'
+linear layers get the weight-gradient split of ``core/pipeline_parallel/weight_grad.py``
+(their ``W`` runs the stored ``grad_y^T @ x`` matmuls). Under tensor parallelism the split
+layers are the TP-hooked projections, whose weights are the local shards, so ``W`` lands
+local gradients. fully_shard is refused by ``TrainConfig`` (``--dp-shard``,
+``--dp-replicate``, ``--cp``): a fully_sharded layer computes with the gathered weight,
+whose gradient fully_shard reduce-scatters in the backward of its gather, and the split's
+deferred gradient, computed in ``W`` after that backward ran, does not reach it.
 """
 
 from __future__ import annotations
@@ -58,7 +71,7 @@ import numpy as np
 
 from hyper_parallel.core.dtensor import DeviceMesh
 from hyper_parallel.core.pipeline_parallel import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                   ScheduleInterleaved1F1B)
+                                                   ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
@@ -146,6 +159,8 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
         schedule: PipelineSchedule = ScheduleGPipe(stages[0], m, loss_fn)
     elif layout.pp_schedule == "1f1b":
         schedule = Schedule1F1B(stages[0], m, loss_fn)
+    elif layout.pp_schedule == "zbh1":  # [Note: zero-bubble schedules in train]
+        schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn)
     else:
         schedule = ScheduleInterleaved1F1B(stages, m, loss_fn)
     return Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size)
