@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--pp-schedule", default="1f1b",
                      help=f"pipeline schedule: {', '.join(PP_SCHEDULES)} (interleaved-1f1b: 2 stages per rank, "
                           "--microbatches a multiple of --pp; zbh1: zero-bubble ZB-H1, backwards split into input- "
-                          "and weight-gradient passes, one stage per rank, with --tp but not with "
+                          "and weight-gradient passes, one stage per rank; zbv: zero-bubble ZB-V, 2 stages per rank "
+                          "in a V, rank r running stages r and 2 pp - 1 - r; both with --tp but not with "
                           "--dp-shard/--dp-replicate/--cp)")
     lay.add_argument("--microbatches", type=int, default=None,
                      help="microbatches per step (pipeline; default: --pp, the fewest that keep every stage busy)")
