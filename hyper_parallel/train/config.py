@@ -24,8 +24,17 @@ CP_MODES = ("ulysses", "ring", "allgather", "hybrid")
 #: its ``cp_kv`` axis (``ContextParallel(kv_exchange=...)``).
 CP_KV_EXCHANGES = ("ring", "allgather")
 
-#: ``--pp-schedule`` values, the generators of ``hyper_parallel.core.pipeline_parallel.schedules``.
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+#: ``--pp-schedule`` values, the generators of ``hyper_parallel.core.pipeline_parallel.schedules``
+#: (``zbh1``: ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, one stage
+#: per rank, backwards split into input- and weight-gradient passes; ``zbv``: their ZB-V,
+#: two stages per rank in the V placement, rank ``r`` running stages ``r`` and ``2 pp - 1 - r``).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbh1", "zbv")
+
+#: The schedules with the zero-bubble I/W split of the backward (``weight_grad.py``).
+ZERO_BUBBLE_SCHEDULES = ("zbh1", "zbv")
+
+#: The schedules that run ``INTERLEAVED_STAGES_PER_RANK`` stages per rank.
+MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zbv")
 
 #: Parallel features a layout may need, and whether ``hyper-parallel train`` runs them yet.
 #: A layout that needs one that is not wired into the job is refused before any rank starts;
@@ -176,8 +185,8 @@ class Layout:
     @property
     def num_stages(self) -> int:
         """Pipeline stages: ``pp``, or ``pp x INTERLEAVED_STAGES_PER_RANK`` for the
-        interleaved schedule."""
-        return self.pp * (INTERLEAVED_STAGES_PER_RANK if self.pp_schedule == "interleaved-1f1b" else 1)
+        schedules of ``MULTI_STAGE_SCHEDULES`` (interleaved 1F1B, ZB-V)."""
+        return self.pp * (INTERLEAVED_STAGES_PER_RANK if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
 
     def degrees(self) -> dict[str, int]:
         """``{axis: degree}`` in mesh order (outermost first)."""
@@ -298,7 +307,7 @@ class TrainConfig:
         if lay.pp > 1:
             stages = lay.num_stages
             if stages > mod.n_layers:
-                per = f" ({INTERLEAVED_STAGES_PER_RANK} per rank with --pp-schedule interleaved-1f1b)" \
+                per = f" ({INTERLEAVED_STAGES_PER_RANK} per rank with --pp-schedule {lay.pp_schedule})" \
                     if stages > lay.pp else ""
                 raise ValueError(f"--pp={lay.pp} makes {stages} pipeline stages{per} but --model {self.model_name} has "
                                  f"{mod.n_layers} layers; each stage needs at least one layer: use a smaller --pp or "
@@ -310,6 +319,14 @@ class TrainConfig:
             if lay.pp_schedule == "interleaved-1f1b" and lay.microbatches % lay.pp:
                 raise ValueError(f"--microbatches={lay.microbatches} must be a multiple of --pp={lay.pp} for "
                                  "--pp-schedule interleaved-1f1b (microbatches go round the ranks in groups of --pp)")
+            if lay.pp_schedule in ZERO_BUBBLE_SCHEDULES and lay.dp * lay.cp > 1:
+                # the split linear layers' weight gradients, computed in W from the gathered
+                # weight, are not handed to fully_shard's gathered parameter (whose backward
+                # reduce-scatters them): they would land on the shard with the full shape
+                raise ValueError(f"--pp-schedule {lay.pp_schedule} cannot be combined with fully_shard (--dp-shard={lay.dp_shard}, "
+                                 f"--dp-replicate={lay.dp_replicate}, --cp={lay.cp}): its deferred weight gradients "
+                                 "do not reach fully_shard's reduce-scatter yet; use --pp-schedule 1f1b or "
+                                 f"interleaved-1f1b with data or context parallelism, or {lay.pp_schedule} with --pp and --tp only")
             if mod.tie_embeddings:
                 raise ValueError("--tie-embeddings cannot be pipelined: the embedding sits on the first stage and the "
                                  "output head on the last, so the shared weight's gradient would have to be summed "

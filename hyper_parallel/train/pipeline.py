@@ -47,6 +47,25 @@ data-parallel rank of the stage, in the schedule's order).
 
 The reported loss is the mean of the last stage's microbatch losses, averaged over the
 last stage's ranks and handed to every rank by one all-reduce over the world.
+
+[Note: zero-bubble schedules in train]
+``--pp-schedule zbh1`` runs ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
+2024; ``ScheduleInterleavedZeroBubble`` with one stage per rank, the loop placement of the
+other one-stage schedules): each backward is split into ``I`` (input gradients, which the
+previous stage waits for) and a deferred ``W`` (the weight gradients), and the stages'
+linear layers get the weight-gradient split of ``core/pipeline_parallel/weight_grad.py``
+(their ``W`` runs the stored ``grad_y^T @ x`` matmuls). ``--pp-schedule zbv`` runs ZB-V
+(``ScheduleZBVZeroBubble``, same paper): ``2 pp`` stages in the V placement, rank ``r``
+building stages ``r`` and ``2 pp - 1 - r`` (``PipelineStage(placement="v")``), so the last
+stage's backward starts on the rank that ran stage 0; ``Pipeline.place`` gives every
+stage's rank to the validation pass. Checkpoints are placement-free (each rank saves its
+stages' parameters under the decoder's names), so a ZB-V run resumes like any other. Under
+tensor parallelism the split
+layers are the TP-hooked projections, whose weights are the local shards, so ``W`` lands
+local gradients. fully_shard is refused by ``TrainConfig`` (``--dp-shard``,
+``--dp-replicate``, ``--cp``): a fully_sharded layer computes with the gathered weight,
+whose gradient fully_shard reduce-scatters in the backward of its gather, and the split's
+deferred gradient, computed in ``W`` after that backward ran, does not reach it.
 """
 
 from __future__ import annotations
@@ -58,7 +77,8 @@ import numpy as np
 
 from hyper_parallel.core.dtensor import DeviceMesh
 from hyper_parallel.core.pipeline_parallel import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                   ScheduleInterleaved1F1B)
+                                                   ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                                   ScheduleZBVZeroBubble)
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
@@ -79,6 +99,14 @@ class Pipeline:
     group: Any                  # the pipeline process group (this rank's pp axis)
     rank: int                   # this rank's pipeline coordinate (group rank)
     size: int                   # pipeline degree
+    placement: str = "loop"     # "loop" (stage s on rank s % size) or "v" (--pp-schedule zbv)
+
+    def place(self, stage: int) -> int:
+        """The pipeline rank of ``stage``: ``stage % size`` (loop), or in the V placement
+        ``stage`` for the first ``size`` stages and ``2 size - 1 - stage`` after."""
+        if self.placement == "v":
+            return stage if stage < self.size else 2 * self.size - 1 - stage
+        return stage % self.size
 
     @property
     def has_first(self) -> bool:
@@ -101,7 +129,8 @@ class Pipeline:
 def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
                    cp_mesh: DeviceMesh | None = None) -> Pipeline:
     """Cut ``model`` into ``cfg.layout.num_stages`` stages (``model.stage_layers``), keep this
-    rank's (loop placement: stage ``s`` on pipeline rank ``s % pp``), run the layout chain
+    rank's (loop placement: stage ``s`` on pipeline rank ``s % pp``; the V placement with
+    ``--pp-schedule zbv``: stages ``r`` and ``2 pp - 1 - r`` on rank ``r``), run the layout chain
     of ``parallelize`` on each stage module (tensor parallelism over ``mesh["tp"]``,
     context parallelism on its blocks' attention over ``cp_mesh``, each block checkpointed
     with ``cfg.activation_checkpointing``, fully_shard over the data-parallel (x cp)
@@ -118,7 +147,8 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     rank, size = mesh.get_local_rank("pp"), layout.pp
     num_stages = layout.num_stages
     ranges = stage_layers(cfg.model.n_layers, num_stages)
-    indices = list(range(rank, num_stages, size))
+    placement = "v" if layout.pp_schedule == "zbv" else "loop"  # [Note: zero-bubble schedules in train]
+    indices = [rank, 2 * size - 1 - rank] if placement == "v" else list(range(rank, num_stages, size))
     modules = [build_stage(p, cfg.model, model, ranges[s], s == 0, s == num_stages - 1) for s in indices]
     if layout.cp > 1 and cp_mesh is None:
         raise ValueError("build_pipeline: cp > 1 needs cp_mesh, the mesh the loader shards the sequences over "
@@ -136,7 +166,8 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
         dp_mesh = fully_shard_mesh(mesh, layout)
         for module in modules:
             apply_fully_shard(module, dp_mesh)
-    stages = [PipelineStage(module, s, num_stages, group=group) for module, s in zip(modules, indices)]
+    stages = [PipelineStage(module, s, num_stages, group=group, placement=placement)
+              for module, s in zip(modules, indices)]
 
     def loss_fn(logits: Any, targets: Any) -> Any:
         return cross_entropy(p, logits, targets)
@@ -146,9 +177,13 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
         schedule: PipelineSchedule = ScheduleGPipe(stages[0], m, loss_fn)
     elif layout.pp_schedule == "1f1b":
         schedule = Schedule1F1B(stages[0], m, loss_fn)
+    elif layout.pp_schedule == "zbh1":  # [Note: zero-bubble schedules in train]
+        schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn)
+    elif layout.pp_schedule == "zbv":
+        schedule = ScheduleZBVZeroBubble(stages, m, loss_fn)
     else:
         schedule = ScheduleInterleaved1F1B(stages, m, loss_fn)
-    return Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size)
+    return Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, placement)
 
 
 def train_step(pipe: Pipeline, tensors: list[Any]) -> float | None:
@@ -181,15 +216,15 @@ def forward_loss(pipe: Pipeline, tensors: list[Any], dim: int) -> float | None:
     for module, index in zip(pipe.modules, pipe.indices):
         if index == 0:
             inputs: tuple[Any, ...] = (tokens, positions)
-        elif (index - 1) % pipe.size == pipe.rank:
+        elif pipe.place(index - 1) == pipe.rank:
             inputs = carried
         else:
-            src = (index - 1) % pipe.size
+            src = pipe.place(index - 1)
             inputs = tuple(p.irecv(p.zeros(shape, f32), src, pipe.group).wait() for shape in ((b, s, dim), (b, s)))
         out = module(*inputs)
         if index == pipe.num_stages - 1:
             return float(p.to_numpy(cross_entropy(p, out, targets)))
-        dst = (index + 1) % pipe.size
+        dst = pipe.place(index + 1)
         if dst == pipe.rank:
             carried = tuple(out)
         else:
