@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hyper_parallel.core.dtensor import init_device_mesh
+from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.core.pipeline_parallel import (PipelineStage, ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
                                                    ScheduleZBVZeroBubble)
 from hyper_parallel.core.pipeline_parallel.schedules import (ActionType, ScheduleError, add_communication, dualpipe_v,
@@ -93,6 +95,12 @@ def _check_bad_input(p) -> None:
         ScheduleZBVZeroBubble([PipelineStage(chain, r, 2 * n), PipelineStage(chain, r + n, 2 * n)], 4, mse)
     with pytest.raises(TypeError, match="must be a non-empty list of PipelineStage"):
         ScheduleInterleavedZeroBubble([], 4, mse)
+    # fully_shard's reduce-scatter would not get the deferred weight gradients: refused when
+    # the schedule is built, on every rank
+    sharded = build_chain(p, layer_weights(1))
+    fully_shard(sharded, mesh=init_device_mesh(p.device_type, (n,), mesh_dim_names=("dp",)))
+    with pytest.raises(ValueError, match=r"holds fully sharded modules \['<the stage module>'\]; the zero-bubble"):
+        ScheduleInterleavedZeroBubble([PipelineStage(sharded, r, n)], 2 * n, mse)
 
 
 def check_zero_bubble(layers_per_stage: int, configs: list[tuple[str, int]]) -> None:

@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
+from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR
 from hyper_parallel.platform.base import CustomFunction, Platform, RemovableHandle
 
 
@@ -138,9 +139,24 @@ class LinearWeightSplit:
             run so far (``grad_y @ W``; ``grad_y^T @ x``), counted where they run.
         needs_rewalk: the module has parameters outside the split layers (their
             gradients come from ``vjp``'s ``part="weight"``).
+
+    Raises:
+        ValueError: ``module`` holds a module passed to ``fully_shard`` (before any
+            collective: the schedules with a ``W`` action build the split when they are
+            constructed).
     """
 
     def __init__(self, platform: Platform, module: Any) -> None:
+        sharded = [name or "<the stage module>" for name, sub in platform.named_modules(module)
+                   if STATE_ATTR in vars(sub)]
+        if sharded:
+            # W computes each deferred weight gradient from the gathered weight after
+            # fully_shard's backward for that gather has run: the gradient would reach the
+            # shard with the full shape instead of its reduce-scatter.
+            raise ValueError(f"LinearWeightSplit: the stage module holds fully sharded modules {sharded[:3]}; the "
+                             "zero-bubble weight-gradient split does not compose with fully_shard yet: use "
+                             "Schedule1F1B / ScheduleInterleaved1F1B (no split) for fully sharded stages, or do not "
+                             "fully_shard the stage")
         self.platform = platform
         self.layers: list[tuple[str, Any]] = [
             (name, layer) for name, layer in platform.named_modules(module, linear_only=True)
