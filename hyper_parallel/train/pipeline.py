@@ -79,11 +79,16 @@ from hyper_parallel.core.dtensor import DeviceMesh
 from hyper_parallel.core.pipeline_parallel import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                                    ScheduleZBVZeroBubble)
+from hyper_parallel.core.pipeline_parallel.schedules import loop_placement, v_placement
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
 from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel, apply_fully_shard,
                                               apply_tensor_parallel, fully_shard_mesh)
+
+
+#: ``PipelineStage`` placement -> the core's ``stage -> rank`` map for a pipeline degree
+_PLACEMENTS = {"loop": loop_placement, "v": v_placement}
 
 
 @dataclass
@@ -104,9 +109,7 @@ class Pipeline:
     def place(self, stage: int) -> int:
         """The pipeline rank of ``stage``: ``stage % size`` (loop), or in the V placement
         ``stage`` for the first ``size`` stages and ``2 size - 1 - stage`` after."""
-        if self.placement == "v":
-            return stage if stage < self.size else 2 * self.size - 1 - stage
-        return stage % self.size
+        return _PLACEMENTS[self.placement](self.size)(stage)
 
     @property
     def has_first(self) -> bool:
@@ -148,7 +151,7 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     num_stages = layout.num_stages
     ranges = stage_layers(cfg.model.n_layers, num_stages)
     placement = "v" if layout.pp_schedule == "zbv" else "loop"  # [Note: zero-bubble schedules in train]
-    indices = [rank, 2 * size - 1 - rank] if placement == "v" else list(range(rank, num_stages, size))
+    indices = [s for s in range(num_stages) if _PLACEMENTS[placement](size)(s) == rank]
     modules = [build_stage(p, cfg.model, model, ranges[s], s == 0, s == num_stages - 1) for s in indices]
     if layout.cp > 1 and cp_mesh is None:
         raise ValueError("build_pipeline: cp > 1 needs cp_mesh, the mesh the loader shards the sequences over "
