@@ -23,9 +23,9 @@ import os
 import sys
 import threading
 
-from hyper_parallel.platform.base import BACKENDS, Capability, P2POp, Platform, ReduceOp, Work
+from hyper_parallel.platform.base import BACKENDS, FULL, AttentionMask, Capability, P2POp, Platform, ReduceOp, Work
 
-__all__ = ["BACKENDS", "Capability", "P2POp", "Platform", "ReduceOp", "Work", "get_platform", "init",
+__all__ = ["BACKENDS", "FULL", "AttentionMask", "Capability", "P2POp", "Platform", "ReduceOp", "Work", "get_platform", "init",
            "installed_frameworks", "reset_platform"]
 
 ENV_VAR = "HYPER_PARALLEL_PLATFORM"

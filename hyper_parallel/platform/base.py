@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hyper_parallel.platform.contract.attention import FULL, AttentionMask, AttentionSection
 from hyper_parallel.platform.contract.autograd import AutogradSection, VjpFn
 from hyper_parallel.platform.contract.collectives import CollectivesSection
 from hyper_parallel.platform.contract.common import (
@@ -36,7 +37,7 @@ from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
 from hyper_parallel.platform.validation import check_partition, normalize_dim
 
 __all__ = [
-    "BACKENDS", "DTYPE_NAMES", "LOCAL_OPS", "TENSOR_METHODS", "Capability", "CompletedWork", "CustomFunction",
+    "BACKENDS", "DTYPE_NAMES", "FULL", "LOCAL_OPS", "TENSOR_METHODS", "AttentionMask", "Capability", "CompletedWork", "CustomFunction",
     "HandleWork", "MemoryStats", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
     "contract_members",
 ]
@@ -60,6 +61,7 @@ class Platform(
     AutogradSection,
     ModulesSection,
     OpsSection,
+    AttentionSection,
     StreamsSection,
     DeviceSection,
 ):

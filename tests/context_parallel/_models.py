@@ -6,18 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 import hyper_parallel as hp
+from hyper_parallel.core.context_parallel.attention import local_attention
 
 
 def core_attention(p: Any, *, causal: bool, cu_seqlens: Any = None, layout: str = "BSHD",
                    functional: bool = True) -> Any:
     """A module ``(q, k, v) -> attention`` computed by ``hp.scaled_dot_product_attention``
-    (``functional``) or directly by ``platform.attention`` (an "other" implementation,
+    (``functional``) or directly by ``local_attention`` (an "other" implementation,
     BSHD only)."""
 
     def forward(q: Any, k: Any, v: Any) -> Any:
         if functional:
             return hp.scaled_dot_product_attention(q, k, v, is_causal=causal, cu_seqlens=cu_seqlens, layout=layout)
-        return p.attention(q, k, v, causal=causal)[0]
+        return local_attention(q, k, v, is_causal=causal)
 
     if p.framework == "torch":
         import torch

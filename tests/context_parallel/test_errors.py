@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel as hp
+from hyper_parallel.core.context_parallel.attention import local_attention
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.platform import get_platform
 from tests.context_parallel._models import core_attention, keyword_attention
@@ -66,14 +67,14 @@ def check_errors() -> dict[str, str]:
     # frames must not capture a plain call of the functional.
     a = t(1, 5, 2, 2)
     np.testing.assert_array_equal(p.to_numpy(hp.scaled_dot_product_attention(a, a, a, is_causal=True)),
-                                  p.to_numpy(p.attention(a, a, a, causal=True)[0]))
+                                  p.to_numpy(local_attention(a, a, a, is_causal=True)))
     # A module computing attention by itself sees whole sequences under pure Ulysses.
     # Tolerance 1e-5 (float32): Ulysses runs each head's attention on the whole sequence like the
     # reference, but after the all-to-all the heads are laid out in other tensors, so the backend's
     # softmax/matmul may reduce in another order; the ring merges per-block partial outputs by an
     # fp32 log-sum-exp (a few ulps); MindSpore's CPU exp is approximate to ~2.7e-6 relative.
     q, k, v = (rng.standard_normal((2, 4 * cp, 2 * cp, 4)).astype(np.float32) for _ in range(3))
-    ref = p.to_numpy(p.attention(p.from_numpy(q), p.from_numpy(k), p.from_numpy(v), causal=True)[0])
+    ref = p.to_numpy(local_attention(p.from_numpy(q), p.from_numpy(k), p.from_numpy(v), is_causal=True))
     local = hp.context_parallel_shard([p.from_numpy(a) for a in (q, k, v)], [1, 1, 1], mesh)
     got = run(hp.ContextParallel(), *local, functional=False)
     np.testing.assert_allclose(p.to_numpy(got), np.array_split(ref, cp, axis=1)[p.rank()], rtol=1e-5, atol=1e-5)

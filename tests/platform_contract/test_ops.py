@@ -1,5 +1,5 @@
-"""Conformance: tensor ops, the documented tensor methods, dtypes, attention, streams and
-device queries. World size 1."""
+"""Conformance: tensor ops, the documented tensor methods, dtypes, streams and device
+queries (attention: ``test_attention``). World size 1."""
 
 from __future__ import annotations
 
@@ -124,66 +124,6 @@ def check_detach_clone() -> None:
 
 def test_detach_clone(run_on_ranks) -> None:
     run_on_ranks(check_detach_clone, world_size=1)
-
-
-def _attention_numpy(q, k, v, scale, allowed):
-    rep = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64)) * scale
-    s = np.where(allowed, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m)
-    total = e.sum(-1, keepdims=True)
-    lse = np.where(total[..., 0] > 0, np.log(np.where(total > 0, total, 1.0))[..., 0] + m[..., 0], -np.inf)
-    probs = e / np.where(total > 0, total, 1.0)
-    return np.einsum("bhqk,bkhd->bqhd", probs, v.astype(np.float64)), lse
-
-
-def check_attention(kv_heads: int, causal: bool, masked: bool) -> None:
-    p = get_platform()
-    q = rank_data(0, (2, 5, 4, 8))
-    k = rank_data(1, (2, 6, kv_heads, 8))
-    v = rank_data(2, (2, 6, kv_heads, 8))
-    mask = None
-    allowed = np.ones((5, 6), bool)
-    if causal:
-        allowed &= np.tril(np.ones((5, 6), bool))
-    if masked:
-        mask = np.ones((5, 6), bool)
-        mask[:, 4:] = False
-        mask[3] = False  # query 3 sees no key: output 0, lse -inf
-        allowed &= mask
-    scale = 0.3
-    out, lse = p.attention(p.from_numpy(q), p.from_numpy(k), p.from_numpy(v), scale=scale, causal=causal,
-                           mask=None if mask is None else p.from_numpy(mask))
-    ref_out, ref_lse = _attention_numpy(q, k, v, scale, allowed)
-    assert p.dtype_name(lse.dtype) == "float32" and tuple(lse.shape) == (2, 4, 5)
-    # float32 against a float64 reference: softmax over 6 keys, ~1e-6 relative.
-    np.testing.assert_allclose(p.to_numpy(out), ref_out, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(p.to_numpy(lse), ref_lse, rtol=1e-5, atol=1e-5)
-
-    g = rank_data(3, (2, 5, 4, 8))
-    _, backward = p.vjp(lambda q_, k_, v_: p.attention(q_, k_, v_, scale=scale, causal=causal,
-                                                       mask=None if mask is None else p.from_numpy(mask))[0],
-                        [p.from_numpy(q), p.from_numpy(k), p.from_numpy(v)])
-    grads, _ = backward([p.from_numpy(g)])
-    for grad in grads:
-        assert np.isfinite(p.to_numpy(grad)).all(), "attention gradient has NaN/inf (fully masked row?)"
-    # dV = P^T dO summed over the heads sharing a kv head.
-    probs = np.exp(np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64),
-                             np.repeat(k, 4 // kv_heads, axis=2).astype(np.float64)) * scale
-                   - np.where(np.isfinite(ref_lse), ref_lse, 0.0)[..., None]) * allowed
-    dv = np.einsum("bhqk,bqhd->bkhd", probs, g.astype(np.float64))
-    dv = dv.reshape(2, 6, kv_heads, 4 // kv_heads, 8).sum(3)
-    np.testing.assert_allclose(p.to_numpy(grads[2]), dv, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
-def test_attention(run_on_ranks, kv_heads: int, causal: bool, masked: bool) -> None:
-    run_on_ranks(check_attention, kv_heads, causal, masked, world_size=1)
 
 
 def check_streams_device() -> dict:

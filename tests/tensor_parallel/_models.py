@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.context_parallel.attention import local_attention
+
 HEAD_DIM = 2
 
 
@@ -31,7 +33,7 @@ def _attention_forward(p: Any, m: Any, x: Any) -> Any:
     q = m.wq(x).reshape(b, s, -1, HEAD_DIM)
     k = m.wk(x).reshape(b, s, -1, HEAD_DIM)
     v = m.wv(x).reshape(b, s, -1, HEAD_DIM)
-    out, _ = p.attention(q, k, v, causal=True)
+    out = local_attention(q, k, v, is_causal=True)
     return m.wo(out.reshape(b, s, -1))
 
 

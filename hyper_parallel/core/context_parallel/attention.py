@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.core.context_parallel.blocks import run_call
+from hyper_parallel.core.context_parallel.blocks import block_attention
 from hyper_parallel.core.context_parallel.context import Frame, current_frame
-from hyper_parallel.core.context_parallel.masks import document_ids, plan_block, segments
+from hyper_parallel.core.context_parallel.masks import BlockCall, RunPlan, document_ids, plan_block
 from hyper_parallel.core.context_parallel.ring import ring_attention
-from hyper_parallel.platform import get_platform
+from hyper_parallel.platform import AttentionMask, get_platform
 
 LAYOUTS = ("BSHD", "BNSD")
 
@@ -19,15 +19,30 @@ LAYOUTS = ("BSHD", "BNSD")
 def _attend(p: Any, q: Any, k: Any, v: Any, q_pos: np.ndarray, k_pos: np.ndarray, causal: bool,
             docs: np.ndarray | None, scale: float | None) -> Any:
     """Attention of BSHD ``q`` at global positions ``q_pos`` over ``k``/``v`` at ``k_pos``:
-    one ``platform.attention`` call per query run ([Note: segments] in ``masks``)."""
-    calls = plan_block(q_pos, k_pos, causal, docs)
-    outs = []
-    for (_, length), call in zip(segments(q_pos), calls):
-        if call is None:  # sees no key: the contract's output for such a query is 0
-            outs.append(p.zeros((q.shape[0], length, q.shape[2], q.shape[3]), q.dtype))
-        else:
-            outs.append(run_call(p, q, k, v, call, scale)[0])
-    return outs[0] if len(outs) == 1 else p.cat(outs, 1)
+    the calls of ``plan_block`` through the fused kernels ([Note: block attention])."""
+    return block_attention(p, q, k, v, plan_block(q_pos, k_pos, causal, docs), scale)
+
+
+def local_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False, scale: float | None = None) -> Any:
+    """Attention of BSHD ``q`` over ``k``/``v`` as they are, never routed to context
+    parallelism: one fused-kernel call forward (``platform.attention``) and one backward
+    (``platform.attention_backward``), differentiable in ``q``, ``k``, ``v``.
+
+    Args:
+        q: ``[batch, q_seq, heads, head_dim]``.
+        k, v: ``[batch, kv_seq, kv_heads, head_dim]``, ``heads`` divisible by ``kv_heads``.
+        is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as torch's).
+        scale: multiplies ``q k^T``; default ``head_dim ** -0.5``.
+
+    Returns:
+        ``[batch, q_seq, heads, head_dim]`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: from ``platform.attention``: shapes, or a dtype the kernel does not take.
+    """
+    p = get_platform()
+    call = BlockCall(0, int(q.shape[1]), ((0, int(k.shape[1])),), AttentionMask("top_left" if is_causal else "none"))
+    return block_attention(p, q, k, v, [RunPlan(0, int(q.shape[1]), (call,))], scale)
 
 
 def _check(q: Any, k: Any, v: Any, layout: str) -> None:
@@ -63,8 +78,11 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = Fa
                                  cu_seqlens: Any = None, layout: str = "BSHD") -> Any:
     """Softmax attention ``softmax(q k^T * scale + mask) v``, local or context-parallel.
 
-    Outside a module hooked by ``ContextParallel`` this is ``platform.attention`` (fused
-    kernels on CUDA/NPU/Ascend). Inside one, ``q``/``k``/``v`` are the tensors that module
+    Every path runs the platform's fused kernels, forward (``platform.attention``, which
+    returns the log-sum-exp) and backward (``platform.attention_backward``), with
+    structural masks: no score matrix is built (see ``docs/platform.md`` for the kernel
+    of each backend and dtype). Outside a module hooked by ``ContextParallel`` this is
+    one kernel call (``is_causal`` aligned top-left, as torch's). Inside one, ``q``/``k``/``v`` are the tensors that module
     received (sequence-sharded, or head-sharded after the Ulysses all-to-all of its
     hooks) and the module's algorithm runs: all-gather of K/V (one
     ``differentiable_all_gather`` over the exchange axis; backward reduce-scatter), ring
@@ -87,7 +105,8 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = Fa
 
     Returns:
         The attention output, shaped and laid out like ``q``, in ``q``'s dtype (softmax
-        statistics and the merge of partial results in float32).
+        statistics and the merge of partial results in ``max(float32, dtype)``: float64
+        inputs are float64 end to end).
 
     Raises:
         ValueError: an unknown layout, non-4-D inputs, ``cu_seqlens`` that is not a valid
@@ -101,7 +120,7 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = Fa
     frame = current_frame()
     if frame is None:
         if cu_seqlens is None:
-            out, _ = p.attention(q, k, v, scale=scale, causal=is_causal)
+            out = local_attention(q, k, v, is_causal=is_causal, scale=scale)
         else:
             if q.shape[1] != k.shape[1]:
                 raise ValueError(f"scaled_dot_product_attention: cu_seqlens needs equal q and k sequence lengths "

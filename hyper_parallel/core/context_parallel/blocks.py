@@ -1,67 +1,184 @@
-"""Attention of a block of queries against blocks of keys, and the log-sum-exp merge of
-partial results.
+"""Attention of query runs against planned key calls through the platform's fused kernels,
+forward and backward, and the autograd function of local (communication-free) attention.
 
-[Note: log-sum-exp merge]
-Attention over keys ``K = K1 ∪ K2`` equals ``w1 * out1 + w2 * out2`` with
-``w_i = exp(lse_i - lse)`` and ``lse = log(exp(lse1) + exp(lse2))``, where ``out_i`` and
-``lse_i`` are the output and log-sum-exp over ``K_i`` alone (the online-softmax identity
-of FlashAttention, used by ring attention: Liu et al., "Ring Attention with Blockwise
-Transformers", 2023, and torch's ``_templated_ring_attention``). The merge runs in
-float32 whatever the input dtype. A query that sees no key of a block has ``lse = -inf``;
-it is floored to ``_LSE_FLOOR`` (a finite number far below any real log-sum-exp), so
-``-inf - -inf`` never makes a NaN and its weight ``exp(floor - lse)`` is exactly 0 once a
-real block has been merged. Autograd differentiates the merge (the maximum used for
-stability is detached: the result does not depend on it).
+[Note: block attention]
+Every mode of context parallelism computes, on each rank, attention of its query runs
+against some key tensor, as the calls of ``masks.plan_block``. The forward runs
+``platform.attention`` per call and merges the calls of a run by log-sum-exp
+([Note: log-sum-exp merge] in ``platform.attention_pieces``); it keeps only the merged
+output and log-sum-exp. The backward runs ``platform.attention_backward`` per call with
+the *merged* output and log-sum-exp of the call's rows, which makes each call's
+``dq``/``dk``/``dv`` its exact share of the gradient ([Note: attention kernels] in
+``platform.contract.attention``): shares are summed, no merge is differentiated and no
+score matrix exists anywhere in core. ``BlockAttention`` is this as one autograd
+function for Ulysses, all-gather and single-device attention; the ring runs the same
+two halves per rotating block (``ring``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.core.context_parallel.masks import BlockCall
-
-#: Far below any reachable log-sum-exp of float32 scores, far above -inf; see
-#: [Note: log-sum-exp merge].
-_LSE_FLOOR = -1.0e30
+from hyper_parallel.core.context_parallel.masks import BlockCall, RunPlan
+from hyper_parallel.platform.attention_pieces import LSE_FLOOR, merge, stat_dtype
+from hyper_parallel.platform.contract.common import CustomFunction
 
 #: A partial result: output ``[batch, q_len, heads, head_dim]`` and log-sum-exp
-#: ``[batch, heads, q_len]`` float32.
+#: ``[batch, heads, q_len]``.
 BlockResult = tuple[Any, Any]
 
 
-def run_call(p: Any, q: Any, k: Any, v: Any, call: BlockCall, scale: float | None) -> BlockResult:
-    """``platform.attention`` of query rows ``call.q_start ..`` (dim 1 of BSHD ``q``)
-    against the key runs of ``call`` (dim 1 of ``k``/``v``)."""
-    q_part = q if call.q_len == q.shape[1] else p.narrow(q, 1, call.q_start, call.q_len)
-    if len(call.k_runs) == 1 and call.k_runs[0] == (0, k.shape[1]):
-        k_part, v_part = k, v
-    else:
-        k_part = p.cat([p.narrow(k, 1, s, n) for s, n in call.k_runs], 1)
-        v_part = p.cat([p.narrow(v, 1, s, n) for s, n in call.k_runs], 1)
-    mask = None if call.mask is None else p.from_numpy(call.mask)
-    return p.attention(q_part, k_part, v_part, scale=scale, causal=call.causal, mask=mask)
+def key_runs(p: Any, x: Any, call: BlockCall) -> Any:
+    """The key runs of ``call`` out of ``[batch, kv_seq, ...]``, concatenated."""
+    if len(call.k_runs) == 1 and call.k_runs[0] == (0, x.shape[1]):
+        return x
+    if len(call.k_runs) == 1:
+        return p.narrow(x, 1, *call.k_runs[0])
+    return p.cat([p.narrow(x, 1, s, n) for s, n in call.k_runs], 1)
 
 
-def floor_lse(p: Any, lse: Any) -> Any:
-    """``max(lse, _LSE_FLOOR)`` with the documented methods (no clamp on the list)."""
-    floor = p.full(tuple(lse.shape), _LSE_FLOOR, lse.dtype)
-    return p.stack([lse, floor], 0).amax(0)
+def _rows(p: Any, x: Any, dim: int, start: int, length: int) -> Any:
+    return x if start == 0 and length == x.shape[dim] else p.narrow(x, dim, start, length)
 
 
-def _weight(x: Any) -> Any:
-    """``[batch, heads, q_len]`` -> ``[batch, q_len, heads, 1]`` to scale an output."""
-    return x.transpose(1, 2).unsqueeze(-1)
+def scatter_runs(p: Any, part: Any, call: BlockCall, length: int) -> Any:
+    """Inverse of ``key_runs`` for a gradient: ``part`` ``[batch, sum of runs, ...]``
+    laid out at its runs (disjoint, in any order) of a ``[batch, length, ...]`` zero
+    tensor."""
+    placed, offset = [], 0
+    for start, n in call.k_runs:
+        placed.append((start, offset, n))
+        offset += n
+    shape = list(part.shape)
+    pieces, at = [], 0
+    for start, offset, n in sorted(placed):
+        if start > at:
+            pieces.append(p.zeros(tuple([shape[0], start - at] + shape[2:]), part.dtype))
+        pieces.append(part if n == shape[1] else p.narrow(part, 1, offset, n))
+        at = start + n
+    if at < length:
+        pieces.append(p.zeros(tuple([shape[0], length - at] + shape[2:]), part.dtype))
+    return pieces[0] if len(pieces) == 1 else p.cat(pieces, 1)
 
 
-def merge(p: Any, acc: BlockResult | None, new: BlockResult) -> BlockResult:
-    """Merge a block's ``(out, lse)`` into the float32 accumulator ``acc`` (``None`` at
-    first); see [Note: log-sum-exp merge]."""
-    out, lse = new
-    out, lse = out.float(), floor_lse(p, lse)
-    if acc is None:
-        return out, lse
-    acc_out, acc_lse = acc
-    top = p.detach(p.stack([acc_lse, lse], 0).amax(0))
-    total = (acc_lse - top).exp() + (lse - top).exp()
-    merged = total.log() + top
-    return acc_out * _weight((acc_lse - merged).exp()) + out * _weight((lse - merged).exp()), merged
+def _pad_rows(p: Any, result: BlockResult, call: BlockCall, run: RunPlan) -> BlockResult:
+    """A call's result over some rows of its run, padded to the whole run (output 0,
+    log-sum-exp -inf where the call has no rows)."""
+    before, after = call.q_start - run.start, run.start + run.length - call.q_start - call.q_len
+    if before == 0 and after == 0:
+        return result
+    out, lse = result
+    return p.pad(out, 1, before, after), p.pad(lse, 2, before, after, float("-inf"))
+
+
+def forward_calls(p: Any, accs: list[BlockResult | None], plans: list[RunPlan], q: Any, k: Any, v: Any,
+                  scale: float | None, *, merge_all: bool = False) -> None:
+    """Merge the calls of each run of ``plans`` into ``accs`` (one entry per run,
+    ``None`` until a call lands): ``q`` BSHD, ``k``/``v`` the key tensor of the calls.
+    A run's only call is kept as the kernel returned it unless ``merge_all`` (more calls
+    will be merged in later: the ring)."""
+    for i, run in enumerate(plans):
+        for call in run.calls:
+            result = p.attention(_rows(p, q, 1, call.q_start, call.q_len), key_runs(p, k, call),
+                                 key_runs(p, v, call), scale=scale, mask=call.mask)
+            result = _pad_rows(p, result, call, run)
+            accs[i] = result if len(run.calls) == 1 and not merge_all else merge(p, accs[i], result)
+
+
+def finish(p: Any, accs: list[BlockResult | None], plans: list[RunPlan], q: Any) -> BlockResult:
+    """``(out, lse)`` of all runs: ``out`` ``[batch, q_seq, heads, dim]`` in ``q``'s dtype,
+    ``lse`` ``[batch, heads, q_seq]`` in ``max(float32, dtype)`` (a run that saw no key
+    has output 0 and log-sum-exp at or below ``LSE_FLOOR``)."""
+    b, heads, dim = int(q.shape[0]), int(q.shape[2]), int(q.shape[3])
+    dtype = stat_dtype(p, q.dtype)
+    outs, lses = [], []
+    for run, acc in zip(plans, accs):
+        if acc is None:
+            outs.append(p.zeros((b, run.length, heads, dim), q.dtype))
+            lses.append(p.full((b, heads, run.length), LSE_FLOOR, dtype))
+        else:
+            outs.append(p.to_dtype(acc[0], q.dtype))
+            lses.append(p.to_dtype(acc[1], dtype))
+    return (outs[0] if len(outs) == 1 else p.cat(outs, 1)), (lses[0] if len(lses) == 1 else p.cat(lses, 2))
+
+
+def backward_calls(p: Any, plans: list[RunPlan], dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
+                   scale: float | None) -> tuple[Any, Any, Any] | None:
+    """This key tensor's share of the gradients: ``(dq [like q], dk, dv [like k])`` in
+    ``max(float32, dtype)``, or ``None`` when no call reads it; ``out``/``lse`` are the
+    merged ones over every key the queries see ([Note: block attention])."""
+    dtype = stat_dtype(p, q.dtype)
+    dq_parts: list[tuple[int, Any]] = []
+    dk = dv = None
+    for run in plans:
+        for call in run.calls:
+            rows = (call.q_start, call.q_len)
+            cq, ck, cv = _rows(p, q, 1, *rows), key_runs(p, k, call), key_runs(p, v, call)
+            gq, gk, gv = p.attention_backward(_rows(p, dout, 1, *rows), cq, ck, cv, _rows(p, out, 1, *rows),
+                                              _rows(p, lse, 2, *rows), scale=scale, mask=call.mask)
+            dq_parts.append((call.q_start, p.to_dtype(gq, dtype)))
+            gk = scatter_runs(p, p.to_dtype(gk, dtype), call, int(k.shape[1]))
+            gv = scatter_runs(p, p.to_dtype(gv, dtype), call, int(k.shape[1]))
+            dk, dv = (gk, gv) if dk is None else (dk + gk, dv + gv)
+    if dk is None:
+        return None
+    seq = int(q.shape[1])
+    dq = None
+    for start, part in dq_parts:
+        n = int(part.shape[1])
+        full = part if n == seq else p.pad(part, 1, start, seq - start - n)
+        dq = full if dq is None else dq + full
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """What ``BlockAttention`` needs besides the tensors: the planned runs and the scale
+    (``None``: ``head_dim ** -0.5``)."""
+
+    plans: tuple[RunPlan, ...]
+    scale: float | None
+
+
+class BlockAttention(CustomFunction):
+    """Attention of ``q`` against ``k``/``v`` as planned (no communication); see
+    [Note: block attention].
+
+    ``forward(ctx, p, q, k, v, spec)``: ``q`` ``[batch, q_seq, heads, dim]``, ``k``/``v``
+    ``[batch, kv_seq, kv_heads, dim]`` -> ``[batch, q_seq, heads, dim]`` in ``q``'s
+    dtype. Saves ``q``, ``k``, ``v``, the output and the log-sum-exp
+    (``[batch, heads, q_seq]``), like a fused kernel's own autograd.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, p: Any, q: Any, k: Any, v: Any, spec: BlockSpec) -> Any:
+        plans = list(spec.plans)
+        accs: list[BlockResult | None] = [None] * len(plans)
+        forward_calls(p, accs, plans, q, k, v, spec.scale)
+        out, lse = finish(p, accs, plans, q)
+        ctx.p, ctx.spec = p, spec
+        # ``out`` itself on ctx would make a cycle through the autograd node: keep a
+        # detached alias.
+        ctx.saved = (q, k, v, p.detach(out), lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Any) -> tuple[Any, ...]:
+        if ctx.saved is None:
+            raise RuntimeError("attention: backward ran twice through one forward; its saved tensors are released by "
+                               "the first (run the forward again)")
+        q, k, v, out, lse = ctx.saved
+        ctx.saved = None
+        p = ctx.p
+        grads = backward_calls(ctx.p, list(ctx.spec.plans), dout, q, k, v, out, lse, ctx.spec.scale)
+        if grads is None:
+            return None, p.zeros(tuple(q.shape), q.dtype), p.zeros(tuple(k.shape), k.dtype), \
+                p.zeros(tuple(v.shape), v.dtype), None
+        dq, dk, dv = grads
+        return None, p.to_dtype(dq, q.dtype), p.to_dtype(dk, k.dtype), p.to_dtype(dv, v.dtype), None
+
+
+def block_attention(p: Any, q: Any, k: Any, v: Any, plans: list[RunPlan], scale: float | None) -> Any:
+    """``BlockAttention`` applied: differentiable in ``q``, ``k``, ``v``."""
+    return p.apply_function(BlockAttention, p, q, k, v, BlockSpec(tuple(plans), scale))

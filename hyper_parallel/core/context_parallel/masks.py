@@ -10,11 +10,22 @@ query against gathered or rotating keys, the head-tail layout and packed documen
 correct in every mode.
 
 [Note: segments]
-Positions come in runs of consecutive values (one run per chunk). A query run against the
-key runs it can see is one ``platform.attention`` call; key runs it cannot see at all are
-left out of the call, which is where load balancing saves work (the causal upper
-triangle is skipped, not computed and masked). A call needs no mask when every pair is
-allowed and only ``causal=True`` when query and keys are the same run.
+Positions come in runs of consecutive values (one run per chunk). Each query run, holding
+positions ``[a, b)``, is planned against the key runs it can see (``plan_block``), as
+calls with a structural ``AttentionMask`` (never a dense mask):
+
+- keys entirely before ``a`` form one call without a causal mask;
+- keys from ``a`` on are top-left causal from their first position;
+- when those two are one contiguous stretch of positions ending at ``b`` (the usual
+  case: a chunk against everything before it and itself), they are one bottom-right
+  causal call instead;
+- key runs in the query run's future are left out, which is where load balancing saves
+  work (the causal upper triangle is skipped, not computed and masked);
+- documents become the call's ``cu_seqlens_q`` / ``cu_seqlens_kv``, with the causal form
+  aligned per document (a document's query and key pieces start, or end, at the same
+  position in each form above).
+
+The calls of one run are merged by log-sum-exp ([Note: log-sum-exp merge]).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.platform import get_platform
+from hyper_parallel.platform import AttentionMask, get_platform
 
 
 def document_ids(cu_seqlens: Any, seq_len: int, where: str = "scaled_dot_product_attention") -> np.ndarray:
@@ -61,61 +72,99 @@ def segments(positions: np.ndarray) -> list[tuple[int, int]]:
     return [(int(s), int(e - s)) for s, e in zip(starts, ends)]
 
 
-def allowed(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, docs: np.ndarray | None) -> np.ndarray | None:
-    """Bool ``[len(q_pos), len(k_pos)]``, True where query may see key; ``None`` when
-    every pair is allowed."""
-    mask = None
-    if causal:
-        mask = k_pos[None, :] <= q_pos[:, None]
-    if docs is not None:
-        same = docs[q_pos][:, None] == docs[k_pos][None, :]
-        mask = same if mask is None else mask & same
-    if mask is not None and mask.all():
-        return None
-    return mask
-
-
 @dataclass(frozen=True)
 class BlockCall:
-    """One ``platform.attention`` call: query rows ``q_start .. q_start + q_len`` against
-    the key runs ``k_runs`` (``(start, length)`` into the key tensor, concatenated in
-    order), with ``causal`` or a host ``mask`` ``[q_len, sum of run lengths]``."""
+    """One ``platform.attention`` call: query rows ``q_start .. q_start + q_len`` (of the
+    q tensor) against the key runs ``k_runs`` (``(start, length)`` into the key tensor,
+    concatenated in order) under a structural ``mask``."""
 
     q_start: int
     q_len: int
     k_runs: tuple[tuple[int, int], ...]
-    causal: bool
-    mask: np.ndarray | None
+    mask: AttentionMask
 
 
-def plan_block(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, docs: np.ndarray | None) -> list[BlockCall | None]:
-    """One entry per query run of ``q_pos``: the call against the keys at ``k_pos``, or
-    ``None`` when that run sees none of them; see [Note: segments]."""
-    k_segs = segments(k_pos)
-    calls: list[BlockCall | None] = []
+@dataclass(frozen=True)
+class RunPlan:
+    """The calls of one query run (rows ``start .. start + length``), merged by
+    log-sum-exp; no calls when the run sees no key."""
+
+    start: int
+    length: int
+    calls: tuple[BlockCall, ...]
+
+
+def _documents(q_pos: np.ndarray, k_pos: np.ndarray, docs: np.ndarray | None) -> tuple[tuple[int, ...] | None, ...]:
+    """``(cu_seqlens_q, cu_seqlens_kv)`` of sorted positions, or ``(None, None)`` when
+    every position lies in one document."""
+    if docs is None:
+        return None, None
+    dq, dk = docs[q_pos], docs[k_pos]
+    ids = np.union1d(dq, dk)
+    if len(ids) == 1:
+        return None, None
+    count_q = np.searchsorted(dq, ids, side="right")
+    count_k = np.searchsorted(dk, ids, side="right")
+    return (0, *(int(c) for c in count_q)), (0, *(int(c) for c in count_k))
+
+
+def _call(q_start: int, q_len: int, runs: list[tuple[int, int, int]], k_pos: np.ndarray, q_first: int,
+          causal: str, docs: np.ndarray | None) -> BlockCall:
+    """A call of query rows ``q_start ..`` (first position ``q_first``) against ``runs``
+    (``(start in the key tensor, length, first position)``, sorted by position)."""
+    qp = np.arange(q_first, q_first + q_len)
+    kp = np.concatenate([k_pos[s:s + n] for s, n, _ in runs])
+    cu_q, cu_k = _documents(qp, kp, docs)
+    return BlockCall(q_start, q_len, tuple((s, n) for s, n, _ in runs), AttentionMask(causal, cu_q, cu_k))
+
+
+def plan_block(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, docs: np.ndarray | None) -> list[RunPlan]:
+    """One ``RunPlan`` per query run of ``q_pos`` against the keys at ``k_pos``; see
+    [Note: segments]."""
+    plans: list[RunPlan] = []
     for q_start, q_len in segments(q_pos):
-        qp = q_pos[q_start:q_start + q_len]
-        runs = []
-        for k_start, k_len in k_segs:
-            kp = k_pos[k_start:k_start + k_len]
-            if causal and kp[0] > qp[-1]:
+        a, b = int(q_pos[q_start]), int(q_pos[q_start]) + q_len  # the run holds positions [a, b)
+        past: list[tuple[int, int, int]] = []  # (start in k, length, first position), all before a
+        current: list[tuple[int, int, int]] = []  # parts starting at or after a
+        for k_start, k_len in segments(k_pos):
+            c = int(k_pos[k_start])
+            end = min(c + k_len, b) if causal else c + k_len
+            if end <= c:
                 continue  # the whole key run lies in this query run's future
-            if docs is not None and (docs[kp[0]] > docs[qp[-1]] or docs[kp[-1]] < docs[qp[0]]):
+            if docs is not None and (docs[c] > docs[b - 1] or docs[end - 1] < docs[a]):
                 continue  # no document in common
-            runs.append((k_start, k_len))
-        if not runs:
-            calls.append(None)
-            continue
-        kp = np.concatenate([k_pos[s:s + n] for s, n in runs])
-        mask = allowed(qp, kp, causal, docs)
-        if mask is not None and not mask.any():
-            calls.append(None)
-            continue
-        is_causal = False
-        if mask is not None and mask.shape[0] == mask.shape[1] and np.array_equal(mask, np.tril(np.ones_like(mask))):
-            mask, is_causal = None, True
-        calls.append(BlockCall(q_start, q_len, tuple(runs), is_causal, mask))
-    return calls
+            if not causal or end <= a:
+                past.append((k_start, end - c, c))
+                continue
+            if c < a:
+                past.append((k_start, a - c, c))
+                k_start, c = k_start + a - c, a
+            current.append((k_start, end - c, c))
+        past.sort(key=lambda r: r[2])
+        current.sort(key=lambda r: r[2])
+        calls: list[BlockCall] = []
+        contiguous = all(x[2] + x[1] == y[2] for x, y in zip(past + current, (past + current)[1:]))
+        if len(current) == 1 and current[0][2] == a and current[0][2] + current[0][1] == b and contiguous:
+            # keys [c0, b) for queries [a, b): one bottom-right causal call (square when c0 == a)
+            calls.append(_call(q_start, q_len, past + current, k_pos, a, "bottom_right", docs))
+        else:
+            if past:
+                calls.append(_call(q_start, q_len, past, k_pos, a, "none", docs))
+            for k_start, k_len, c in current:  # queries from position c on, keys [c, c + k_len): top-left
+                calls.append(_call(q_start + c - a, b - c, [(k_start, k_len, c)], k_pos, c, "top_left", docs))
+        if docs is not None:
+            calls = [call for call in calls if _sees_any(call)]
+        plans.append(RunPlan(q_start, q_len, tuple(calls)))
+    return plans
+
+
+def _sees_any(call: BlockCall) -> bool:
+    """False when no query document of ``call`` has keys (documents that only one side
+    holds)."""
+    cu_q, cu_k = call.mask.cu_seqlens_q, call.mask.cu_seqlens_kv
+    if cu_q is None or cu_k is None:
+        return True
+    return any(cu_q[d + 1] > cu_q[d] and cu_k[d + 1] > cu_k[d] for d in range(len(cu_q) - 1))
 
 
 def runs_positions(positions: Sequence[np.ndarray]) -> np.ndarray:

@@ -50,7 +50,7 @@ class Capability(enum.Enum):
     NATIVE_BATCH_P2P = "native batch_isend_irecv"
     ASYNC_COLLECTIVES = "collectives with async_op=True run in the background"
     STREAMS = "device streams and events (not no-ops)"
-    FUSED_ATTENTION = "attention output from a fused kernel"
+    FUSED_ATTENTION = "attention and its backward run by a fused kernel of the framework (not tiled plain ops)"
 
 
 @dataclass(frozen=True)

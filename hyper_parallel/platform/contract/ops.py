@@ -32,7 +32,7 @@ LOCAL_OPS: tuple[str, ...] = (
 
 
 class OpsSection(ABC):
-    """Tensor factories, shape ops, conversions and local attention."""
+    """Tensor factories, shape ops and conversions (attention: ``contract.attention``)."""
 
     @abstractmethod
     def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
@@ -87,31 +87,6 @@ class OpsSection(ABC):
     def clone(self, tensor: Any) -> Any:
         """A copy of ``tensor`` in its own memory; differentiable (the gradient passes
         through unchanged)."""
-
-    @abstractmethod
-    def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
-                  mask: Any = None) -> tuple[Any, Any]:
-        """Local scaled-dot-product attention returning the output and its log-sum-exp.
-
-        Args:
-            q: ``[batch, q_seq, heads, head_dim]``.
-            k, v: ``[batch, kv_seq, kv_heads, head_dim]``; ``heads`` divisible by
-                ``kv_heads`` (grouped-query attention repeats each kv head).
-            scale: multiplies ``q @ k^T``; default ``head_dim ** -0.5``.
-            causal: query ``i`` sees keys ``j <= i`` (top-left aligned).
-            mask: optional bool ``[q_seq, kv_seq]`` (or broadcastable to
-                ``[batch, heads, q_seq, kv_seq]``), True where attention is allowed;
-                combined with ``causal`` by logical and.
-
-        Returns:
-            ``(out, lse)``: ``out`` ``[batch, q_seq, heads, head_dim]`` in ``q``'s dtype;
-            ``lse`` ``[batch, heads, q_seq]`` float32, the log-sum-exp of the scaled,
-            masked scores (``-inf`` for a query that sees no key, whose output row is 0).
-            Both differentiable. Softmax statistics are computed in float32.
-
-        Raises:
-            ValueError: rank-4 shapes or head counts that do not fit.
-        """
 
     @abstractmethod
     def local_op(self, name: str) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 
 from hyper_parallel.platform import host_memory, host_streams
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
-from hyper_parallel.platform.base import Capability, CustomFunction, MemoryStats, Platform, RemovableHandle, VjpFn
+from hyper_parallel.platform.base import FULL, AttentionMask, Capability, CustomFunction, MemoryStats, Platform, RemovableHandle, VjpFn
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
 from hyper_parallel.platform.torch import attention as attn
@@ -105,9 +105,9 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
-                Capability.ASYNC_COLLECTIVES}
+                Capability.ASYNC_COLLECTIVES, Capability.FUSED_ATTENTION}
         if self._device_type != "cpu":
-            caps |= {Capability.STREAMS, Capability.FUSED_ATTENTION}
+            caps |= {Capability.STREAMS}
         return frozenset(caps)
 
     # -- process groups ----------------------------------------------------------------
@@ -319,14 +319,19 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def clone(self, tensor: Any) -> Any:
         return tensor.clone()
 
-    def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
-                  mask: Any = None) -> tuple[Any, Any]:
-        attn.check_attention_shapes(q, k, v)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        allowed = attn.allowed_mask(q.shape[1], k.shape[1], causal, mask, q.device)
-        if self._device_type == "cpu":
-            return attn.plain_attention(q, k, v, scale, allowed)
-        return attn.fused_attention(self._device_type, q, k, v, scale, allowed)
+    def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None,
+                  mask: AttentionMask = FULL) -> tuple[Any, Any]:
+        """The device's fused kernel (``platform/torch/attention.py`` lists which)."""
+        attn.check_inputs(self.name, q, k, v, mask)
+        return attn.forward(self, q, k, v, q.shape[-1] ** -0.5 if scale is None else float(scale), mask)
+
+    def attention_backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
+                           scale: float | None = None, mask: AttentionMask = FULL) -> tuple[Any, Any, Any]:
+        """The device's fused backward kernel (``platform/torch/attention.py``)."""
+        attn.check_inputs(self.name, q, k, v, mask)
+        attn.check_backward(dout, q, out, lse)
+        return attn.backward(self, dout, q, k, v, out, lse, q.shape[-1] ** -0.5 if scale is None else float(scale),
+                             mask)
 
     def local_op(self, name: str) -> Callable[..., Any]:
         F = torch.nn.functional

@@ -1,0 +1,194 @@
+"""Conformance: ``attention`` and ``attention_backward``, the fused kernels, on every backend,
+against a float64 numpy reference: outputs, log-sum-exp and q/k/v gradients for every mask
+form (none, top-left and bottom-right causal on square and non-square shapes, packed
+documents with an empty side), grouped-query attention, a query that sees no key, and
+the backward given the statistics of a larger key set (what ring attention does).
+World size 1.
+
+Tolerances: float64 inputs are computed in float64 end to end (the contract), so they
+agree with the reference to float64 rounding of sums of O(1) values: 1e-10. float32:
+one rounding per product of O(1) values over a few keys, 1e-5 (MindSpore's CPU ``exp`` is
+approximate to ~3e-6 relative: 5e-5). bfloat16 (8 mantissa bits): 3e-2 against the
+reference of the bfloat16-rounded inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyper_parallel.platform import AttentionMask, get_platform
+
+B, H, D = 2, 4, 8
+
+
+def _allowed(sq: int, sk: int, mask: AttentionMask) -> np.ndarray:
+    """The bool ``[sq, sk]`` pairs ``mask`` allows, built densely (test side only)."""
+
+    def block(lq: int, lk: int) -> np.ndarray:
+        i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
+        if mask.causal == "top_left":
+            return j <= i
+        if mask.causal == "bottom_right":
+            return j <= i + lk - lq
+        return np.ones((lq, lk), bool)
+
+    if mask.cu_seqlens_q is None:
+        return block(sq, sk)
+    out = np.zeros((sq, sk), bool)
+    cq, ck = mask.cu_seqlens_q, mask.cu_seqlens_kv
+    for d in range(len(cq) - 1):
+        out[cq[d]:cq[d + 1], ck[d]:ck[d + 1]] = block(cq[d + 1] - cq[d], ck[d + 1] - ck[d])
+    return out
+
+
+def reference(q, k, v, dout, allowed, scale):
+    """float64 ``(out, lse, dq, dk, dv)``; BSHD, GQA by ``h // group``."""
+    q, k, v, dout = (a.astype(np.float64).transpose(0, 2, 1, 3) for a in (q, k, v, dout))
+    group = q.shape[1] // k.shape[1]
+    kr, vr = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.where(allowed, q @ kr.transpose(0, 1, 3, 2) * scale, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    lse = np.where(total[..., 0] > 0, np.log(np.where(total > 0, total, 1.0))[..., 0] + m[..., 0], -np.inf)
+    probs = e / np.where(total > 0, total, 1.0)
+    out = probs @ vr
+    dv = probs.transpose(0, 1, 3, 2) @ dout
+    ds = probs * (dout @ vr.transpose(0, 1, 3, 2) - (dout * out).sum(-1, keepdims=True))
+    dq, dk = ds @ kr * scale, ds.transpose(0, 1, 3, 2) @ q * scale
+
+    def fold(g):
+        return g.reshape(g.shape[0], -1, group, *g.shape[2:]).sum(2)
+
+    bshd = [a.transpose(0, 2, 1, 3) for a in (out, dq, fold(dk), fold(dv))]
+    return bshd[0], lse, bshd[1], bshd[2], bshd[3]
+
+
+#: (name, q_seq, kv_seq, mask)
+CASES = [
+    ("full", 7, 9, AttentionMask()),
+    ("top_left_square", 9, 9, AttentionMask("top_left")),
+    ("top_left_wide", 5, 9, AttentionMask("top_left")),
+    ("top_left_tall", 9, 5, AttentionMask("top_left")),
+    ("bottom_right_wide", 5, 9, AttentionMask("bottom_right")),
+    ("bottom_right_tall", 9, 5, AttentionMask("bottom_right")),  # the first 4 queries see no key
+    ("documents", 9, 9, AttentionMask("none", (0, 3, 9), (0, 4, 9))),
+    ("documents_causal_empty", 9, 7, AttentionMask("bottom_right", (0, 2, 5, 5, 9), (0, 3, 3, 6, 7))),
+    ("documents_top_left", 8, 8, AttentionMask("top_left", (0, 3, 8), (0, 3, 8))),
+]
+
+
+def _dtype_tol(p, dtype: str) -> float:
+    if dtype == "float64":
+        return 1e-10
+    return 5e-5 if p.framework == "mindspore" else 1e-5
+
+
+def check_kernels(dtype: str) -> int:
+    p = get_platform()
+    np_dtype = np.float64 if dtype == "float64" else np.float32
+    rng = np.random.default_rng(3)
+    checked = 0
+    for kv_heads in (H, 2, 1):
+        for name, sq, sk, mask in CASES:
+            label = f"{name} kv_heads={kv_heads} {dtype}"
+            q = rng.standard_normal((B, sq, H, D)).astype(np_dtype)
+            k, v = (rng.standard_normal((B, sk, kv_heads, D)).astype(np_dtype) for _ in "kv")
+            dout = rng.standard_normal((B, sq, H, D)).astype(np_dtype)
+            scale = 0.3
+            allowed = _allowed(sq, sk, mask)
+            want = reference(q, k, v, dout, allowed, scale)
+            tq, tk, tv, tdo = (p.from_numpy(a) for a in (q, k, v, dout))
+            out, lse = p.attention(tq, tk, tv, scale=scale, mask=mask)
+            assert p.dtype_name(out.dtype) == dtype and tuple(out.shape) == (B, sq, H, D), label
+            assert p.dtype_name(lse.dtype) == dtype and tuple(lse.shape) == (B, H, sq), label
+            tol = _dtype_tol(p, dtype)
+            got_lse = p.to_numpy(lse)
+            dead = np.isneginf(want[1])
+            assert (np.isneginf(got_lse) == dead).all(), f"lse -inf rows: {label}"
+            np.testing.assert_allclose(got_lse[~dead], want[1][~dead], rtol=tol, atol=tol, err_msg=f"lse: {label}")
+            np.testing.assert_allclose(p.to_numpy(out), want[0], rtol=tol, atol=tol, err_msg=f"out: {label}")
+            grads = p.attention_backward(tdo, tq, tk, tv, out, lse, scale=scale, mask=mask)
+            for what, got, ref, like in zip(("dq", "dk", "dv"), grads, want[2:], (q, k, v)):
+                got = p.to_numpy(got)
+                assert got.shape == like.shape and np.isfinite(got).all(), f"{what}: {label}"
+                np.testing.assert_allclose(got, ref, rtol=tol, atol=tol, err_msg=f"{what}: {label}")
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_kernels_match_reference(run_on_ranks, dtype: str) -> None:
+    assert run_on_ranks(check_kernels, dtype, world_size=1) == [3 * len(CASES)]
+
+
+def check_bfloat16() -> None:
+    p = get_platform()
+    rng = np.random.default_rng(4)
+    bf16 = p.dtype("bfloat16")
+    q, k, v, dout = (p.to_dtype(p.from_numpy(rng.standard_normal((B, 12, h, D)).astype(np.float32)), bf16)
+                     for h in (H, 2, 2, H))
+    want = reference(*(p.to_numpy(t) for t in (q, k, v, dout)), _allowed(12, 12, AttentionMask("top_left")),
+                     D ** -0.5)
+    out, lse = p.attention(q, k, v, mask=AttentionMask("top_left"))
+    assert p.dtype_name(out.dtype) == "bfloat16" and p.dtype_name(lse.dtype) == "float32"
+    np.testing.assert_allclose(p.to_numpy(out), want[0], rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(p.to_numpy(lse), want[1], rtol=1e-2, atol=1e-2)
+    grads = p.attention_backward(dout, q, k, v, out, lse, mask=AttentionMask("top_left"))
+    for got, ref in zip(grads, want[2:]):
+        assert p.dtype_name(got.dtype) == "bfloat16"
+        np.testing.assert_allclose(p.to_numpy(got), ref, rtol=5e-2, atol=5e-2)
+
+
+def test_bfloat16(run_on_ranks) -> None:
+    run_on_ranks(check_bfloat16, world_size=1)
+
+
+def check_global_statistics() -> None:
+    """The backward of calls over parts of the keys, given the output and log-sum-exp over
+    all of them, returns each part's share: dq adds up, dk/dv concatenate (the ring's
+    identity)."""
+    p = get_platform()
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (p.from_numpy(rng.standard_normal((B, 6, h, D))) for h in (H, 2, 2, H))
+    out, lse = p.attention(q, k, v, mask=AttentionMask())
+    whole = [p.to_numpy(g) for g in p.attention_backward(dout, q, k, v, out, lse)]
+    parts = [p.attention_backward(dout, q, p.narrow(k, 1, s, n), p.narrow(v, 1, s, n), out, lse)
+             for s, n in ((0, 2), (2, 4))]
+    np.testing.assert_allclose(p.to_numpy(parts[0][0]) + p.to_numpy(parts[1][0]), whole[0], rtol=1e-10, atol=1e-10)
+    for i in (1, 2):
+        np.testing.assert_allclose(np.concatenate([p.to_numpy(parts[0][i]), p.to_numpy(parts[1][i])], 1), whole[i],
+                                   rtol=1e-10, atol=1e-10)
+
+
+def test_global_statistics(run_on_ranks) -> None:
+    run_on_ranks(check_global_statistics, world_size=1)
+
+
+def check_bad_input() -> dict[str, str]:
+    p = get_platform()
+    x = p.from_numpy(np.zeros((1, 4, 2, 8), np.float32))
+    cases = {
+        "rank": (lambda: p.attention(p.from_numpy(np.zeros((4, 2, 8), np.float32)), x, x), "[batch, seq, heads"),
+        "heads": (lambda: p.attention(p.from_numpy(np.zeros((1, 4, 3, 8), np.float32)), x, x), "multiple"),
+        "dtype": (lambda: p.attention(*(p.from_numpy(np.zeros((1, 4, 2, 8), np.int32)),) * 3), "int32"),
+        "documents": (lambda: p.attention(x, x, x, mask=AttentionMask("none", (0, 3), (0, 3))), "cu_seqlens_q"),
+        "causal form": (lambda: AttentionMask("causal"), "'top_left'"),
+        "lse shape": (lambda: p.attention_backward(x, x, x, x, x, p.narrow(x, 3, 0, 1)), "lse"),
+    }
+    messages = {}
+    for name, (call, needle) in cases.items():
+        try:
+            call()
+        except (ValueError, TypeError) as err:
+            assert needle in str(err), (name, str(err))
+            messages[name] = str(err)
+        else:
+            raise AssertionError(f"{name}: accepted")
+    return messages
+
+
+def test_bad_input(run_on_ranks) -> None:
+    assert len(run_on_ranks(check_bad_input, world_size=1)[0]) == 6
