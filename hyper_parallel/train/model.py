@@ -22,7 +22,7 @@ Parameter names (both frameworks)::
 The forward takes ``tokens`` ``[batch, seq]`` int, ``positions`` ``[batch, seq]`` int (the
 position of each token in its document, which indexes the rotary tables) and ``targets``
 ``[batch, seq]`` int, and returns the mean next-byte cross-entropy, a float32 scalar in nats.
-Attention runs through ``platform.attention`` (plain ops on CPU, fused kernels on devices).
+Attention runs through ``scaled_dot_product_attention``: the platform's fused kernels, forward and backward.
 Modules reshape by ``-1`` heads so tensor parallelism (which leaves ``heads / tp`` heads on
 each rank) needs no change here.
 """

@@ -165,11 +165,9 @@ class BlockAttention(CustomFunction):
 
     @staticmethod
     def backward(ctx: Any, dout: Any) -> tuple[Any, ...]:
-        if ctx.saved is None:
-            raise RuntimeError("attention: backward ran twice through one forward; its saved tensors are released by "
-                               "the first (run the forward again)")
+        # Kept after the backward (released with the graph): torch's zero-bubble weight
+        # pass re-walks a kept graph, running this backward a second time.
         q, k, v, out, lse = ctx.saved
-        ctx.saved = None
         p = ctx.p
         grads = backward_calls(ctx.p, list(ctx.spec.plans), dout, q, k, v, out, lse, ctx.spec.scale)
         if grads is None:

@@ -215,6 +215,9 @@ class ContextParallel(ParallelStyle):
             check_heads(int(q.shape[h]), int(k.shape[h]), plan.ulysses_size, f"ContextParallel on {name}")
         if kwargs.get("cu_seqlens") is not None:
             document_ids(kwargs["cu_seqlens"], seq_len, f"ContextParallel on {name}")
+        # The kernel's own checks (dtype, head_dim, ...) on BSHD views, before any collective.
+        batch, dim = (i for i in range(4) if i not in (s, h))
+        get_platform().check_attention(*(t.permute(batch, s, h, dim) for t in (q, k, v)))
         return seq_len
 
     def _pre_hook(self, plan: Plan, name: str, module: Any, args: tuple[Any, ...],

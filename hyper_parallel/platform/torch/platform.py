@@ -319,6 +319,9 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def clone(self, tensor: Any) -> Any:
         return tensor.clone()
 
+    def check_attention(self, q: Any, k: Any, v: Any, mask: AttentionMask = FULL) -> None:
+        attn.check_inputs(self.name, q, k, v, mask)
+
     def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None,
                   mask: AttentionMask = FULL) -> tuple[Any, Any]:
         """The device's fused kernel (``platform/torch/attention.py`` lists which)."""
