@@ -11,7 +11,11 @@ plus the tensors our custom autograd functions keep on ``ctx.saved``, which thos
 not see: ring attention keeps its q, k, v, output and log-sum-exp there; deduplicated by
 storage), which is what context parallelism divides by ``cp``; process RSS
 on a shared CPU host is too noisy to read. ``single device`` is the whole sequence on one
-rank (``platform.attention``), the memory reference.
+rank (``hp.scaled_dot_product_attention`` outside context parallelism: the fused kernel),
+the memory reference; ``one rank's share`` is the same kernel on ``seq / cp`` positions,
+the reference for peak memory per rank (peak RSS above the RSS before the call, reset per
+call through ``/proc/self/clear_refs``). A second table searches the longest sequence
+whose forward + backward stays within ``--budget-mib`` of peak RSS per rank, cp = 1, 2, 4.
 
 torch's ring attention: ``torch.distributed.tensor.experimental`` dispatches SDPA to its
 ring templates (``_templated_ring_attention`` and its backward) only for the CUDA kernels
@@ -22,7 +26,7 @@ backward) as the per-block op, inside a small ``autograd.Function``; rotation is
 default (on), so its data is in the same head-tail layout as ours with
 ``load_balance=True``.
 
-    python benchmarks/context_parallel.py [--seqs 512 1024 2048] [--iters 3]
+    python benchmarks/context_parallel.py [--seqs 2048 4096 16384] [--iters 3] [--budget-mib 48]
 """
 
 from __future__ import annotations
@@ -39,6 +43,25 @@ sys.path.insert(0, str(REPO))
 from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
 
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
+#: The longest-sequence search's shape (``--budget-mib``): fewer heads, so that the
+#: lengths a budget admits stay computable on a 2-core host.
+SEARCH_HEADS, SEARCH_HEAD_DIM = 2, 32
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak RSS (Linux: ``5`` into ``/proc/self/clear_refs`` sets
+    ``VmHWM`` to the current RSS) and return the current RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 # name -> (ulysses_degree (None: all ranks), kv_exchange, load_balance)
 MODES = {
     "ulysses": (None, "allgather", False),
@@ -102,7 +125,9 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
         def local(lb: bool) -> list:
             return [t.contiguous() for t in hp.context_parallel_shard(full, [1] * 4, mesh, load_balance=lb)]
 
-        runs = {"single device": (lambda q, k, v: p.attention(q, k, v, causal=True)[0], full)}
+        attend = _module()
+        share = [t[:, :seq // n].contiguous() for t in full]
+        runs = {"single device": (attend, full), "one rank's share": (attend, share)}
         for name, (ud, exchange, lb) in MODES.items():
             module = _module()
             hp.ContextParallel(ulysses_degree=ud, kv_exchange=exchange, load_balance=lb).apply(module, mesh)
@@ -115,7 +140,7 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
             theirs = torch_ring(*bnsd[:3]).transpose(1, 2)
         max_diff = float((ours - theirs).abs().max())
         for name, (fn, (q0, k0, v0, dout)) in runs.items():
-            times, saved = [], 0
+            times, saved, peak = [], 0, 0
             for i in range(warmup + iters):
                 q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
                 storages: dict[int, int] = {}
@@ -125,6 +150,7 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
                     return t
 
                 dist.barrier()
+                base = _reset_peak_rss()
                 start = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = fn(q, k, v)
@@ -133,11 +159,13 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
                 out.backward(dout)
                 float(q.grad.reshape(-1)[0] + k.grad.reshape(-1)[0] + v.grad.reshape(-1)[0])
                 elapsed = time.perf_counter() - start
+                peak = max(peak, _status_bytes("VmHWM") - base)
+                del out, q, k, v
                 if i >= warmup:
                     times.append(elapsed)
                 saved = sum(storages.values())
-            rows.append({"mode": name, "seq": seq, "seconds": times, "saved_bytes": saved, "rank": r,
-                         "max_diff_ours_vs_torch_ring": max_diff})
+            rows.append({"mode": name, "seq": seq, "seconds": times, "saved_bytes": saved, "peak_bytes": peak,
+                         "rank": r, "max_diff_ours_vs_torch_ring": max_diff})
     return rows
 
 
@@ -176,14 +204,18 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         slowest = [max(rank_rows[i]["seconds"][j] for rank_rows in per_rank) for j in range(len(row["seconds"]))]
         results.append({"mode": row["mode"], "seq": row["seq"], "ms": statistics.median(slowest) * 1e3,
                         "saved_mib": max(rank_rows[i]["saved_bytes"] for rank_rows in per_rank) / 2**20,
+                        "peak_mib": max(rank_rows[i]["peak_bytes"] for rank_rows in per_rank) / 2**20,
                         "max_diff_ours_vs_torch_ring": max(rank_rows[i]["max_diff_ours_vs_torch_ring"]
                                                            for rank_rows in per_rank)})
     for entry in results:
         single = next(e for e in results if e["seq"] == entry["seq"] and e["mode"] == "single device")
         entry["memory_vs_single"] = entry["saved_mib"] / single["saved_mib"]
     for entry in results:
-        # The like-for-like pair: our load-balanced ring against torch's load-balanced ring.
-        if entry["mode"] == "ring+lb":
+        # Every context-parallel mode against torch's load-balanced ring at the same length,
+        # and its peak memory per rank against one process running the kernel on its share.
+        share = next(e for e in results if e["seq"] == entry["seq"] and e["mode"] == "one rank's share")
+        entry["peak_vs_share"] = entry["peak_mib"] / max(share["peak_mib"], 1e-9)
+        if entry["mode"] in MODES:
             torch_ring = next((e for e in results if e["seq"] == entry["seq"] and e["mode"] == "torch ring (lb)"), None)
             if torch_ring is not None:
                 entry["ratio"] = entry["ms"] / torch_ring["ms"]
@@ -200,19 +232,60 @@ def markdown(results: list[dict], world: int) -> str:
         "at that length (below 1: faster). Largest |ours ring+lb - torch ring| over the outputs: "
         f"{max(e['max_diff_ours_vs_torch_ring'] for e in results):.1e}.",
         "",
-        "| mode | seq | ms | saved MiB | memory ratio | time ratio vs torch ring |",
-        "|---|---:|---:|---:|---:|---:|",
+        "peak MiB: peak RSS per rank above the RSS before the call (the largest rank); peak ratio: that / "
+        "one process running the kernel on its share (`[1, seq/cp, ...]`) (target: within 2x).",
+        "",
+        "| mode | seq | ms | saved MiB | memory ratio | peak MiB | peak ratio vs share | time ratio vs torch ring |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in results:
         ratio = f"{e['ratio']:.2f}" if "ratio" in e else ""
         lines.append(f"| {e['mode']} | {e['seq']} | {e['ms']:.1f} | {e['saved_mib']:.1f} | "
-                     f"{e['memory_vs_single']:.2f} | {ratio} |")
+                     f"{e['memory_vs_single']:.2f} | {e['peak_mib']:.1f} | {e['peak_vs_share']:.2f} | {ratio} |")
     return "\n".join(lines) + "\n"
+
+
+def longest_rank(budget_mib: float, start: int, limit: int) -> list[dict]:
+    """Runs on every rank: the longest sequence (growing by 1.5x from ``start``, a multiple
+    of ``2 * cp``) whose forward + backward under ring attention with load balance (plain
+    local attention when cp = 1) stays within ``budget_mib`` of peak RSS per rank."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import hyper_parallel as hp
+
+    p = hp.get_platform()
+    n = p.world_size()
+    module = _module()
+    if n > 1:
+        mesh = hp.init_device_mesh(p.device_type, (n,))
+        hp.ContextParallel(ulysses_degree=1, kv_exchange="ring", load_balance=True).apply(module, mesh)
+    rows, seq = [], start
+    while seq <= limit:
+        rng = np.random.default_rng(seq)
+        local = seq // n
+        q, k, v, dout = (torch.from_numpy(rng.standard_normal((1, local, SEARCH_HEADS, SEARCH_HEAD_DIM))
+                                          .astype(np.float32)).requires_grad_(i < 3) for i in range(4))
+        dist.barrier()
+        base = _reset_peak_rss()
+        start_s = time.perf_counter()
+        module(q, k, v).backward(dout)
+        seconds = time.perf_counter() - start_s
+        peak = torch.tensor([float(_status_bytes("VmHWM") - base)])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        rows.append({"cp": n, "seq": seq, "peak_mib": float(peak) / 2**20, "seconds": seconds})
+        if float(peak) / 2**20 > budget_mib:
+            break
+        seq = int(seq * 1.5) // (2 * n) * (2 * n)
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 16384])
+    parser.add_argument("--budget-mib", type=float, default=48.0,
+                        help="per-rank peak-RSS budget of the longest-sequence search (0: skip it)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=4)
@@ -224,12 +297,30 @@ def main() -> int:
     # The ranks import the rank function by name, which __main__ cannot give them.
     from benchmarks.context_parallel import bench_rank as rank_fn
 
+    from benchmarks.context_parallel import longest_rank
+
     per_rank = run_on_ranks(rank_fn, args.world_size, args.seqs, args.iters, args.warmup, platform="torch-cpu",
                             timeout_s=3600)
     results = summarize(per_rank)
+    longest = []
+    if args.budget_mib > 0:
+        for cp in (1, 2, 4):
+            rows = run_on_ranks(longest_rank, cp, args.budget_mib, 4096, 1 << 20, platform="torch-cpu",
+                                timeout_s=3600)[0]
+            fits = [r for r in rows if r["peak_mib"] <= args.budget_mib]
+            longest.append({"cp": cp, "longest_seq": fits[-1]["seq"] if fits else 0, "tried": rows})
     meta = {"world_size": args.world_size, "backend": "torch-cpu (gloo)", "iters": args.iters,
-            "warmup": args.warmup, "shape": [BATCH, "seq", HEADS, HEAD_DIM], "causal": True, **host_meta()}
-    write_results(args.out, meta, results, markdown(results, args.world_size))
+            "warmup": args.warmup, "shape": [BATCH, "seq", HEADS, HEAD_DIM], "causal": True,
+            "budget_mib": args.budget_mib, "search_shape": [1, "seq", SEARCH_HEADS, SEARCH_HEAD_DIM], **host_meta()}
+    table = markdown(results, args.world_size)
+    if longest:
+        table += (f"\n## Longest sequence within {args.budget_mib:.0f} MiB of peak RSS per rank\n\n"
+                  f"`[1, seq, {SEARCH_HEADS}, {SEARCH_HEAD_DIM}]` float32, causal, forward + backward; ring with load "
+                  "balance for cp > 1; lengths grow by 1.5x. Target: proportional to cp.\n\n"
+                  "| cp | longest seq | vs cp = 1 |\n|---:|---:|---:|\n")
+        for row in longest:
+            table += f"| {row['cp']} | {row['longest_seq']} | {row['longest_seq'] / max(longest[0]['longest_seq'], 1):.2f} |\n"
+    write_results(args.out, meta, results, table, longest=longest)
     return 0
 
 
