@@ -239,9 +239,9 @@ def test_bfloat16(run_on_ranks) -> None:
 @pytest.mark.parametrize("causal", ["none", "bottom_right"])
 def test_default_tiles_via_platform(run_on_ranks, causal: str) -> None:
     """``Platform.attention``/``attention_backward`` with the default tiles (one tile
-    here, and two key tiles at 600 keys)."""
+    here, and two key tiles at 1100 keys)."""
     run_on_ranks(check_against_reference, 37, 29, 4, 2, "float64", causal, None, None, world_size=1)
-    run_on_ranks(check_against_reference, 40, 600, 2, 1, "float32", causal, None, None, world_size=1)
+    run_on_ranks(check_against_reference, 40, 1100, 2, 1, "float32", causal, None, None, world_size=1)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
