@@ -234,7 +234,7 @@ class _CpuTiles:
 
     def rows(self, x: Any) -> Any:
         """``[B, S, H, D]`` -> ``[B, Hkv, S * group, D]`` in the compute dtype (row ``i * group + g``)."""
-        b, s, h, d = _shape(x)
+        b, s, _, d = _shape(x)
         x = x.astype(self.compute) if x.dtype != self.compute else x
         return x.reshape(b, s, self.kv_heads, self.group, d).permute(0, 2, 1, 3, 4).reshape(
             b, self.kv_heads, s * self.group, d)

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.platform.contract.ops import OpsSection
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
+from hyper_parallel.platform.contract.ops import OpsSection
 from hyper_parallel.platform.mindspore import attention as kernels
 from hyper_parallel.platform.validation import check_local_op, normalize_dim
 
