@@ -23,7 +23,7 @@ Memory is ``O(q_tile x k_tile)`` per kv head for the scores, never ``[Sq, Sk]``.
   per operation on CPU (measured), far below a tile's matmuls, so tiles are sized for
   memory (one float32 score tile is ``batch x heads x 4 MiB``; about five are live in the
   backward) and speed. Forward + backward at ``[1, 4096, 8, 64]`` float32 causal on 2
-  cores: 1.4 s with 1024 x 1024 tiles, 1.8 s with 1024 x 512, 1.9 s with 512 x 512,
+  cores: 1.5 s with 1024 x 1024 tiles, 1.8 s with 1024 x 512, 2.0 s with 512 x 512,
   1.6 s with 2048 x 1024 (twice the memory); the dense implementation this replaced took
   5.0 s and 10.9 GiB of peak RSS, these ~0.3 GiB.
 - No score-sized operation broadcasts: a ``[rows, 1]`` statistic broadcast over a
