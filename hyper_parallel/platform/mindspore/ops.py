@@ -17,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.platform.contract.attention import FULL, AttentionMask
 from hyper_parallel.platform.contract.ops import OpsSection
-from hyper_parallel.platform.mindspore.attention import attention as local_attention
+from hyper_parallel.platform.mindspore import attention as kernels
 from hyper_parallel.platform.validation import check_local_op, normalize_dim
 
 
@@ -135,10 +136,20 @@ class MindSporeOps(OpsSection):
         }
         return check_local_op(name, table)
 
-    def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
-                  mask: Any = None) -> tuple[Any, Any]:
-        """CPU: plain operations (see ``attention.attention``). Ascend: ``out`` from
-        ``ops.flash_attention_score`` for float16/bfloat16 inputs, ``lse`` from plain
-        float32 operations so that its gradient is exact."""
-        return local_attention(self._ms, self._mint, q, k, v, scale=scale, causal=causal, mask=mask,
-                               fused=self._device_type == "ascend")
+    def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None,
+                  mask: AttentionMask = FULL) -> tuple[Any, Any]:
+        """``(out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] float32, float64 for float64
+        inputs)``. CPU: a tiled FlashAttention-2 forward in float32 (float64 for float64
+        inputs), ``O(seq x tile)`` memory ([Note: MindSpore CPU attention tiles] in
+        ``mindspore/attention.py``). Ascend: the ``FlashAttentionScore`` primitive
+        (float16/bfloat16, head_dim a multiple of 16 up to 512). Packed documents run on
+        ``attention_pieces``. Not recorded by autograd."""
+        return kernels.attention(self, q, k, v, scale=scale, mask=mask)
+
+    def attention_backward(self, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *,
+                           scale: float | None = None, mask: AttentionMask = FULL) -> tuple[Any, Any, Any]:
+        """``(dq, dk, dv)`` like ``q``, ``k``, ``v`` from the output gradient and the
+        (possibly global, see [Note: attention kernels]) ``out``/``lse``. CPU: the
+        recomputing tiled FlashAttention-2 backward; Ascend: ``FlashAttentionScoreGrad``
+        given ``softmax_max = lse``, ``softmax_sum = 1``. Not recorded by autograd."""
+        return kernels.attention_backward(self, dout, q, k, v, out, lse, scale=scale, mask=mask)
