@@ -494,6 +494,13 @@ def _ascend_attention_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: A
 # -- entry points -----------------------------------------------------------------------------
 
 
+def check(p: Any, q: Any, k: Any, v: Any, mask: AttentionMask) -> None:
+    """Raise what ``attention`` would raise for these inputs (``Platform.check_attention``)."""
+    check_inputs(p, q, k, v, mask)
+    if p.device_type == "ascend":
+        _check_ascend(p, q)
+
+
 def attention(p: Any, q: Any, k: Any, v: Any, *, scale: float | None = None, mask: AttentionMask = FULL,
               q_tile: int = Q_TILE, k_tile: int = K_TILE) -> tuple[Any, Any]:
     """``(out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] float32, float64 for float64)``

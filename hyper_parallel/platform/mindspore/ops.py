@@ -136,6 +136,9 @@ class MindSporeOps(OpsSection):
         }
         return check_local_op(name, table)
 
+    def check_attention(self, q: Any, k: Any, v: Any, mask: AttentionMask = FULL) -> None:
+        kernels.check(self, q, k, v, mask)
+
     def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None,
                   mask: AttentionMask = FULL) -> tuple[Any, Any]:
         """``(out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] float32, float64 for float64

@@ -105,7 +105,8 @@ class MindSporePlatform(
         AllGatherIntoTensor and batched p2p are emulated (see [Note: CPU collectives]);
         PyNative runs every operation on one queue, so an async collective delays the
         compute issued after it instead of overlapping it; streams are host no-ops; and
-        attention is plain operations."""
+        attention is a tiled FlashAttention-2 in MindSpore operations (no
+        FlashAttentionScore kernel on CPU)."""
         if self._device_type == "ascend":
             return frozenset({
                 Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
