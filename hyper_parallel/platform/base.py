@@ -4,8 +4,9 @@ Each section lives in its own module under ``hyper_parallel.platform.contract``;
 module composes them. A backend subclasses ``Platform`` and implements every member;
 ``DifferentiableCollectives`` supplies the differentiable section once for all backends.
 ``Platform`` itself adds a few concrete members derived from the abstract ones
-(``framework``, ``device_type``, ``split_group``, ``stack``), written once here so no backend
-repeats them; a backend may still override one with a native implementation.
+(``framework``, ``device_type``, ``split_group``, ``stack``, ``check_attention``),
+written once here so no backend repeats them; a backend may still override one with a
+native implementation.
 """
 
 from __future__ import annotations
@@ -106,6 +107,23 @@ class Platform(
             if own in part:
                 mine = group
         return mine
+
+    def check_attention(self, q: Any, k: Any, v: Any, mask: AttentionMask = FULL) -> None:
+        """Raise what ``attention`` would raise for these inputs: core calls it before the
+        collectives of context parallelism, so that bad input (a dtype or head_dim the
+        backend's kernel does not take) fails on every rank before any communication.
+
+        Derived: checks ``mask`` against the lengths and runs the kernel on the first
+        position of ``q`` and ``k`` (one query, one key). A backend overrides it with a
+        check that computes nothing.
+
+        Raises:
+            ValueError: as ``attention``.
+        """
+        mask.check(int(q.shape[1]), int(k.shape[1]))
+        if q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and q.shape[1] and k.shape[1]:
+            q, k, v = self.narrow(q, 1, 0, 1), self.narrow(k, 1, 0, 1), self.narrow(v, 1, 0, 1)
+        self.attention(q, k, v)
 
     def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
         """Stack equal-shaped tensors along a new ``dim`` (``[*shape]`` each ->

@@ -120,16 +120,6 @@ class AttentionSection(ABC):
     """Fused local attention kernels; see [Note: attention kernels]."""
 
     @abstractmethod
-    def check_attention(self, q: Any, k: Any, v: Any, mask: AttentionMask = FULL) -> None:
-        """Raise what ``attention`` would raise for these inputs, computing nothing: core
-        calls it before the collectives of context parallelism, so that bad input fails on
-        every rank before any communication.
-
-        Raises:
-            ValueError: as ``attention``.
-        """
-
-    @abstractmethod
     def attention(self, q: Any, k: Any, v: Any, *, scale: float | None = None,
                   mask: AttentionMask = FULL) -> tuple[Any, Any]:
         """Scaled-dot-product attention ``softmax(q k^T * scale + mask) v`` with its

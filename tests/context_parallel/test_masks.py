@@ -1,0 +1,61 @@
+"""Property tests of ``masks.plan_block``: the calls planned for a block of queries against a
+block of keys, read back through the contract's mask semantics, cover exactly the allowed
+(query, key) pairs of the global positions, and no pair twice (the calls of a run are
+merged by log-sum-exp, so a pair counted twice would be weighted twice). Swept over the
+layouts every mode produces: sequence length, cp, load balance, packed documents, the
+block a ring step holds, all-gathered keys (Ulysses groups included). numpy only."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyper_parallel.core.context_parallel.load_balance import shard_positions
+from hyper_parallel.core.context_parallel.masks import plan_block
+from tests.platform_contract.test_attention import _allowed
+
+
+def _covered(q_len: int, k_len: int, q_pos: np.ndarray, k_pos: np.ndarray, causal: bool,
+             docs: np.ndarray | None) -> np.ndarray:
+    """How many calls cover each (query row, key index) pair."""
+    count = np.zeros((q_len, k_len), np.int64)
+    for run in plan_block(q_pos, k_pos, causal, docs):
+        for call in run.calls:
+            assert run.start <= call.q_start and call.q_start + call.q_len <= run.start + run.length
+            keys = np.concatenate([np.arange(s, s + n) for s, n in call.k_runs])
+            allowed = _allowed(call.q_len, len(keys), call.mask)
+            rows = np.arange(call.q_start, call.q_start + call.q_len)
+            count[np.ix_(rows, keys)] += allowed
+    return count
+
+
+@settings(max_examples=200, deadline=None)
+@given(cp=st.sampled_from([1, 2, 3, 4]), chunk=st.integers(1, 5), load_balance=st.booleans(),
+       causal=st.booleans(), n_docs=st.integers(0, 4), seed=st.integers(0, 10_000), ulysses=st.sampled_from([1, 2]),
+       gathered=st.booleans())
+def test_calls_cover_the_allowed_pairs_once(cp: int, chunk: int, load_balance: bool, causal: bool, n_docs: int,
+                                            seed: int, ulysses: int, gathered: bool) -> None:
+    rng = np.random.default_rng(seed)
+    total = cp * ulysses
+    seq = 2 * total * chunk
+    docs = None
+    if n_docs:
+        cuts = np.sort(rng.choice(np.arange(1, seq), size=min(n_docs, seq - 1), replace=False))
+        docs = np.searchsorted(cuts, np.arange(seq), side="right").astype(np.int64)
+
+    def block(kv_index: int) -> np.ndarray:  # what ``Plan.block_positions`` holds
+        return np.concatenate([shard_positions(seq, total, kv_index * ulysses + u, load_balance)
+                               for u in range(ulysses)])
+
+    g = int(rng.integers(cp))
+    q_pos = block(g)
+    k_pos = np.concatenate([block(j) for j in range(cp)]) if gathered else block(int(rng.integers(cp)))
+    want = np.ones((len(q_pos), len(k_pos)), bool)
+    if causal:
+        want &= k_pos[None, :] <= q_pos[:, None]
+    if docs is not None:
+        want &= docs[q_pos][:, None] == docs[k_pos][None, :]
+    got = _covered(len(q_pos), len(k_pos), q_pos, k_pos, causal, docs)
+    assert got.max(initial=0) <= 1, "a pair is covered by two calls"
+    np.testing.assert_array_equal(got.astype(bool), want)
