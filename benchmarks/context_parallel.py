@@ -13,9 +13,10 @@ storage), which is what context parallelism divides by ``cp``; process RSS
 on a shared CPU host is too noisy to read. ``single device`` is the whole sequence on one
 rank (``hp.scaled_dot_product_attention`` outside context parallelism: the fused kernel),
 the memory reference; ``one rank's share`` is the same kernel on ``seq / cp`` positions,
-the reference for peak memory per rank (peak RSS above the RSS before the call, reset per
-call through ``/proc/self/clear_refs``). A second table searches the longest sequence
-whose forward + backward stays within ``--budget-mib`` of peak RSS per rank, cp = 1, 2, 4.
+the reference for peak memory per rank (the peak bytes of live tensors during one untimed
+call, by torch's ``MemTracker``; RSS of a reused process is blurred by the allocator). A
+second table searches the longest sequence whose forward + backward keeps at most
+``--budget-mib`` of tensors alive per rank, cp = 1, 2, 4.
 
 torch's ring attention: ``torch.distributed.tensor.experimental`` dispatches SDPA to its
 ring templates (``_templated_ring_attention`` and its backward) only for the CUDA kernels
@@ -26,7 +27,7 @@ backward) as the per-block op, inside a small ``autograd.Function``; rotation is
 default (on), so its data is in the same head-tail layout as ours with
 ``load_balance=True``.
 
-    python benchmarks/context_parallel.py [--seqs 2048 4096 16384] [--iters 3] [--budget-mib 48]
+    python benchmarks/context_parallel.py [--seqs 2048 4096 16384] [--iters 3] [--budget-mib 24]
 """
 
 from __future__ import annotations
@@ -48,29 +49,17 @@ HEADS, HEAD_DIM, BATCH = 8, 64, 1
 SEARCH_HEADS, SEARCH_HEAD_DIM = 2, 32
 
 
-def _reset_peak_rss() -> int:
-    """Reset this process's peak RSS (Linux: ``5`` into ``/proc/self/clear_refs`` sets
-    ``VmHWM`` to the current RSS) and return the current RSS in bytes."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
+def _peak_bytes(fn) -> int:
+    """Peak bytes of tensors alive while ``fn()`` runs (torch's
+    ``torch.distributed._tools.mem_tracker.MemTracker``: every tensor storage the call
+    allocates, its inputs included, tracked through a dispatch mode; deterministic, unlike
+    a reused process's RSS)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-# name -> (ulysses_degree (None: all ranks), kv_exchange, load_balance)
-MODES = {
-    "ulysses": (None, "allgather", False),
-    "allgather": (1, "allgather", False),
-    "allgather+lb": (1, "allgather", True),
-    "ring": (1, "ring", False),
-    "ring+lb": (1, "ring", True),
-    "hybrid 2x2 ring": (2, "ring", False),
-}
+    tracker = MemTracker()
+    with tracker:
+        fn()
+    return int(sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values()))
 
 
 def _torch_ring(group):
@@ -140,7 +129,14 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
             theirs = torch_ring(*bnsd[:3]).transpose(1, 2)
         max_diff = float((ours - theirs).abs().max())
         for name, (fn, (q0, k0, v0, dout)) in runs.items():
-            times, saved, peak = [], 0, 0
+            times, saved = [], 0
+
+            def once() -> None:
+                q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
+                fn(q, k, v).backward(dout)
+
+            dist.barrier()
+            peak = _peak_bytes(once)  # an untimed call under the tracker
             for i in range(warmup + iters):
                 q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
                 storages: dict[int, int] = {}
@@ -150,7 +146,6 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
                     return t
 
                 dist.barrier()
-                base = _reset_peak_rss()
                 start = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = fn(q, k, v)
@@ -159,8 +154,6 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
                 out.backward(dout)
                 float(q.grad.reshape(-1)[0] + k.grad.reshape(-1)[0] + v.grad.reshape(-1)[0])
                 elapsed = time.perf_counter() - start
-                peak = max(peak, _status_bytes("VmHWM") - base)
-                del out, q, k, v
                 if i >= warmup:
                     times.append(elapsed)
                 saved = sum(storages.values())
@@ -232,8 +225,9 @@ def markdown(results: list[dict], world: int) -> str:
         "at that length (below 1: faster). Largest |ours ring+lb - torch ring| over the outputs: "
         f"{max(e['max_diff_ours_vs_torch_ring'] for e in results):.1e}.",
         "",
-        "peak MiB: peak RSS per rank above the RSS before the call (the largest rank); peak ratio: that / "
-        "one process running the kernel on its share (`[1, seq/cp, ...]`) (target: within 2x).",
+        "peak MiB: peak bytes of live tensors during the call on the largest rank (torch's MemTracker, inputs "
+        "included); peak ratio: that / one process running the kernel on its share (`[1, seq/cp, ...]`) "
+        "(target: within 2x).",
         "",
         "| mode | seq | ms | saved MiB | memory ratio | peak MiB | peak ratio vs share | time ratio vs torch ring |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -247,8 +241,8 @@ def markdown(results: list[dict], world: int) -> str:
 
 def longest_rank(budget_mib: float, start: int, limit: int) -> list[dict]:
     """Runs on every rank: the longest sequence (growing by 1.5x from ``start``, a multiple
-    of ``2 * cp``) whose forward + backward under ring attention with load balance (plain
-    local attention when cp = 1) stays within ``budget_mib`` of peak RSS per rank."""
+    of ``2 * cp``) whose forward + backward under ring attention with load balance (local
+    attention when cp = 1) keeps at most ``budget_mib`` of tensors alive per rank."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -265,14 +259,17 @@ def longest_rank(budget_mib: float, start: int, limit: int) -> list[dict]:
     while seq <= limit:
         rng = np.random.default_rng(seq)
         local = seq // n
-        q, k, v, dout = (torch.from_numpy(rng.standard_normal((1, local, SEARCH_HEADS, SEARCH_HEAD_DIM))
-                                          .astype(np.float32)).requires_grad_(i < 3) for i in range(4))
+        data = [torch.from_numpy(rng.standard_normal((1, local, SEARCH_HEADS, SEARCH_HEAD_DIM)).astype(np.float32))
+                for _ in range(4)]
+
+        def once() -> None:
+            q, k, v = (t.clone().requires_grad_(True) for t in data[:3])
+            module(q, k, v).backward(data[3])
+
         dist.barrier()
-        base = _reset_peak_rss()
         start_s = time.perf_counter()
-        module(q, k, v).backward(dout)
+        peak = torch.tensor([float(_peak_bytes(once))])
         seconds = time.perf_counter() - start_s
-        peak = torch.tensor([float(_status_bytes("VmHWM") - base)])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         rows.append({"cp": n, "seq": seq, "peak_mib": float(peak) / 2**20, "seconds": seconds})
         if float(peak) / 2**20 > budget_mib:
@@ -284,8 +281,8 @@ def longest_rank(budget_mib: float, start: int, limit: int) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 16384])
-    parser.add_argument("--budget-mib", type=float, default=48.0,
-                        help="per-rank peak-RSS budget of the longest-sequence search (0: skip it)")
+    parser.add_argument("--budget-mib", type=float, default=24.0,
+                        help="per-rank peak tensor memory budget of the longest-sequence search (0: skip it)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=4)
@@ -314,7 +311,7 @@ def main() -> int:
             "budget_mib": args.budget_mib, "search_shape": [1, "seq", SEARCH_HEADS, SEARCH_HEAD_DIM], **host_meta()}
     table = markdown(results, args.world_size)
     if longest:
-        table += (f"\n## Longest sequence within {args.budget_mib:.0f} MiB of peak RSS per rank\n\n"
+        table += (f"\n## Longest sequence within {args.budget_mib:.0f} MiB of live tensors per rank\n\n"
                   f"`[1, seq, {SEARCH_HEADS}, {SEARCH_HEAD_DIM}]` float32, causal, forward + backward; ring with load "
                   "balance for cp > 1; lengths grow by 1.5x. Target: proportional to cp.\n\n"
                   "| cp | longest seq | vs cp = 1 |\n|---:|---:|---:|\n")

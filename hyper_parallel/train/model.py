@@ -147,7 +147,7 @@ def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table
 
     class CoreAttention(nn.Module):
         """Causal softmax attention of ``[batch, seq, heads, head_dim]`` q/k/v (no parameters):
-        ``platform.attention`` alone, sequence-parallel under ``ContextParallel``."""
+        the platform's fused kernels alone, sequence-parallel under ``ContextParallel``."""
 
         def forward(self, q: Any, k: Any, v: Any) -> Any:
             return scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -220,7 +220,7 @@ def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_t
 
     class CoreAttention(nn.Cell):
         """Causal softmax attention of ``[batch, seq, heads, head_dim]`` q/k/v (no parameters):
-        ``platform.attention`` alone, sequence-parallel under ``ContextParallel``."""
+        the platform's fused kernels alone, sequence-parallel under ``ContextParallel``."""
 
         def construct(self, q: Any, k: Any, v: Any) -> Any:
             return scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -104,11 +104,14 @@ def finish(p: Any, accs: list[BlockResult | None], plans: list[RunPlan], q: Any)
 
 
 def backward_calls(p: Any, plans: list[RunPlan], dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                   scale: float | None) -> tuple[Any, Any, Any] | None:
+                   scale: float | None, *, accumulate: bool = True) -> tuple[Any, Any, Any] | None:
     """This key tensor's share of the gradients: ``(dq [like q], dk, dv [like k])`` in
     ``max(float32, dtype)``, or ``None`` when no call reads it; ``out``/``lse`` are the
-    merged ones over every key the queries see ([Note: block attention])."""
-    dtype = stat_dtype(p, q.dtype)
+    merged ones over every key the queries see ([Note: block attention]). Without
+    ``accumulate`` (nothing is added to the result later) a single call's gradients stay
+    in the input dtype: a bfloat16 kernel's gradients are not widened to be narrowed back."""
+    single = not accumulate and sum(len(run.calls) for run in plans) == 1
+    dtype = q.dtype if single else stat_dtype(p, q.dtype)
     dq_parts: list[tuple[int, Any]] = []
     dk = dv = None
     for run in plans:
@@ -169,7 +172,8 @@ class BlockAttention(CustomFunction):
         # pass re-walks a kept graph, running this backward a second time.
         q, k, v, out, lse = ctx.saved
         p = ctx.p
-        grads = backward_calls(ctx.p, list(ctx.spec.plans), dout, q, k, v, out, lse, ctx.spec.scale)
+        grads = backward_calls(ctx.p, list(ctx.spec.plans), dout, q, k, v, out, lse, ctx.spec.scale,
+                               accumulate=False)
         if grads is None:
             return None, p.zeros(tuple(q.shape), q.dtype), p.zeros(tuple(k.shape), k.dtype), \
                 p.zeros(tuple(v.shape), v.dtype), None
