@@ -62,6 +62,17 @@ def _peak_bytes(fn) -> int:
     return int(sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values()))
 
 
+# name -> (ulysses_degree (None: all ranks), kv_exchange, load_balance)
+MODES = {
+    "ulysses": (None, "allgather", False),
+    "allgather": (1, "allgather", False),
+    "allgather+lb": (1, "allgather", True),
+    "ring": (1, "ring", False),
+    "ring+lb": (1, "ring", True),
+    "hybrid 2x2 ring": (2, "ring", False),
+}
+
+
 def _torch_ring(group):
     """torch's ring templates on CPU (see the module doc): BNSD q/k/v -> out."""
     import torch
