@@ -185,9 +185,10 @@ def run_forward(p: Any, kernel: ForwardKernel, q: Any, k: Any, v: Any, groups: l
     return out, lse
 
 
-def _sum_by_range(p: Any, parts: dict[tuple[int, int], Any], length: int, like: tuple[int, ...], dtype: Any) -> Any:
-    """Gradients of key ranges (``(start, length) -> [batch, length, ...]``) summed into
-    one ``like``-shaped tensor of ``length`` along dim 1."""
+def sum_by_range(p: Any, parts: dict[tuple[int, int], Any], length: int, like: tuple[int, ...], dtype: Any) -> Any:
+    """Tensors of ranges along dim 1 (``(start, length) -> [batch, length, ...]``) summed
+    into one ``like``-shaped tensor of ``length`` there (zeros where no range lies): one
+    concatenation when the ranges are disjoint, padded sums where they overlap."""
     ranges = sorted(parts)
     if all(a[0] + a[1] <= b[0] for a, b in zip(ranges, ranges[1:])):
         return _assemble(p, [(r[0], p.to_dtype(parts[r], dtype)) for r in ranges], length, 1, like, dtype, 0.0)
@@ -226,4 +227,4 @@ def run_backward(p: Any, kernel: BackwardKernel, dout: Any, q: Any, k: Any, v: A
         dqs.append((group.q_start, p.to_dtype(dq_group, q.dtype)))
     dq = _assemble(p, dqs, sq, 1, (b, sq, h, d), q.dtype, 0.0)
     like = (b, sk, kh, d)
-    return dq, _sum_by_range(p, dks, sk, like, k.dtype), _sum_by_range(p, dvs, sk, like, v.dtype)
+    return dq, sum_by_range(p, dks, sk, like, k.dtype), sum_by_range(p, dvs, sk, like, v.dtype)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.core.context_parallel.masks import BlockCall, RunPlan
-from hyper_parallel.platform.attention_pieces import LSE_FLOOR, merge, stat_dtype
+from hyper_parallel.platform.attention_pieces import LSE_FLOOR, merge, stat_dtype, sum_by_range
 from hyper_parallel.platform.contract.common import CustomFunction
 
 #: A partial result: output ``[batch, q_len, heads, head_dim]`` and log-sum-exp
@@ -40,26 +40,6 @@ def key_runs(p: Any, x: Any, call: BlockCall) -> Any:
 
 def _rows(p: Any, x: Any, dim: int, start: int, length: int) -> Any:
     return x if start == 0 and length == x.shape[dim] else p.narrow(x, dim, start, length)
-
-
-def scatter_runs(p: Any, part: Any, call: BlockCall, length: int) -> Any:
-    """Inverse of ``key_runs`` for a gradient: ``part`` ``[batch, sum of runs, ...]``
-    laid out at its runs (disjoint, in any order) of a ``[batch, length, ...]`` zero
-    tensor."""
-    placed, offset = [], 0
-    for start, n in call.k_runs:
-        placed.append((start, offset, n))
-        offset += n
-    shape = list(part.shape)
-    pieces, at = [], 0
-    for start, offset, n in sorted(placed):
-        if start > at:
-            pieces.append(p.zeros(tuple([shape[0], start - at] + shape[2:]), part.dtype))
-        pieces.append(part if n == shape[1] else p.narrow(part, 1, offset, n))
-        at = start + n
-    if at < length:
-        pieces.append(p.zeros(tuple([shape[0], length - at] + shape[2:]), part.dtype))
-    return pieces[0] if len(pieces) == 1 else p.cat(pieces, 1)
 
 
 def _pad_rows(p: Any, result: BlockResult, call: BlockCall, run: RunPlan) -> BlockResult:
@@ -109,30 +89,38 @@ def backward_calls(p: Any, plans: list[RunPlan], dout: Any, q: Any, k: Any, v: A
     ``max(float32, dtype)``, or ``None`` when no call reads it; ``out``/``lse`` are the
     merged ones over every key the queries see ([Note: block attention]). Without
     ``accumulate`` (nothing is added to the result later) a single call's gradients stay
-    in the input dtype: a bfloat16 kernel's gradients are not widened to be narrowed back."""
+    in the input dtype: a bfloat16 kernel's gradients are not widened to be narrowed back.
+    The calls' gradients are summed per row and key range and laid out once, so the
+    working set stays one gradient of ``q`` and one of ``k``/``v`` beyond the calls'."""
     single = not accumulate and sum(len(run.calls) for run in plans) == 1
     dtype = q.dtype if single else stat_dtype(p, q.dtype)
-    dq_parts: list[tuple[int, Any]] = []
-    dk = dv = None
+    dqs: dict[tuple[int, int], Any] = {}
+    dks: dict[tuple[int, int], Any] = {}
+    dvs: dict[tuple[int, int], Any] = {}
+
+    def add(parts: dict[tuple[int, int], Any], key: tuple[int, int], value: Any) -> None:
+        parts[key] = value if key not in parts else parts[key] + value
+
     for run in plans:
         for call in run.calls:
             rows = (call.q_start, call.q_len)
             cq, ck, cv = _rows(p, q, 1, *rows), key_runs(p, k, call), key_runs(p, v, call)
             gq, gk, gv = p.attention_backward(_rows(p, dout, 1, *rows), cq, ck, cv, _rows(p, out, 1, *rows),
                                               _rows(p, lse, 2, *rows), scale=scale, mask=call.mask)
-            dq_parts.append((call.q_start, p.to_dtype(gq, dtype)))
-            gk = scatter_runs(p, p.to_dtype(gk, dtype), call, int(k.shape[1]))
-            gv = scatter_runs(p, p.to_dtype(gv, dtype), call, int(k.shape[1]))
-            dk, dv = (gk, gv) if dk is None else (dk + gk, dv + gv)
-    if dk is None:
+            add(dqs, rows, p.to_dtype(gq, dtype))
+            gk, gv = p.to_dtype(gk, dtype), p.to_dtype(gv, dtype)
+            offset = 0
+            for start, n in call.k_runs:
+                whole = n == int(gk.shape[1])
+                add(dks, (start, n), gk if whole else p.narrow(gk, 1, offset, n))
+                add(dvs, (start, n), gv if whole else p.narrow(gv, 1, offset, n))
+                offset += n
+    if not dks:
         return None
-    seq = int(q.shape[1])
-    dq = None
-    for start, part in dq_parts:
-        n = int(part.shape[1])
-        full = part if n == seq else p.pad(part, 1, start, seq - start - n)
-        dq = full if dq is None else dq + full
-    return dq, dk, dv
+    b, sq, h, d = (int(x) for x in q.shape)
+    sk, kh = int(k.shape[1]), int(k.shape[2])
+    return (sum_by_range(p, dqs, sq, (b, sq, h, d), dtype), sum_by_range(p, dks, sk, (b, sk, kh, d), dtype),
+            sum_by_range(p, dvs, sk, (b, sk, kh, d), dtype))
 
 
 @dataclass(frozen=True)

@@ -73,16 +73,20 @@ class RingSpec:
         return plan_block(q_pos, self.plan.block_positions(self.seq_len, (g - step) % n), self.causal, self.docs)
 
 
-def _shift(p: Any, x: Any, group: Any, to: int, frm: int) -> list[Work]:
-    """Start sending ``x`` to group rank ``to`` and receiving a tensor like it from ``frm``."""
-    buffer = p.zeros(tuple(x.shape), x.dtype)
-    return p.batch_isend_irecv([P2POp("isend", x.contiguous(), to, group), P2POp("irecv", buffer, frm, group)])
+def _shift(p: Any, xs: list[Any], group: Any, to: int, frm: int) -> list[Work]:
+    """Start sending the tensors ``xs`` to group rank ``to`` and receiving tensors like them
+    from ``frm`` (one batch; separate messages, so that nothing is copied into one)."""
+    sends = [P2POp("isend", x.contiguous(), to, group) for x in xs]
+    receives = [P2POp("irecv", p.zeros(tuple(x.shape), x.dtype), frm, group) for x in xs]
+    return p.batch_isend_irecv(sends + receives)
 
 
-def _finish(works: list[Work]) -> Any:
-    """Wait for a ``_shift``; returns the received tensor."""
-    works[0].wait()
-    return works[1].wait()
+def _finish(works: list[Work]) -> list[Any]:
+    """Wait for a ``_shift``; returns the received tensors."""
+    half = len(works) // 2
+    for work in works[:half]:
+        work.wait()
+    return [work.wait() for work in works[half:]]
 
 
 class RingAttention(CustomFunction):
@@ -91,9 +95,11 @@ class RingAttention(CustomFunction):
     ``forward(ctx, p, q, k, v, spec)``: ``q`` ``[batch, q_seq, heads, dim]``, ``k``/``v``
     ``[batch, kv_seq, kv_heads, dim]`` (BSHD, this rank's shard) -> the output
     ``[batch, q_seq, heads, dim]`` in ``q``'s dtype. Saves ``ctx.saved = (q, k, v, out,
-    lse)`` and nothing else of tensor size, until its backward runs (once). Collectives: ``n - 1`` shifts of
-    ``[2, batch, kv_seq, kv_heads, dim]`` forward; ``n - 1`` of it and ``n`` of its
-    float32 gradient backward, point-to-point over ``spec.plan.kv_group``.
+    lse)`` and nothing else of tensor size, until its backward runs (once). Collectives:
+    ``n - 1`` shifts of the ``[batch, kv_seq, kv_heads, dim]`` pair ``k``, ``v`` (one
+    batch of two messages each way) forward; ``n - 1`` of it and ``n`` of its
+    ``max(float32, dtype)`` gradient pair backward, point-to-point over
+    ``spec.plan.kv_group``.
     """
 
     @staticmethod
@@ -102,7 +108,7 @@ class RingAttention(CustomFunction):
         n, g, group = plan.kv_size, plan.kv_index, plan.kv_group
         q_pos = plan.block_positions(spec.seq_len, g)
         accs: list[BlockResult | None] = [None] * len(segments(q_pos))
-        kv = p.stack([k, v], 0).contiguous()  # one message per step
+        kv = [k, v]
         for step in range(n):
             works = _shift(p, kv, group, (g + 1) % n, (g - 1) % n) if step < n - 1 else None
             forward_calls(p, accs, spec.calls(q_pos, step), q, kv[0], kv[1], spec.scale, merge_all=True)
@@ -129,21 +135,20 @@ class RingAttention(CustomFunction):
         q_pos = plan.block_positions(spec.seq_len, g)
         dtype = stat_dtype(p, q.dtype)
         dq = None
-        kv_shape = (2,) + tuple(int(x) for x in k.shape)
-        kv = p.stack([k, v], 0).contiguous()
+        kv = [k, v]
         incoming: list[Work] | None = None  # the shift of the accumulator received last step
-        home = None
+        home: list[Any] = []
         for step in range(n):
             kv_works = _shift(p, kv, group, nxt, prev) if step < n - 1 else None
             grads = backward_calls(p, spec.calls(q_pos, step), dout, q, kv[0], kv[1], out, lse, spec.scale)
             if grads is None:
-                dkv = p.zeros(kv_shape, dtype)
+                dkv = [p.zeros(tuple(k.shape), dtype), p.zeros(tuple(v.shape), dtype)]
             else:
                 dq = grads[0] if dq is None else dq + grads[0]
-                dkv = p.stack([grads[1], grads[2]], 0)
+                dkv = [grads[1], grads[2]]
             if incoming is not None:
-                dkv = dkv + _finish(incoming)
-            incoming = _shift(p, dkv.contiguous(), group, nxt, prev) if n > 1 else None
+                dkv = [mine + received for mine, received in zip(dkv, _finish(incoming))]
+            incoming = _shift(p, dkv, group, nxt, prev) if n > 1 else None
             if kv_works is not None:
                 kv = _finish(kv_works)
             home = dkv
