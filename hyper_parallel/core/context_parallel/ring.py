@@ -137,23 +137,24 @@ class RingAttention(CustomFunction):
         dq = None
         kv = [k, v]
         incoming: list[Work] | None = None  # the shift of the accumulator received last step
-        home: list[Any] = []
+        dkv: list[Any] = []
         for step in range(n):
             kv_works = _shift(p, kv, group, nxt, prev) if step < n - 1 else None
             grads = backward_calls(p, spec.calls(q_pos, step), dout, q, kv[0], kv[1], out, lse, spec.scale)
             if grads is None:
-                dkv = [p.zeros(tuple(k.shape), dtype), p.zeros(tuple(v.shape), dtype)]
+                mine = [p.zeros(tuple(k.shape), dtype), p.zeros(tuple(v.shape), dtype)]
             else:
                 dq = grads[0] if dq is None else dq + grads[0]
-                dkv = [grads[1], grads[2]]
-            if incoming is not None:
-                dkv = [mine + received for mine, received in zip(dkv, _finish(incoming))]
+                mine = [grads[1], grads[2]]
+            del grads
+            # Waiting for the last shift also ends its send: the accumulator sent then
+            # (the previous ``dkv``) is released here, not a step later.
+            dkv = mine if incoming is None else [a + b for a, b in zip(mine, _finish(incoming))]
+            del mine
             incoming = _shift(p, dkv, group, nxt, prev) if n > 1 else None
             if kv_works is not None:
                 kv = _finish(kv_works)
-            home = dkv
-        if incoming is not None:  # the last hop: each accumulator back to its block's rank
-            home = _finish(incoming)
+        home = dkv if incoming is None else _finish(incoming)  # the last hop: each accumulator home
         if dq is None:
             dq = p.zeros(tuple(q.shape), dtype)
         return None, p.to_dtype(dq, q.dtype), p.to_dtype(home[0], k.dtype), p.to_dtype(home[1], v.dtype), None
