@@ -32,6 +32,19 @@ def timed(fn: Callable[[], Any], warmup: int, iters: int, barrier: Callable[[], 
     return times
 
 
+def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes of live tensors while ``fn()`` runs, by torch's
+    ``torch.distributed._tools.mem_tracker.MemTracker`` (every tensor storage the call
+    allocates, its inputs included, tracked through a dispatch mode; deterministic, unlike
+    the RSS of a reused process, which the allocator blurs). torch only."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        fn()
+    return int(sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values()))
+
+
 def write_results(out: Path, meta: dict[str, Any], results: Any, table: str, **extra: Any) -> None:
     """Write ``out.json`` (``{"meta", "results", **extra}``) and ``out.md`` (``table``), then
     print the table."""

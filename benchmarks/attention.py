@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
+from benchmarks._common import host_meta, peak_tensor_bytes, write_results  # noqa: E402  (after the path insert)
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -82,17 +82,7 @@ def case_torch(impl: str, seq: int, dtype: str, iters: int) -> dict:
         run()
         if i:
             times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times), "peak_bytes": _tensor_peak(run)}
-
-
-def _tensor_peak(fn) -> int:
-    """Peak bytes of live tensors while ``fn()`` runs (torch's ``MemTracker``)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    with tracker:
-        fn()
-    return int(sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values()))
+    return {"seconds": statistics.median(times), "peak_bytes": peak_tensor_bytes(run)}
 
 
 def case_mindspore(impl: str, seq: int, iters: int) -> dict:
@@ -174,7 +164,7 @@ def case_train_step(impl: str, iters: int) -> dict:
         step(i)
         if i >= 2:
             times.append(time.perf_counter() - start)
-    return {"seconds": statistics.median(times), "peak_bytes": _tensor_peak(lambda: step(iters + 2)),
+    return {"seconds": statistics.median(times), "peak_bytes": peak_tensor_bytes(lambda: step(iters + 2)),
             "tokens_per_step": seq_len * batch}
 
 

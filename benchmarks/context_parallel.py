@@ -41,25 +41,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
+from benchmarks._common import host_meta, peak_tensor_bytes, write_results  # noqa: E402  (after the path insert)
 
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
 #: The longest-sequence search's shape (``--budget-mib``): fewer heads, so that the
 #: lengths a budget admits stay computable on a 2-core host.
 SEARCH_HEADS, SEARCH_HEAD_DIM = 2, 32
-
-
-def _peak_bytes(fn) -> int:
-    """Peak bytes of tensors alive while ``fn()`` runs (torch's
-    ``torch.distributed._tools.mem_tracker.MemTracker``: every tensor storage the call
-    allocates, its inputs included, tracked through a dispatch mode; deterministic, unlike
-    a reused process's RSS)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    with tracker:
-        fn()
-    return int(sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values()))
 
 
 # name -> (ulysses_degree (None: all ranks), kv_exchange, load_balance)
@@ -147,7 +134,7 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
                 fn(q, k, v).backward(dout)
 
             dist.barrier()
-            peak = _peak_bytes(once)  # an untimed call under the tracker
+            peak = peak_tensor_bytes(once)  # an untimed call under the tracker
             for i in range(warmup + iters):
                 q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
                 storages: dict[int, int] = {}
@@ -232,7 +219,7 @@ def markdown(results: list[dict], world: int) -> str:
         "",
         f"`[batch={BATCH}, seq, heads={HEADS}, head_dim={HEAD_DIM}]` float32. ms: median of the slowest rank; "
         "saved MiB: activations saved for backward on the largest rank; memory ratio: saved / single device "
-        f"(1/cp = {1 / world:.2f} is the ideal); time ratio: our load-balanced ring / torch's load-balanced ring "
+        f"(1/cp = {1 / world:.2f} is the ideal); time ratio: each mode / torch's load-balanced ring "
         "at that length (below 1: faster). Largest |ours ring+lb - torch ring| over the outputs: "
         f"{max(e['max_diff_ours_vs_torch_ring'] for e in results):.1e}.",
         "",
@@ -279,7 +266,7 @@ def longest_rank(budget_mib: float, start: int, limit: int) -> list[dict]:
 
         dist.barrier()
         start_s = time.perf_counter()
-        peak = torch.tensor([float(_peak_bytes(once))])
+        peak = torch.tensor([float(peak_tensor_bytes(once))])
         seconds = time.perf_counter() - start_s
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         rows.append({"cp": n, "seq": seq, "peak_mib": float(peak) / 2**20, "seconds": seconds})

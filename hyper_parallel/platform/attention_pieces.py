@@ -100,6 +100,9 @@ def plan_pieces(q_seq: int, kv_seq: int, mask: AttentionMask, *, any_shape_top_l
         mask: the call's mask (checked against the lengths).
         any_shape_top_left: the kernel's causal mode is top-left for any
             ``q_seq``/``kv_seq`` (torch's CPU kernel); otherwise causal pieces are square.
+
+    Raises:
+        ValueError: the mask's document lists do not end at ``q_seq`` / ``kv_seq``.
     """
     mask.check(q_seq, kv_seq)
     if mask.cu_seqlens_q is None or mask.cu_seqlens_kv is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hyper_parallel.platform.contract.attention import AttentionMask
 from hyper_parallel.platform.contract.ops import LOCAL_OPS
 
 
@@ -123,3 +124,51 @@ def check_gather_out(out: Any, tensor: Any, group_size: int, *, member: str) -> 
                          "allocate out with the input's dtype")
     if not out.is_contiguous():
         raise ValueError(f"{member}: out is not contiguous; pass a contiguous buffer (the collective writes it whole)")
+
+
+def _dims(x: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in x.shape)
+
+
+def check_attention_inputs(q: Any, k: Any, v: Any, mask: AttentionMask, dtypes: Sequence[str],
+                           supported: Sequence[str], *, backend: str, kernel: str) -> None:
+    """Raise unless ``q``/``k``/``v``/``mask`` fit ``Platform.attention`` and the kernel
+    that ``backend`` runs: BSHD shapes, grouped-query head counts, one dtype (``dtypes``:
+    the names of q's, k's and v's) among ``supported``, document lists ending at the lengths.
+
+    Raises:
+        TypeError: ``mask`` is not an ``AttentionMask`` (a dense mask).
+        ValueError: the rule broken, with the values and the fix.
+    """
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(f"attention: mask={mask!r} must be an AttentionMask (hyper_parallel.platform.AttentionMask); "
+                        "dense masks are not taken")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"attention: q, k, v must be 4-D [batch, seq, heads, head_dim], got shapes {_dims(q)}, "
+                         f"{_dims(k)}, {_dims(v)}; reshape to BSHD")
+    if _dims(k) != _dims(v) or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention: q {_dims(q)} and k/v {_dims(k)}/{_dims(v)} do not fit; k and v need the same "
+                         "shape [batch, kv_seq, kv_heads, head_dim], with q's batch and head_dim")
+    heads, kv_heads = int(q.shape[2]), int(k.shape[2])
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"attention: q has {heads} heads, not a multiple of k/v's {kv_heads} heads; "
+                         "grouped-query attention needs heads divisible by kv_heads")
+    if len(set(dtypes)) != 1:
+        raise ValueError(f"attention: q, k, v have dtypes {list(dtypes)}; give them one dtype (cast k and v to q's)")
+    if dtypes[0] not in supported:
+        raise ValueError(f"attention on {backend}: dtype {dtypes[0]} is not taken by {kernel}; use one of "
+                         f"{', '.join(supported)}")
+    mask.check(int(q.shape[1]), int(k.shape[1]))
+
+
+def check_attention_backward(dout: Any, q: Any, out: Any, lse: Any) -> None:
+    """Raise ValueError unless ``dout``/``out`` are shaped like ``q`` and ``lse`` is
+    ``[batch, heads, q_seq]`` (``Platform.attention_backward``)."""
+    for name, x in (("dout", dout), ("out", out)):
+        if _dims(x) != _dims(q):
+            raise ValueError(f"attention_backward: {name} has shape {_dims(x)}, but q has {_dims(q)}; {name} is "
+                             "[batch, q_seq, heads, head_dim] like q")
+    b, sq, h, _ = _dims(q)
+    if _dims(lse) != (b, h, sq):
+        raise ValueError(f"attention_backward: lse has shape {_dims(lse)}; it must be [batch, heads, q_seq] = "
+                         f"{[b, h, sq]} (attention's second output)")

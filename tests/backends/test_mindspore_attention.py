@@ -13,6 +13,7 @@ import pytest
 
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.contract.attention import AttentionMask
+from tests.platform_contract._attention_reference import allowed_pairs, reference
 
 pytestmark = pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM") != "mindspore-cpu",
                                 reason="MindSpore CPU kernel test; set HYPER_PARALLEL_PLATFORM=mindspore-cpu")
@@ -28,54 +29,6 @@ TOL32 = 1e-5
 #: 8 bits of mantissa, ~4e-3 relative; gradients of magnitude ~3 are off by ~1e-2); the
 #: reference is fed the same rounded inputs.
 TOL_HALF = 2e-2
-
-
-# -- reference ----------------------------------------------------------------------------
-
-
-def allowed_pairs(q_seq: int, kv_seq: int, mask: AttentionMask) -> np.ndarray:
-    """``[q_seq, kv_seq]`` bool: which key each query may see, from the contract's words."""
-    cu_q = mask.cu_seqlens_q or (0, q_seq)
-    cu_kv = mask.cu_seqlens_kv or (0, kv_seq)
-    allowed = np.zeros((q_seq, kv_seq), bool)
-    for d in range(len(cu_q) - 1):
-        lq, lk = cu_q[d + 1] - cu_q[d], cu_kv[d + 1] - cu_kv[d]
-        i, j = np.arange(lq)[:, None], np.arange(lk)[None, :]
-        if mask.causal == "none":
-            block = np.ones((lq, lk), bool)
-        elif mask.causal == "top_left":
-            block = j <= i
-        else:
-            block = j <= i + lk - lq
-        allowed[cu_q[d]:cu_q[d + 1], cu_kv[d]:cu_kv[d + 1]] = block
-    return allowed
-
-
-def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, dout: np.ndarray, scale: float,
-              allowed: np.ndarray) -> dict[str, np.ndarray]:
-    """Dense float64 attention and its gradients (the softmax Jacobian written out)."""
-    q, k, v, dout = (x.astype(np.float64) for x in (q, k, v, dout))
-    group = q.shape[2] // k.shape[2]
-    kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    s = np.where(allowed, np.einsum("bqhd,bkhd->bhqk", q, kr) * scale, -np.inf)
-    sees = allowed.any(1)[None, None, :]  # [1, 1, Sq]
-    m = np.where(sees, s.max(-1), 0.0)
-    e = np.exp(s - m[..., None])
-    total = e.sum(-1)
-    lse = np.where(sees, np.log(np.where(sees, total, 1.0)) + m, -np.inf)
-    probs = e / np.where(sees, total, 1.0)[..., None]
-    out = np.einsum("bhqk,bkhd->bqhd", probs, vr)
-    dv = np.einsum("bhqk,bqhd->bkhd", probs, dout)
-    dp = np.einsum("bqhd,bkhd->bhqk", dout, vr)
-    ds = probs * (dp - (dp * probs).sum(-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, kr) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
-
-    def by_kv_head(x: np.ndarray) -> np.ndarray:
-        b, s_, h, d = x.shape
-        return x.reshape(b, s_, h // group, group, d).sum(3)
-
-    return {"out": out, "lse": lse, "dq": dq, "dk": by_kv_head(dk), "dv": by_kv_head(dv)}
 
 
 def inputs(shape_q: tuple[int, ...], kv_seq: int, kv_heads: int, seed: int = 0) -> tuple[np.ndarray, ...]:
@@ -135,7 +88,8 @@ def check_against_reference(q_seq: int, kv_seq: int, heads: int, kv_heads: int, 
     arrays = inputs((2, q_seq, heads, 16), kv_seq, kv_heads)
     scale = 0.3
     got, seen = run_kernels(arrays, dtype, mask, scale, tiles)
-    want = reference(*seen, scale, allowed_pairs(q_seq, kv_seq, mask))
+    want = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                    reference(*seen, allowed_pairs(q_seq, kv_seq, mask), scale)))
     compare(got, want, _tol(dtype))
 
 

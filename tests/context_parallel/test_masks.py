@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hyper_parallel.core.context_parallel.load_balance import shard_positions
 from hyper_parallel.core.context_parallel.masks import plan_block
-from tests.platform_contract.test_attention import _allowed
+from tests.platform_contract._attention_reference import allowed_pairs
 
 
 def _covered(q_len: int, k_len: int, q_pos: np.ndarray, k_pos: np.ndarray, causal: bool,
@@ -24,7 +24,7 @@ def _covered(q_len: int, k_len: int, q_pos: np.ndarray, k_pos: np.ndarray, causa
         for call in run.calls:
             assert run.start <= call.q_start and call.q_start + call.q_len <= run.start + run.length
             keys = np.concatenate([np.arange(s, s + n) for s, n in call.k_runs])
-            allowed = _allowed(call.q_len, len(keys), call.mask)
+            allowed = allowed_pairs(call.q_len, len(keys), call.mask)
             rows = np.arange(call.q_start, call.q_start + call.q_len)
             count[np.ix_(rows, keys)] += allowed
     return count

@@ -123,6 +123,14 @@ def backward_calls(p: Any, plans: list[RunPlan], dout: Any, q: Any, k: Any, v: A
             sum_by_range(p, dvs, sk, (b, sk, kh, d), dtype))
 
 
+def keep_for_backward(ctx: Any, p: Any, spec: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
+    """Store on ``ctx`` what an attention backward needs: the platform, the spec and
+    ``(q, k, v, out, lse)``. ``out`` itself on ctx would make a cycle through the autograd
+    node (out -> its grad_fn -> ctx -> out) that outlives the step: a detached alias is kept."""
+    ctx.p, ctx.spec = p, spec
+    ctx.saved = (q, k, v, p.detach(out), lse)
+
+
 @dataclass(frozen=True)
 class BlockSpec:
     """What ``BlockAttention`` needs besides the tensors: the planned runs and the scale
@@ -148,10 +156,7 @@ class BlockAttention(CustomFunction):
         accs: list[BlockResult | None] = [None] * len(plans)
         forward_calls(p, accs, plans, q, k, v, spec.scale)
         out, lse = finish(p, accs, plans, q)
-        ctx.p, ctx.spec = p, spec
-        # ``out`` itself on ctx would make a cycle through the autograd node: keep a
-        # detached alias.
-        ctx.saved = (q, k, v, p.detach(out), lse)
+        keep_for_backward(ctx, p, spec, q, k, v, out, lse)
         return out
 
     @staticmethod

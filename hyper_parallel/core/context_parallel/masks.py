@@ -30,7 +30,6 @@ The calls of one run are merged by log-sum-exp ([Note: log-sum-exp merge]).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,8 +164,3 @@ def _sees_any(call: BlockCall) -> bool:
     if cu_q is None or cu_k is None:
         return True
     return any(cu_q[d + 1] > cu_q[d] and cu_k[d + 1] > cu_k[d] for d in range(len(cu_q) - 1))
-
-
-def runs_positions(positions: Sequence[np.ndarray]) -> np.ndarray:
-    """The concatenation of several ranks' positions, in the order they are gathered."""
-    return np.concatenate(list(positions)).astype(np.int64)

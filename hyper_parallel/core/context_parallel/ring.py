@@ -40,7 +40,13 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.core.context_parallel.blocks import BlockResult, backward_calls, finish, forward_calls
+from hyper_parallel.core.context_parallel.blocks import (
+    BlockResult,
+    backward_calls,
+    finish,
+    forward_calls,
+    keep_for_backward,
+)
 from hyper_parallel.core.context_parallel.context import Plan
 from hyper_parallel.core.context_parallel.masks import RunPlan, plan_block, segments
 from hyper_parallel.platform import P2POp
@@ -115,10 +121,7 @@ class RingAttention(CustomFunction):
             if works is not None:
                 kv = _finish(works)
         out, lse = finish(p, accs, spec.calls(q_pos, 0), q)
-        ctx.p, ctx.spec = p, spec
-        # ``out`` itself on ctx would make a cycle through the autograd node (out ->
-        # its grad_fn -> ctx -> out) that outlives the step: keep a detached alias.
-        ctx.saved = (q, k, v, p.detach(out), lse)
+        keep_for_backward(ctx, p, spec, q, k, v, out, lse)
         return out
 
     @staticmethod

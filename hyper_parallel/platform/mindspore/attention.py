@@ -74,6 +74,7 @@ import numpy as np
 
 from hyper_parallel.platform.attention_pieces import LSE_FLOOR, plan_pieces, run_backward, run_forward
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
+from hyper_parallel.platform.validation import check_attention_backward, check_attention_inputs
 
 #: Queries per tile on CPU (rows per kv head are ``Q_TILE * group``); see
 #: [Note: MindSpore CPU attention tiles].
@@ -109,45 +110,12 @@ def _shape(x: Any) -> tuple[int, ...]:
 
 
 def check_inputs(p: Any, q: Any, k: Any, v: Any, mask: AttentionMask) -> None:
-    """Raise ValueError unless ``q``/``k``/``v``/``mask`` fit ``Platform.attention``'s
-    contract (BSHD, GQA head counts, one floating dtype, document lists ending at the
-    lengths); before any compute."""
-    if not isinstance(mask, AttentionMask):
-        raise TypeError(f"attention: mask={mask!r} must be an AttentionMask (see "
-                        "hyper_parallel.platform.contract.attention); dense masks are not taken")
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"attention: q, k, v must be 4-D [batch, seq, heads, head_dim], got shapes "
-                         f"{_shape(q)}, {_shape(k)}, {_shape(v)}; reshape to BSHD")
-    if _shape(k) != _shape(v):
-        raise ValueError(f"attention: k {_shape(k)} and v {_shape(v)} must have the same shape "
-                         "[batch, kv_seq, kv_heads, head_dim]")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention: q {_shape(q)} and k {_shape(k)} must agree on batch (dim 0) and "
-                         "head_dim (dim 3)")
-    heads, kv_heads = int(q.shape[2]), int(k.shape[2])
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"attention: q has {heads} heads, not a multiple of k/v's {kv_heads} heads; "
-                         "grouped-query attention needs heads divisible by kv_heads")
+    """Raise unless ``q``/``k``/``v``/``mask`` fit ``Platform.attention``
+    (``validation.check_attention_inputs``); before any compute."""
     names = [p.dtype_name(x.dtype) for x in (q, k, v)]
-    if len(set(names)) != 1:
-        raise ValueError(f"attention: q, k, v have dtypes {names}; give them one dtype (cast k and v to q's)")
-    if names[0] not in ("float64", "float32", "bfloat16", "float16"):
-        raise ValueError(f"attention: q has dtype {names[0]}; attention takes float64, float32, bfloat16 or "
-                         "float16")
-    mask.check(int(q.shape[1]), int(k.shape[1]))
-
-
-def check_backward_inputs(p: Any, dout: Any, q: Any, out: Any, lse: Any) -> None:
-    """Raise ValueError unless ``dout``/``out`` are shaped like ``q`` and ``lse`` is
-    ``[batch, heads, q_seq]``."""
-    for name, x in (("dout", dout), ("out", out)):
-        if _shape(x) != _shape(q):
-            raise ValueError(f"attention_backward: {name} has shape {_shape(x)}, but q has {_shape(q)}; "
-                             f"{name} is [batch, q_seq, heads, head_dim] like q")
-    b, sq, h, _ = _shape(q)
-    if _shape(lse) != (b, h, sq):
-        raise ValueError(f"attention_backward: lse has shape {_shape(lse)}; it must be [batch, heads, q_seq] = "
-                         f"{[b, h, sq]} (attention's second output)")
+    kernel = "FlashAttentionScore" if p.device_type == "ascend" else "the tiled CPU kernel"
+    supported = _ASCEND_DTYPES if p.device_type == "ascend" else ("float64", "float32", "bfloat16", "float16")
+    check_attention_inputs(q, k, v, mask, names, supported, backend=p.name, kernel=kernel)
 
 
 def _scale(q: Any, scale: float | None) -> float:
@@ -406,11 +374,8 @@ def _cpu_attention_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any,
 
 
 def _check_ascend(p: Any, q: Any) -> None:
-    """Raise ValueError for what FlashAttentionScore does not take."""
-    name = p.dtype_name(q.dtype)
-    if name not in _ASCEND_DTYPES:
-        raise ValueError(f"attention: mindspore-ascend runs the FlashAttentionScore kernel, which takes dtypes "
-                         f"{', '.join(_ASCEND_DTYPES)}; q has {name}. Cast q, k, v to bfloat16 or float16")
+    """Raise ValueError for the head sizes FlashAttentionScore does not take (its dtypes:
+    ``check_inputs``)."""
     heads, dim = int(q.shape[2]), int(q.shape[3])
     if dim % 16 or not 16 <= dim <= _ASCEND_MAX_HEAD_DIM:
         raise ValueError(f"attention: mindspore-ascend runs the FlashAttentionScore kernel, which takes head_dim "
@@ -527,7 +492,7 @@ def attention_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse:
     ``Platform.attention_backward`` (``out``/``lse`` may cover more keys than ``k``).
     CPU: the recomputing tiled backward; Ascend: FlashAttentionScoreGrad."""
     check_inputs(p, q, k, v, mask)
-    check_backward_inputs(p, dout, q, out, lse)
+    check_attention_backward(dout, q, out, lse)
     _check_tiles(q_tile, k_tile)
     scale = _scale(q, scale)
     if p.device_type == "ascend":

@@ -25,45 +25,25 @@ import torch
 
 from hyper_parallel.platform import attention_pieces as pieces
 from hyper_parallel.platform.contract.attention import AttentionMask
+from hyper_parallel.platform.validation import check_attention_inputs
 
-_CPU_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_CPU_DTYPES = ("float64", "float32", "bfloat16", "float16")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_NPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CUDA_DTYPES = ("float32", "float16", "bfloat16")
+_NPU_DTYPES = ("float32", "float16", "bfloat16")
 #: The compressed causal mask ``npu_fusion_attention`` takes with sparse modes 2 and 3.
 _NPU_MASK_SIZE = 2048
 
 
 def check_inputs(backend: str, q: Any, k: Any, v: Any, mask: AttentionMask) -> None:
-    """Raise ValueError unless ``q``/``k``/``v``/``mask`` fit ``Platform.attention`` and
-    the kernel of ``backend``."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"attention: q, k, v must be [batch, seq, heads, head_dim]; got shapes {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    heads, kv_heads = q.shape[2], k.shape[2]
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or kv_heads == 0 \
-            or heads % kv_heads:
-        raise ValueError(f"attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} do not fit; k and "
-                         "v need the same shape, batch and head_dim must match q, and q's heads must be a multiple "
-                         "of kv heads")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"attention: q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype} differ; cast them to one dtype")
+    """Raise unless ``q``/``k``/``v``/``mask`` fit ``Platform.attention`` and the kernel of
+    ``backend`` (``validation.check_attention_inputs``)."""
+    names = [str(x.dtype).removeprefix("torch.") for x in (q, k, v)]
     supported = {"torch-cpu": _CPU_DTYPES, "torch-cuda": _CUDA_DTYPES, "torch-npu": _NPU_DTYPES}[backend]
-    if q.dtype not in supported:
-        kernel = {"torch-cpu": "_scaled_dot_product_flash_attention_for_cpu",
-                  "torch-cuda": "_scaled_dot_product_flash_attention / _efficient_attention",
-                  "torch-npu": "npu_fusion_attention"}[backend]
-        raise ValueError(f"attention on {backend}: dtype {q.dtype} is not taken by {kernel}; use one of "
-                         f"{', '.join(str(d) for d in supported)}")
-    mask.check(int(q.shape[1]), int(k.shape[1]))
-
-
-def check_backward(dout: Any, q: Any, out: Any, lse: Any) -> None:
-    """Raise ValueError unless ``dout``/``out``/``lse`` fit ``q``."""
-    b, sq, h, _ = q.shape
-    if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape) or tuple(lse.shape) != (b, h, sq):
-        raise ValueError(f"attention_backward: dout {tuple(dout.shape)} and out {tuple(out.shape)} must be q's shape "
-                         f"{tuple(q.shape)} and lse {tuple(lse.shape)} must be [batch, heads, q_seq] = {[b, h, sq]}")
+    kernel = {"torch-cpu": "_scaled_dot_product_flash_attention_for_cpu",
+              "torch-cuda": "_scaled_dot_product_flash_attention / _efficient_attention",
+              "torch-npu": "npu_fusion_attention"}[backend]
+    check_attention_inputs(q, k, v, mask, names, supported, backend=backend, kernel=kernel)
 
 
 def _bhsd(x: Any) -> Any:

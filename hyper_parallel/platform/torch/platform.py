@@ -21,7 +21,13 @@ from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.collectives import TorchCollectives
-from hyper_parallel.platform.validation import check_group_ranks, check_local_op, check_vjp_part, normalize_dim
+from hyper_parallel.platform.validation import (
+    check_attention_backward,
+    check_group_ranks,
+    check_local_op,
+    check_vjp_part,
+    normalize_dim,
+)
 
 #: device type -> process-group backend
 DEVICE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -332,7 +338,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
                            scale: float | None = None, mask: AttentionMask = FULL) -> tuple[Any, Any, Any]:
         """The device's fused backward kernel (``platform/torch/attention.py``)."""
         attn.check_inputs(self.name, q, k, v, mask)
-        attn.check_backward(dout, q, out, lse)
+        check_attention_backward(dout, q, out, lse)
         return attn.backward(self, dout, q, k, v, out, lse, q.shape[-1] ** -0.5 if scale is None else float(scale),
                              mask)
 
