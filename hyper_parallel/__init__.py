@@ -21,6 +21,7 @@ from hyper_parallel.core.dtensor import (
     Placement,
     Replicate,
     Shard,
+    SkipDTensorDispatch,
     distribute_module,
     distribute_parameter,
     distribute_tensor,
@@ -56,7 +57,7 @@ __all__ = [
     "Capability", "P2POp", "Platform", "ReduceOp", "Work", "get_platform", "init",
     # DTensor
     "DTensor", "DeviceMesh", "OP_RULES", "OpRule", "Partial", "Placement", "Replicate", "Shard",
-    "distribute_module", "distribute_parameter", "distribute_tensor", "dtensor_functional", "init_device_mesh",
+    "SkipDTensorDispatch", "distribute_module", "distribute_parameter", "distribute_tensor", "dtensor_functional", "init_device_mesh",
     # tensor parallelism
     "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "RowwiseParallel", "SequenceParallel",
     "parallelize_module",

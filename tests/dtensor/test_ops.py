@@ -165,12 +165,18 @@ def check_bad_input() -> None:
     p = get_platform()
     mesh = init_device_mesh(p.device_type, (2,))
     x = DTensor.from_local(p.from_numpy(np.ones((2, 3))), mesh, [Shard(0)])
+    plain = p.from_numpy(np.ones((4, 3)))
+    # On torch a DTensor's operators and methods are torch's (intercepted below
+    # autograd), and a TypeError inside a binary operator becomes Python's generic
+    # "unsupported operand"; mixing raises RuntimeError there, as torch's DTensor does.
+    mixed_error = RuntimeError if p.framework == "torch" else TypeError
     checks = [
-        (lambda: x + p.from_numpy(np.ones((4, 3))), TypeError, "DTensor.from_local(t, mesh"),
+        (lambda: x + plain, mixed_error, "DTensor.from_local(t, mesh"),
+        (lambda: F.add(x, plain), TypeError, "DTensor.from_local(t, mesh"),
         (lambda: F.softmax(x, 2), ValueError, "dim=2 is out of range"),
-        (lambda: x.reshape(5, -1), ValueError, "does not fit 12 elements"),
+        (lambda: F.reshape(x, 5, -1), ValueError, "does not fit 12 elements"),
         (lambda: F.cross_entropy(x, x, "avg"), ValueError, "reduction='avg'"),
-        (lambda: x.permute(0, 0), ValueError, "not a permutation"),
+        (lambda: F.permute(x, 0, 0), ValueError, "not a permutation"),
         (lambda: p.local_op("cumsum"), ValueError, "unknown op 'cumsum'"),
     ]
     for call, error, text in checks:

@@ -215,6 +215,7 @@ def check_local_ops() -> list[str]:
         "sqrt": (lambda op: op(x * x + 1.0), np.sqrt(a * a + 1)),
         "rsqrt": (lambda op: op(x * x + 1.0), 1 / np.sqrt(a * a + 1)),
         "pow": (lambda op: op(x, 2.0), a ** 2),
+        "abs": (lambda op: op(x), np.abs(a)),
     }
     assert set(expected) == set(LOCAL_OPS), set(expected) ^ set(LOCAL_OPS)
     for name, (call, want) in expected.items():

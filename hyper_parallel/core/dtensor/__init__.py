@@ -3,10 +3,11 @@ ops on them under sharding-propagation rules."""
 
 from hyper_parallel.core.dtensor import functional
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor.dispatch import SkipDTensorDispatch
 from hyper_parallel.core.dtensor.distribute_module import distribute_module, distribute_parameter
 from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
 from hyper_parallel.core.dtensor.op_rules import OP_RULES, OpRule, Strategy
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["DTensor", "DeviceMesh", "OP_RULES", "OpRule", "Partial", "Placement", "Replicate", "Shard", "Strategy",
+__all__ = ["DTensor", "DeviceMesh", "OP_RULES", "OpRule", "Partial", "Placement", "Replicate", "Shard", "SkipDTensorDispatch", "Strategy",
            "distribute_module", "distribute_parameter", "distribute_tensor", "functional", "init_device_mesh"]

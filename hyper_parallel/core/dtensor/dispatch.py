@@ -1,6 +1,13 @@
 """Run an op on DTensors: pick a strategy of its rule per mesh axis, redistribute the
 inputs, run the framework's op on the local tensors, wrap the result.
 
+Two entry points share one plan (``plan_op``, cached by op, input specs and params):
+``dispatch`` for the explicit calls of ``functional.py`` (autograd on the local
+tensors, see the Note below) and ``dispatch_local`` for the framework ops a backend
+intercepts on its DTensor class (below the framework's autograd, whose backward ops are
+intercepted in turn). ``SkipDTensorDispatch`` turns both off: ops run on the local
+tensors.
+
 [Note: gradients of ops on DTensors]
 Autograd runs on the local tensors (``to_local``/``from_local`` are identities there),
 so the backward of an op on DTensors is the backward of the local op plus that of the
@@ -15,17 +22,51 @@ Megatron "f" operator; torch's DTensor reaches the same through its backward rul
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.dtensor import DTensor, make_dtensor, wrap_local
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_shape
 from hyper_parallel.core.dtensor.op_rules import OP_RULES, Strategy, output_shape, strategies, view_keeps_dim
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.core.dtensor.redistribute import gradient_placements
+from hyper_parallel.core.dtensor.redistribute import gradient_placements, redistribute_raw
 from hyper_parallel.platform import get_platform
+
+# A context variable, not a global flag: each thread (the pipeline's two-thread overlap)
+# and each asyncio task sees its own depth.
+_SKIP_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("hyper_parallel_skip_dtensor_dispatch",
+                                                                  default=0)
+
+
+class SkipDTensorDispatch:
+    """Context manager: inside it, ops on DTensors run on their local tensors and return
+    framework tensors (an in-place op updates the DTensor's local tensor and returns the
+    DTensor), with no sharding rule and no communication. For local math on sharded
+    values: gradient hooks, optimizer updates, statistics of this rank's piece.
+    Re-entrant; per thread.
+
+    Example::
+
+        with SkipDTensorDispatch():
+            param.mul_(1 - lr * weight_decay)   # on this rank's shard only
+    """
+
+    def __enter__(self) -> SkipDTensorDispatch:
+        self._token = _SKIP_DEPTH.set(_SKIP_DEPTH.get() + 1)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _SKIP_DEPTH.reset(self._token)
+
+
+def dispatch_skipped() -> bool:
+    """Whether a ``SkipDTensorDispatch`` is active in this thread."""
+    return _SKIP_DEPTH.get() > 0
 
 
 def transition_cost(src: Placement, dst: Placement, numel: int) -> float:
@@ -86,49 +127,63 @@ def _is_floating(local: Any) -> bool:
     return get_platform().dtype_name(local.dtype).startswith(("float", "bfloat"))
 
 
-def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
-             params: dict[str, Any] | None = None) -> Any:
-    """Run ``local_fn`` (the op on local tensors) on ``tensors`` under the rule
-    ``OP_RULES[op]``.
+@dataclass(frozen=True)
+class OpPlan:
+    """The placements each input is redistributed to, and the output's spec."""
+
+    targets: tuple[tuple[Placement, ...], ...]
+    out_spec: DTensorSpec
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def plan_op(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | None = None,
+            inplace: int | None = None) -> OpPlan:
+    """The plan of ``op`` (a key of ``OP_RULES``) on inputs of ``specs`` (one mesh).
 
     Args:
-        op: the op's name (a key of ``OP_RULES``; any other name takes the fallback).
-        tensors: the op's tensor inputs in order: all DTensors on one mesh, or all
-            framework tensors (then ``local_fn(*tensors)`` is returned as is, so the same
-            model code runs unsharded).
-        local_fn: the op on local tensors, called with one local tensor per input.
-        params: the op's other arguments as the rule family reads them (``dim``,
-            ``keepdim``, ``shape``, ...).
-
-    Returns:
-        A DTensor with the global output shape and the placements the strategies give;
-        its local tensor is ``local_fn``'s result.
-
-    Collectives: the redistributions the chosen strategies need (see
-    ``DTensor.redistribute``), none when the inputs already fit.
+        inplace: the index of the input an in-place op writes: it keeps its placements
+            and the output has them.
 
     Raises:
-        TypeError: DTensors mixed with framework tensors.
-        ValueError: inputs on different meshes, or shapes the op rejects.
+        KeyError: ``op`` has no rule.
+        RuntimeError: an in-place op whose rule cannot keep the written input's
+            placements on some mesh axis (``x.add_(y)`` always can: ``y`` is moved to
+            ``x``'s layout; an in-place softmax over ``x``'s sharded dim cannot).
     """
-    if not any(isinstance(t, DTensor) for t in tensors):
-        return local_fn(*tensors)
-    dtensors = _check_inputs(op, tensors)
-    mesh = dtensors[0].device_mesh
-    rule = OP_RULES.get(op)
-    if rule is None:
-        return _fallback(op, dtensors, local_fn)
-    params = dict(params or {})
-    shapes = [t.shape for t in dtensors]
+    return _plan_cached(op, tuple(specs), _freeze(dict(params or {})), inplace)
+
+
+@functools.lru_cache(maxsize=8192)
+def _plan_cached(op: str, specs: tuple[DTensorSpec, ...], frozen: tuple[Any, ...], inplace: int | None) -> OpPlan:
+    rule = OP_RULES[op]
+    params = dict(frozen)
+    mesh = specs[0].mesh
+    shapes = [spec.shape for spec in specs]
     if rule.family == "view":
-        first = dtensors[0].placements
+        first = specs[0].placements
         params["nested"] = frozenset(d for d in range(len(shapes[0])) if first.count(Shard(d)) > 1)
     out_shape = output_shape(rule, shapes, params)
     chosen = []
     for axis in range(mesh.ndim):
-        current = [t.placements[axis] for t in dtensors]
-        chosen.append(choose(strategies(rule, shapes, params, mesh.shape[axis]), current, shapes))
-    replicated = Strategy(tuple(Replicate() for _ in dtensors), Replicate())
+        current = [spec.placements[axis] for spec in specs]
+        axis_params = dict(params, current=frozenset(pl for pl in current if isinstance(pl, Partial)))
+        candidates = strategies(rule, shapes, axis_params, mesh.shape[axis])
+        if inplace is not None:
+            keep = current[inplace]
+            candidates = [c for c in candidates if c.inputs[inplace] == keep and c.output == keep]
+            if not candidates:
+                raise RuntimeError(f"in-place {op} on a DTensor with placements {list(specs[inplace].placements)} "
+                                   f"(shape {specs[inplace].shape}): no sharding of the op keeps {keep} on mesh "
+                                   f"axis {axis}; use the out-of-place op, or redistribute the DTensor first")
+        chosen.append(choose(candidates, current, shapes))
+    replicated = Strategy(tuple(Replicate() for _ in specs), Replicate())
     if rule.family == "view":
         # a split or merge keeps a shard only when one mesh axis shards that dim
         for axis in range(1, mesh.ndim):
@@ -141,15 +196,63 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
     # 2.10's CPU kernels return uninitialised memory for a matmul with an empty
     # contracted dim and for the backward of a broadcast into an empty output. Axes
     # whose strategy would leave a rank such a piece run replicated (inner axes first).
+    # An in-place op keeps its placements (elementwise kernels handle empty pieces).
     for axis in reversed(range(mesh.ndim)):
-        if not any(_has_empty_piece(shape, [c.inputs[i] for c in chosen], mesh.shape)
-                   for i, shape in enumerate(shapes)):
+        if inplace is not None or not any(
+                _has_empty_piece(shape, [c.inputs[i] for c in chosen], mesh.shape) for i, shape in enumerate(shapes)):
             break
         chosen[axis] = replicated
-    targets = [[c.inputs[i] for c in chosen] for i in range(len(dtensors))]
-    out_placements = [c.output for c in chosen]
+    targets = tuple(tuple(c.inputs[i] for c in chosen) for i in range(len(specs)))
+    return OpPlan(targets, DTensorSpec(mesh, tuple(c.output for c in chosen), tuple(out_shape)))
+
+
+def _check_result(op: str, out: Any, plan: OpPlan) -> None:
+    spec = plan.out_spec
+    if tuple(int(s) for s in out.shape) != spec.local_shape():
+        raise RuntimeError(f"{op}: the local result has shape {tuple(out.shape)}, but the rule's output "
+                           f"{list(spec.placements)} of global shape {spec.shape} gives this rank "
+                           f"{spec.local_shape()}; the rule in op_rules.py does not describe this op")
+
+
+def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
+             params: dict[str, Any] | None = None) -> Any:
+    """Run ``local_fn`` (the op on local tensors) on ``tensors`` under the rule
+    ``OP_RULES[op]``, differentiably on both frameworks (the explicit calls of
+    ``functional.py``).
+
+    Args:
+        op: the op's name (a key of ``OP_RULES``; any other name takes the fallback).
+        tensors: the op's tensor inputs in order: all DTensors on one mesh, or all
+            framework tensors (then ``local_fn(*tensors)`` is returned as is, so the same
+            model code runs unsharded).
+        local_fn: the op on local tensors, called with one local tensor per input.
+        params: the op's other arguments as the rule family reads them (``dim``,
+            ``keepdim``, ``shape``, ...).
+
+    Returns:
+        A DTensor with the global output shape and the placements the strategies give;
+        its local tensor is ``local_fn``'s result. Under ``SkipDTensorDispatch``:
+        ``local_fn`` of the local tensors, a framework tensor.
+
+    Collectives: the redistributions the chosen strategies need (see
+    ``DTensor.redistribute``), none when the inputs already fit.
+
+    Raises:
+        TypeError: DTensors mixed with framework tensors.
+        ValueError: inputs on different meshes, or shapes the op rejects.
+    """
+    if not any(isinstance(t, DTensor) for t in tensors):
+        return local_fn(*tensors)
+    dtensors = _check_inputs(op, tensors)
+    if dispatch_skipped():
+        return local_fn(*[t.to_local() for t in dtensors])
+    if op not in OP_RULES:
+        return _fallback(op, dtensors, local_fn, differentiable=True)
+    plan = plan_op(op, [t.spec for t in dtensors], params)
+    mesh = dtensors[0].device_mesh
+    out_placements = plan.out_spec.placements
     locals_ = []
-    for t, target in zip(dtensors, targets):
+    for t, target in zip(dtensors, plan.targets):
         moved = t if tuple(target) == t.placements else t.redistribute(mesh, target)
         grad = tuple(Partial("sum") if pl.is_replicate() and not out.is_replicate() else grad_pl
                      for pl, grad_pl, out in zip(target, gradient_placements(tuple(target)), out_placements))
@@ -158,31 +261,89 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
             locals_.append(moved.to_local(grad_placements=grad))
         else:
             locals_.append(moved.to_local())
-    spec = DTensorSpec(mesh, tuple(out_placements), tuple(out_shape))
     out = local_fn(*locals_)
-    if tuple(int(s) for s in out.shape) != spec.local_shape():
-        raise RuntimeError(f"{op}: the local result has shape {tuple(out.shape)}, but the rule's output "
-                           f"{list(out_placements)} of global shape {out_shape} gives this rank {spec.local_shape()}; "
-                           "the rule in op_rules.py does not describe this op")
-    return DTensor(out, spec)
+    _check_result(op, out, plan)
+    return wrap_local(out, plan.out_spec)
 
 
-def _fallback(op: str, dtensors: Sequence[DTensor], local_fn: Callable[..., Any]) -> Any:
+def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[..., Any],
+                   params: dict[str, Any] | None = None, *, inplace: int | None = None,
+                   with_local_shape: bool = False) -> Any:
+    """Run a framework op a backend intercepted on its DTensor class: below the
+    framework's autograd (no gradient is recorded here; the op's backward ops are
+    intercepted in turn), on the local tensors, under ``OP_RULES[op]``.
+
+    Args:
+        op: the rule's name; an op without one takes the fallback (inputs to
+            ``Replicate``, a warning naming the op).
+        dtensors: the op's DTensor inputs in order, on one mesh (the backend keeps
+            Python numbers and 0-dim framework tensors in ``local_fn``).
+        local_fn: the framework op on one local tensor per DTensor input.
+        params: as for ``dispatch``.
+        inplace: the index of the input an in-place op writes (it keeps its placements).
+        with_local_shape: call ``local_fn(*locals, local_shape=...)`` with this rank's
+            output shape (ops that take a size: a view, an expand).
+
+    Returns:
+        A DTensor (outside autograd) whose local tensor is ``local_fn``'s result; under
+        ``SkipDTensorDispatch`` ``local_fn``'s result on the local tensors as they are.
+
+    Collectives: the redistributions the plan needs.
+
+    Raises:
+        ValueError: inputs on different meshes.
+        RuntimeError: an in-place op that cannot keep its input's placements.
+    """
+    if dispatch_skipped():
+        return local_fn(*[t._local for t in dtensors])
+    mesh = dtensors[0].device_mesh
+    for t in dtensors[1:]:
+        if t.device_mesh != mesh:
+            raise ValueError(f"{op}: inputs live on different meshes ({mesh} and {t.device_mesh}); "
+                             "redistribute them onto one mesh first")
+    if op not in OP_RULES:
+        if inplace is not None and any(not pl.is_replicate() for pl in dtensors[inplace].placements):
+            raise RuntimeError(f"in-place {op} on a DTensor with placements {list(dtensors[inplace].placements)}: "
+                               "the op has no sharding rule (hyper_parallel.core.dtensor.op_rules.OP_RULES), so it "
+                               "could only run on a replicated copy; use the out-of-place op")
+        return _fallback(op, dtensors, local_fn, differentiable=False)
+    plan = plan_op(op, [t.spec for t in dtensors], params, inplace)
+    locals_ = [redistribute_raw(t._local, t.spec, target) for t, target in zip(dtensors, plan.targets)]
+    if with_local_shape:
+        out = local_fn(*locals_, local_shape=plan.out_spec.local_shape())
+    else:
+        out = local_fn(*locals_)
+    _check_result(op, out, plan)
+    if inplace is not None:
+        return dtensors[inplace]
+    return make_dtensor(out, plan.out_spec)
+
+
+def full_local(dt: DTensor) -> Any:
+    """The whole tensor on this rank, outside autograd (all-gather / all-reduce)."""
+    return redistribute_raw(dt._local, dt.spec, (Replicate(),) * dt.device_mesh.ndim)
+
+
+def _fallback(op: str, dtensors: Sequence[DTensor], local_fn: Callable[..., Any], *, differentiable: bool) -> Any:
     """No rule: every input to Replicate (all-gather / all-reduce), the op on the whole
     tensors on every rank, a Replicate result. Warns once per op name (Python's
-    default filter shows one message once per location, and this is one location)."""
+    default filter shows one message once per location and text)."""
     warnings.warn(f"DTensor op {op!r} has no sharding rule (hyper_parallel.core.dtensor.op_rules.OP_RULES): its "
                   "inputs are redistributed to Replicate and it runs on the whole tensors on every rank",
                   UserWarning, stacklevel=1)
     mesh = dtensors[0].device_mesh
     replicate = (Replicate(),) * mesh.ndim
-    out = local_fn(*[t.redistribute(mesh, replicate).to_local() for t in dtensors])
+    if differentiable:
+        out = local_fn(*[t.redistribute(mesh, replicate).to_local() for t in dtensors])
+    else:
+        out = local_fn(*[full_local(t) for t in dtensors])
     p = get_platform()
 
     def wrap(value: Any) -> Any:
-        if not p.is_tensor(value):
+        if not p.is_tensor(value) or isinstance(value, DTensor):
             return value
-        return DTensor(value, DTensorSpec(mesh, replicate, tuple(int(s) for s in value.shape)))
+        spec = DTensorSpec(mesh, replicate, tuple(int(s) for s in value.shape))
+        return wrap_local(value, spec) if differentiable else make_dtensor(value, spec)
 
     if isinstance(out, (tuple, list)):
         return type(out)(wrap(v) for v in out)

@@ -1,9 +1,21 @@
 """``DTensor``: a global tensor described by a mesh, placements and a global shape,
 holding this rank's local piece.
 
-The local tensor is the autograd node: ``from_local`` and ``to_local`` are identities
-on it, and ``redistribute`` is one differentiable function (see ``redistribute.py``),
-so gradients flow on both frameworks through the platform's custom functions.
+[Note: DTensor classes]
+Core defines one ``DTensor`` class. A backend whose framework lets a tensor subclass
+intercept its ops (``Platform.dtensor_type``) builds from it the class DTensors really
+have: a subclass of both the framework's tensor and this class, whose framework ops are
+routed to ``dispatch_local`` (torch: a wrapper subclass with ``__torch_dispatch__``).
+Every DTensor is made through ``make_dtensor``, so ``isinstance(x, DTensor)`` holds on
+every backend.
+
+Autograd sits where the framework puts it. With a framework tensor subclass, autograd
+records ops on the DTensors themselves (the intercepted ops run below it on the local
+tensors), so ``from_local`` / ``to_local`` are custom functions between the two levels
+(``_FromLocal`` / ``_ToLocal``, as torch's DTensor has). Otherwise (a backend without
+interception) the local tensor is the autograd node and ``from_local`` / ``to_local``
+are identities on it. ``redistribute`` is one differentiable function on the local
+tensor (see ``redistribute.py``) in both cases.
 """
 
 from __future__ import annotations
@@ -14,8 +26,15 @@ from typing import Any
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_shape, normalize_placements
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
-from hyper_parallel.core.dtensor.redistribute import redistribute_local, to_local_with_grad_placements
+from hyper_parallel.core.dtensor.redistribute import (
+    gradient_placements,
+    grad_to_layout,
+    redistribute_local,
+    redistribute_raw,
+    to_local_with_grad_placements,
+)
 from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.base import CustomFunction
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -28,9 +47,14 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 class DTensor:
     """A distributed tensor. Build one with ``DTensor.from_local`` or
-    ``distribute_tensor``; the constructor is internal."""
+    ``distribute_tensor``; the constructor is internal (see ``make_dtensor``).
 
-    __slots__ = ("_local", "_spec")
+    On a backend that intercepts framework ops (torch) a DTensor is also a framework
+    tensor: ``torch.nn.Parameter(dt)``, ``torch.nn.functional.linear(x_dt, w_dt)``,
+    optimizers and ``clip_grad_norm_`` run on it through the sharding rules (see
+    ``docs/dtensor.md``). The framework's own attributes (``shape``, ``dtype``,
+    operators, methods) then take precedence over the ones below, with the same meaning.
+    """
 
     def __init__(self, local: Any, spec: DTensorSpec) -> None:
         self._local: Any = local  # this rank's piece, shape spec.local_shape()
@@ -39,9 +63,11 @@ class DTensor:
     # -- construction ------------------------------------------------------------------
     @staticmethod
     def from_local(local: Any, device_mesh: DeviceMesh, placements: Sequence[Placement], *,
-                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None) -> DTensor:
+                   shape: Sequence[int] | None = None, stride: Sequence[int] | None = None,
+                   run_check: bool = False) -> DTensor:
         """Wrap this rank's ``local`` piece (no communication; differentiable: the
-        gradient of the DTensor's local tensor flows to ``local`` unchanged).
+        gradient of the DTensor flows to ``local`` as this rank's piece of it, laid out
+        as ``placements`` with ``Partial`` read as ``Replicate``).
 
         Args:
             local: this rank's tensor, any shape and dtype.
@@ -50,6 +76,8 @@ class DTensor:
             shape: the global shape. Needed for uneven shards; without it every
                 ``Shard(d)`` is taken to be even (global size = local size x axis size).
             stride: the global stride; only the contiguous stride of ``shape`` is supported.
+            run_check: accepted for torch's signature; the shape check below always runs
+                (it needs no communication) and values are never compared across ranks.
 
         Raises:
             TypeError: ``local`` is not a framework tensor, or a placement is not a Placement.
@@ -57,8 +85,9 @@ class DTensor:
                 is not this rank's piece of ``shape``, or a non-contiguous ``stride``.
         """
         p = get_platform()
-        if not p.is_tensor(local):
-            raise TypeError(f"DTensor.from_local: local must be a {p.framework} tensor, got {type(local).__name__}")
+        if isinstance(local, DTensor) or not p.is_tensor(local):
+            raise TypeError(f"DTensor.from_local: local must be a {p.framework} tensor (not a DTensor), got "
+                            f"{type(local).__name__}")
         local_dims = tuple(int(s) for s in local.shape)
         placements = normalize_placements(placements, device_mesh, len(local_dims), what="DTensor.from_local")
         if shape is None:
@@ -84,7 +113,7 @@ class DTensor:
                     f"{local_dims}, but {list(placements)} of global shape {shape} gives this rank {expected}; "
                     "pass the global shape= of uneven shards, or a local piece of the expected shape"
                 )
-        return DTensor(local, spec)
+        return wrap_local(local, spec)
 
     # -- conversions -------------------------------------------------------------------
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> Any:
@@ -101,10 +130,14 @@ class DTensor:
         Raises:
             ValueError: ``grad_placements`` does not fit the mesh or the tensor.
         """
+        if grad_placements is not None:
+            grad_placements = normalize_placements(grad_placements, self._spec.mesh, len(self._spec.shape),
+                                                   what="DTensor.to_local")
+        if _intercepts(type(self)):
+            grad = gradient_placements(self._spec.placements) if grad_placements is None else grad_placements
+            return get_platform().apply_function(_ToLocal, self, tuple(grad))
         if grad_placements is None:
             return self._local
-        grad_placements = normalize_placements(grad_placements, self._spec.mesh, len(self._spec.shape),
-                                               what="DTensor.to_local")
         return to_local_with_grad_placements(self._local, self._spec, grad_placements)
 
     def redistribute(self, device_mesh: DeviceMesh | None = None,
@@ -126,8 +159,10 @@ class DTensor:
                              f"{self._spec.mesh}; redistribution stays on one mesh")
         placements = self._spec.placements if placements is None else placements
         placements = normalize_placements(placements, mesh, len(self._spec.shape), what="DTensor.redistribute")
-        local = redistribute_local(self._local, self._spec, placements)
-        return DTensor(local, DTensorSpec(mesh, placements, self._spec.shape))
+        spec = DTensorSpec(mesh, placements, self._spec.shape)
+        if _intercepts(type(self)):
+            return wrap_local(redistribute_local(self.to_local(), self._spec, placements), spec)
+        return make_dtensor(redistribute_local(self._local, self._spec, placements), spec)
 
     def full_tensor(self) -> Any:
         """The whole global tensor on every rank (redistribute to all-Replicate, then
@@ -146,6 +181,11 @@ class DTensor:
     @property
     def spec(self) -> DTensorSpec:
         return self._spec
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """This rank's local shape."""
+        return tuple(int(s) for s in self._local.shape)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -232,9 +272,110 @@ class DTensor:
         """See ``functional.permute``."""
         return _functional().permute(self, *dims)
 
+    # -- what a backend's DTensor class calls (see Platform.dtensor_type) ----------------
+    @staticmethod
+    def dispatch_op(op: str, dtensors: Sequence[DTensor], local_fn: Any, params: dict[str, Any] | None = None,
+                    inplace: int | None = None, with_local_shape: bool = False) -> Any:
+        """Run an intercepted framework op: ``dispatch.dispatch_local``."""
+        from hyper_parallel.core.dtensor.dispatch import dispatch_local
+
+        return dispatch_local(op, dtensors, local_fn, params, inplace=inplace, with_local_shape=with_local_shape)
+
+    @staticmethod
+    def dispatch_explicit(op: str, tensors: Sequence[Any], local_fn: Any, params: dict[str, Any] | None = None) -> Any:
+        """Run a composite framework function whole, above autograd, as the explicit
+        calls of ``functional.py`` do: ``dispatch.dispatch`` (a backend routes the few
+        composite functions whose decomposition would lose a sharding here, such as a
+        batched matmul with sharded heads)."""
+        from hyper_parallel.core.dtensor.dispatch import dispatch
+
+        return dispatch(op, tensors, local_fn, params)
+
+    @staticmethod
+    def dispatch_skipped() -> bool:
+        """Whether ``SkipDTensorDispatch`` is active (ops then run on local tensors)."""
+        from hyper_parallel.core.dtensor.dispatch import dispatch_skipped
+
+        return dispatch_skipped()
+
+    @staticmethod
+    def full_local(dt: DTensor) -> Any:
+        """The whole tensor on this rank, outside autograd (all-gather / all-reduce)."""
+        from hyper_parallel.core.dtensor.dispatch import full_local
+
+        return full_local(dt)
+
+    @staticmethod
+    def replicated(local: Any, mesh: DeviceMesh) -> DTensor:
+        """``local``, which every rank of ``mesh`` makes whole, as a ``Replicate`` DTensor
+        outside autograd."""
+        spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(int(s) for s in local.shape))
+        return make_dtensor(local, spec)
+
     def __repr__(self) -> str:
         return (f"DTensor(shape={self.shape}, placements={list(self.placements)}, mesh={self.device_mesh}, "
                 f"local_shape={tuple(self._local.shape)})")
+
+
+def dtensor_class() -> type:
+    """The class DTensors have on the current backend (see [Note: DTensor classes])."""
+    return get_platform().dtensor_type(DTensor)
+
+
+def _intercepts(cls: type) -> bool:
+    """Whether ``cls`` is a framework tensor subclass (autograd on the DTensors)."""
+    return cls is not DTensor
+
+
+def make_dtensor(local: Any, spec: DTensorSpec) -> DTensor:
+    """A DTensor of ``local`` and ``spec``, outside autograd (no check, no communication):
+    what an op on DTensors returns below autograd, or a wrap whose gradient is handled
+    elsewhere."""
+    return dtensor_class()(local, spec)
+
+
+class _FromLocal(CustomFunction):
+    """Local tensor -> DTensor. Backward: the DTensor gradient taken to the layout of
+    the DTensor's gradient (its placements, ``Partial`` read as ``Replicate``: an
+    all-reduce of a ``Partial`` gradient), then its local tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Any, spec: DTensorSpec) -> Any:
+        ctx.spec = spec
+        return make_dtensor(local, spec)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+        if not isinstance(grad, DTensor):
+            return grad, None
+        target = gradient_placements(ctx.spec.placements)
+        return redistribute_raw(grad._local, grad.spec, target), None
+
+
+class _ToLocal(CustomFunction):
+    """DTensor -> its local tensor (a new view of it, so the DTensor's own local tensor
+    never becomes an autograd output). Backward: the local gradient, laid out as
+    ``grad_placements``, taken to the DTensor's gradient layout and wrapped."""
+
+    @staticmethod
+    def forward(ctx: Any, dt: Any, grad_placements: tuple[Placement, ...]) -> Any:
+        ctx.spec, ctx.grad_placements = dt.spec, grad_placements
+        local = dt._local
+        return local.view(tuple(local.shape))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+        spec = ctx.spec
+        local = grad_to_layout(grad, spec, ctx.grad_placements)
+        return make_dtensor(local, DTensorSpec(spec.mesh, gradient_placements(spec.placements), spec.shape)), None
+
+
+def wrap_local(local: Any, spec: DTensorSpec) -> DTensor:
+    """``local`` as a DTensor of ``spec``, differentiable (see ``_FromLocal``)."""
+    cls = dtensor_class()
+    if not _intercepts(cls):
+        return cls(local, spec)
+    return get_platform().apply_function(_FromLocal, local, spec)
 
 
 def _functional() -> Any:
@@ -269,6 +410,7 @@ def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence
             if device_mesh.shape[axis] > 1:
                 local = p.broadcast(local, 0, group=device_mesh.get_group(axis)).wait()
     shape = tuple(int(s) for s in tensor.shape)
-    replicated = DTensor(local, DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim, shape))
+    replicated = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim, shape)
     with p.no_grad():
-        return replicated.redistribute(placements=placements)
+        return make_dtensor(redistribute_local(local, replicated, placements),
+                            DTensorSpec(device_mesh, placements, shape))

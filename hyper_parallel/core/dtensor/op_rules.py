@@ -26,8 +26,19 @@ Families (``n``: the size of the mesh axis; dims are dims of the global tensors)
 | ``cross_entropy`` | ``logits [N, C]``, ``target [N]``: ``(Shard(0), Shard(0)) -> Shard(0)`` (``reduction="none"``) or ``Partial`` (``"sum"``) |
 | ``transpose``/``permute`` | ``Shard(d) -> Shard(d moved)``; ``Partial -> Partial`` |
 | ``view`` | ``Shard(d) -> Shard(d')`` when ``d`` maps to one output dim of the same size, or is the first dim of a split/merge whose chunks line up (``ceil(size / n)`` a whole multiple of the inner sizes); ``Partial -> Partial`` |
+| ``norm`` | p-norm (``ord``) over ``dim``: reduced dim sharded -> ``NormPartial(ord)``; kept dim ``Shard(d) -> Shard(d')``; ``NormPartial(ord) -> NormPartial(ord)`` (a norm of norms) |
+| ``stack`` | ``Shard(d)`` on every input -> ``Shard(d')`` (``d' = d`` before the new dim, ``d + 1`` from it); a ``Partial`` that an input has -> the same ``Partial`` on every input |
+| ``expand`` | ``Shard(d)`` of a dim that is not broadcast -> ``Shard(d')``; ``Partial -> Partial`` |
+| ``addmm`` | ``bias + x @ y`` (2-D): the ``matmul`` strategies of ``(x, y)``, the bias aligned to the output's shard (``Partial`` with a ``Partial`` output) |
+| ``embedding_backward`` | ``grad [*ids, dim]``, ``ids``: ``(Shard(-1), R) -> Shard(1)``; ``(Shard(d), Shard(d)) -> Partial``; ``(Partial, R) -> Partial`` |
 
-Strategies use only ``Partial("sum")``; inputs with another reduction are reduced first.
+``along_dim`` takes any number of inputs of the same rank (``cat``, a softmax's backward)
+and an output ``shape`` when it differs from the first input's (``cat``, ``slice``); with
+``partial="all"`` a ``Partial`` passes through (the op is linear).
+
+Strategies use only ``Partial("sum")`` (and ``NormPartial`` in ``norm`` / ``stack``);
+inputs with another reduction are reduced first. ``params["current"]`` (set by the
+dispatcher) holds the ``Partial`` placements the inputs have on the axis.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.core.dtensor.placement_types import NormPartial, Partial, Placement, Replicate, Shard
 
 R = Replicate()
 P = Partial("sum")
@@ -76,16 +87,33 @@ OP_RULES: MappingProxyType[str, OpRule] = MappingProxyType({
     "neg": OpRule("pointwise", partial="all"),
     "mul": OpRule("pointwise", partial="one"),
     "div": OpRule("pointwise", partial="first"),
-    **{name: OpRule("pointwise") for name in ("pow", "exp", "log", "sqrt", "rsqrt", "silu", "gelu", "relu",
-                                               "sigmoid", "tanh", "float")},
+    # identities, copies and casts are linear (a Partial passes through)
+    **{name: OpRule("pointwise", partial="all") for name in ("clone", "detach", "alias", "to_copy", "copy",
+                                                             "zeros_like", "lerp")},
+    **{name: OpRule("pointwise") for name in (
+        "pow", "exp", "log", "sqrt", "rsqrt", "silu", "gelu", "relu", "sigmoid", "tanh", "float", "abs", "sign",
+        "sin", "cos", "reciprocal", "clamp", "addcmul", "addcdiv", "maximum", "minimum", "where", "masked_fill",
+        "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "isnan", "isinf",
+        "isfinite", "ones_like", "empty_like", "full_like", "fill", "silu_backward", "sigmoid_backward",
+        "tanh_backward", "gelu_backward", "threshold_backward")},
     "matmul": OpRule("matmul"),
     "bmm": OpRule("matmul"),
     "linear": OpRule("linear"),
     "embedding": OpRule("embedding"),
     "sum": OpRule("reduce", reduce_op="sum"),
     "amax": OpRule("reduce"),
+    "amin": OpRule("reduce"),
+    "norm": OpRule("norm"),
     "softmax": OpRule("along_dim"),
     "log_softmax": OpRule("along_dim"),
+    "softmax_backward": OpRule("along_dim"),
+    "log_softmax_backward": OpRule("along_dim"),
+    "cat": OpRule("along_dim", partial="all"),
+    "slice": OpRule("along_dim", partial="all"),
+    "stack": OpRule("stack"),
+    "expand": OpRule("expand"),
+    "addmm": OpRule("addmm"),
+    "embedding_backward": OpRule("embedding_backward"),
     "cross_entropy": OpRule("cross_entropy"),
     "transpose": OpRule("transpose"),
     "permute": OpRule("permute"),
@@ -167,13 +195,22 @@ def output_shape(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[s
         return shapes[0][:-1] + (shapes[1][0],)
     if family == "embedding":
         return shapes[0] + (shapes[1][1],)
-    if family == "reduce":
+    if family in ("reduce", "norm"):
         reduced = _reduced(shapes[0], params.get("dim"))
         if params.get("keepdim", False):
             return tuple(1 if d in reduced else s for d, s in enumerate(shapes[0]))
         return tuple(s for d, s in enumerate(shapes[0]) if d not in reduced)
-    if family in ("along_dim",):
-        return shapes[0]
+    if family == "along_dim":
+        return tuple(params.get("shape", shapes[0]))
+    if family == "stack":
+        dim = params["dim"] % (len(shapes[0]) + 1)
+        return shapes[0][:dim] + (len(shapes),) + shapes[0][dim:]
+    if family == "expand":
+        return tuple(params["shape"])
+    if family == "addmm":
+        return (shapes[1][0], shapes[2][1])
+    if family == "embedding_backward":
+        return (params["num_weights"], shapes[0][-1])
     if family == "cross_entropy":
         return (shapes[0][0],) if params["reduction"] == "none" else ()
     if family == "transpose":
@@ -251,7 +288,42 @@ def strategies(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[str
     elif family == "along_dim":
         for d in range(len(shapes[0])):
             if d != params["dim"] % len(shapes[0]):
-                add([Shard(d)], Shard(d))
+                add([Shard(d)] * n_in, Shard(d))
+        if rule.partial == "all":
+            add([P] * n_in, P)
+    elif family == "norm":
+        reduced = _reduced(shapes[0], params.get("dim"))
+        keepdim = params.get("keepdim", False)
+        partial = NormPartial(float(params["ord"]))
+        for d in range(len(shapes[0])):
+            if d in reduced:
+                add([Shard(d)], partial)
+            else:
+                add([Shard(d)], Shard(d if keepdim else d - sum(1 for r in reduced if r < d)))
+        add([partial], partial)
+    elif family == "stack":
+        dim = params["dim"] % (len(shapes[0]) + 1)
+        for d in range(len(shapes[0])):
+            add([Shard(d)] * n_in, Shard(d if d < dim else d + 1))
+        for partial in sorted(params.get("current", ()), key=repr):
+            add([partial] * n_in, partial)
+    elif family == "expand":
+        offset = len(out_shape) - len(shapes[0])
+        for k, size in enumerate(shapes[0]):
+            if size == out_shape[k + offset] and size > 1:
+                add([Shard(k)], Shard(k + offset))
+        add([P], P)
+    elif family == "addmm":
+        bias = shapes[0]
+        for x_pl, y_pl, out in ((Shard(0), R, Shard(0)), (R, Shard(1), Shard(1)), (Shard(1), Shard(0), P),
+                                (P, R, P), (R, P, P)):
+            add([_aligned(bias, out_shape, out.dim) if isinstance(out, Shard) else out, x_pl, y_pl], out)
+    elif family == "embedding_backward":
+        ids = shapes[1]
+        add([Shard(len(ids)), R], Shard(1))
+        for d in range(len(ids)):
+            add([Shard(d), Shard(d)], P)
+        add([P, R], P)
     elif family == "cross_entropy":
         add([Shard(0), Shard(0)], Shard(0) if params["reduction"] == "none" else P)
     elif family == "transpose":

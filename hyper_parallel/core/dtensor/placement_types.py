@@ -155,3 +155,45 @@ class Partial(Placement):
         if p.dtype_name(local.dtype).startswith(("float", "bfloat")):
             return local / num
         return local if index == 0 else p.zeros(tuple(local.shape), local.dtype)
+
+
+@dataclass(frozen=True, repr=False)
+class NormPartial(Partial):
+    """One term of a pending p-norm over the mesh axis: the value is
+    ``(sum_r |local_r| ** p) ** (1 / p)`` over the axis's ranks (``max_r |local_r|`` for
+    ``p = inf``). What a vector norm of a sharded tensor gives before its reduction; a
+    norm of such norms (``clip_grad_norm_``'s norm of the per-gradient norms) stays one,
+    so the global norm costs one all-reduce (torch's DTensor has ``_NormPartial`` for the
+    same reason). Not differentiable: its transitions have no gradient.
+    """
+
+    norm_type: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (self.norm_type > 0):
+            raise ValueError(f"NormPartial(norm_type={self.norm_type!r}): only p-norms with p > 0 (or inf) "
+                             "have a partial form")
+
+    def __repr__(self) -> str:
+        return f"NormPartial({self.norm_type!r})"
+
+    def reduce(self, local: Any, group: Any) -> Any:
+        """NormPartial -> Replicate: **all-reduce** of ``|local| ** p`` (sum), then the
+        p-th root; ``p = inf``: all-reduce max of ``|local|``."""
+        p = get_platform()
+        magnitude = p.local_op("abs")(local)
+        if self.norm_type == float("inf"):
+            return p.all_reduce(magnitude, "max", group=group).wait()
+        total = p.all_reduce(magnitude ** self.norm_type, "sum", group=group).wait()
+        return total ** (1.0 / self.norm_type)
+
+    def reduce_shard(self, local: Any, dst: Shard, size: int, group: Any, num: int, index: int) -> Any:
+        """NormPartial -> Shard(d): the all-reduce of ``reduce``, then the local chunk."""
+        return dst.shard(self.reduce(local, group), size, num, index)
+
+    def partition(self, local: Any, num: int, index: int) -> Any:
+        """Replicate -> NormPartial (no communication): the value on axis coordinate 0,
+        zeros elsewhere (the norm of ``(v, 0, ..., 0)`` is ``|v|``; norms are >= 0)."""
+        if num == 1 or index == 0:
+            return local
+        return get_platform().zeros(tuple(local.shape), local.dtype)

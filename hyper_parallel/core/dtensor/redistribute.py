@@ -172,10 +172,24 @@ def gradient_placements(placements: tuple[Placement, ...]) -> tuple[Placement, .
     return tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
 
 
+def grad_to_layout(grad: Any, spec: DTensorSpec, grad_placements: tuple[Placement, ...]) -> Any:
+    """A local gradient laid out as ``grad_placements`` taken to the gradient layout of
+    ``spec``'s DTensor (each step forward-transformed, then 1/n per ``Partial('avg')``
+    axis); unchanged when ``grad_placements`` already is that layout."""
+    if spec.mesh.get_coordinate() is None or tuple(grad_placements) == gradient_placements(spec.placements):
+        return grad
+    coordinate = spec.mesh.get_coordinate()
+    grad_spec = DTensorSpec(spec.mesh, tuple(grad_placements), spec.shape)
+    for step in redistribute_plan(tuple(grad_placements), gradient_placements(spec.placements)):
+        grad = _forward_step(grad.contiguous(), step, grad_spec, coordinate)
+    for axis, placement in enumerate(spec.placements):
+        if placement == Partial("avg") and spec.mesh.shape[axis] > 1:
+            grad = grad / spec.mesh.shape[axis]
+    return grad
+
+
 class _ToLocalWithGradPlacements(CustomFunction):
-    """Identity forward; backward takes a local gradient laid out as ``grad_placements``
-    to the DTensor's gradient layout (each step forward-transformed, then 1/n per
-    ``Partial('avg')`` axis)."""
+    """Identity forward; backward: ``grad_to_layout``."""
 
     @staticmethod
     def forward(ctx: Any, local: Any, spec: DTensorSpec, grad_placements: tuple[Placement, ...]) -> Any:
@@ -184,15 +198,7 @@ class _ToLocalWithGradPlacements(CustomFunction):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
-        spec = ctx.spec
-        coordinate = spec.mesh.get_coordinate()
-        grad_spec = DTensorSpec(spec.mesh, ctx.grad_placements, spec.shape)
-        for step in redistribute_plan(ctx.grad_placements, gradient_placements(spec.placements)):
-            grad = _forward_step(grad.contiguous(), step, grad_spec, coordinate)
-        for axis, placement in enumerate(spec.placements):
-            if placement == Partial("avg") and spec.mesh.shape[axis] > 1:
-                grad = grad / spec.mesh.shape[axis]
-        return grad, None, None
+        return grad_to_layout(grad, ctx.spec, ctx.grad_placements), None, None
 
 
 def to_local_with_grad_placements(local: Any, spec: DTensorSpec, grad_placements: tuple[Placement, ...]) -> Any:
@@ -211,3 +217,16 @@ def redistribute_local(local: Any, spec: DTensorSpec, placements: tuple[Placemen
     if not steps or spec.mesh.get_coordinate() is None:
         return local
     return get_platform().apply_function(_Redistribute, local, spec, steps)
+
+
+def redistribute_raw(local: Any, spec: DTensorSpec, placements: tuple[Placement, ...]) -> Any:
+    """``redistribute_local`` outside autograd: what ops on DTensors run below the
+    framework's autograd (their own backward ops are dispatched in turn)."""
+    steps = redistribute_plan(spec.placements, tuple(placements))
+    coordinate = spec.mesh.get_coordinate()
+    if not steps or coordinate is None:
+        return local
+    with get_platform().no_grad():
+        for step in steps:
+            local = _forward_step(local.contiguous(), step, spec, coordinate)
+    return local

@@ -27,7 +27,7 @@ TENSOR_METHODS: tuple[str, ...] = (
 #: (the DTensor op rules run them on local tensors; see ``local_op``).
 LOCAL_OPS: tuple[str, ...] = (
     "softmax", "log_softmax", "embedding", "cross_entropy", "silu", "gelu", "relu", "sigmoid", "tanh",
-    "sqrt", "rsqrt", "pow",
+    "sqrt", "rsqrt", "pow", "abs",
 )
 
 

@@ -43,5 +43,23 @@ class TypesSection(ABC):
         """
 
     @abstractmethod
+    def dtensor_type(self, base: type) -> type:
+        """The class DTensors have on this backend, built once per ``base`` and cached.
+
+        ``base`` is core's framework-free ``DTensor`` (attributes ``_local``, the local
+        tensor, and ``_spec``; static members ``dispatch_op(op, dtensors, local_fn,
+        params, inplace, with_local_shape)``, ``dispatch_explicit(op, tensors, local_fn,
+        params)``, ``dispatch_skipped()``, ``full_local(dt)``, ``replicated(local, mesh)``). A backend whose
+        framework lets a tensor subclass intercept its ops returns a subclass of the
+        framework's tensor and of ``base``, constructed as ``cls(local, spec)`` without
+        autograd, that routes every framework op with a DTensor input to
+        ``base.dispatch_op`` (naming the op as ``OP_RULES`` does, with the op's
+        non-tensor arguments as the rule's params), runs ops on the local tensors while
+        ``base.dispatch_skipped()``, and gives the framework the global shape. torch:
+        a wrapper subclass with ``__torch_dispatch__``. A backend without such a hook
+        returns ``base`` itself (framework ops then do not take DTensors).
+        """
+
+    @abstractmethod
     def capabilities(self) -> frozenset[Capability]:
         """What this backend does natively; see ``Capability`` for what a missing member means."""

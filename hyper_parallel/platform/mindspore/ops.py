@@ -133,6 +133,7 @@ class MindSporeOps(OpsSection):
             "silu": functional.silu, "gelu": lambda x: ops.gelu(x, approximate="none"), "relu": functional.relu,
             "sigmoid": mint.sigmoid, "tanh": mint.tanh, "sqrt": mint.sqrt, "rsqrt": mint.rsqrt,
             "pow": lambda x, exponent: mint.pow(x, float(exponent)),
+            "abs": mint.abs,
         }
         return check_local_op(name, table)
 

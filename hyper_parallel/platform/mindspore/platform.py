@@ -87,6 +87,12 @@ class MindSporePlatform(
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, self._ms.Tensor)
 
+    def dtensor_type(self, base: type) -> type:
+        """``base`` itself: MindSpore ops do not intercept DTensors on this backend yet
+        (MindSpore 2.10's Tensor-subclass ``__fallback__`` hook is the planned route);
+        model code runs on DTensors through ``hyper_parallel.dtensor_functional``."""
+        return base
+
     def dtype(self, name: str) -> Any:
         """``mindspore.<name>`` (``"bool"`` is ``mindspore.bool_``)."""
         found = self._dtypes.get(name)

@@ -21,6 +21,7 @@ from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.collectives import TorchCollectives
+from hyper_parallel.platform.torch.dtensor import build_dtensor_type
 from hyper_parallel.platform.validation import (
     check_attention_backward,
     check_group_ranks,
@@ -96,6 +97,14 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, torch.Tensor)
+
+    def dtensor_type(self, base: type) -> type:
+        """A ``torch.Tensor`` wrapper subclass with ``__torch_dispatch__``; see
+        [Note: torch DTensor dispatch] in ``platform/torch/dtensor.py``."""
+        cache = self.__dict__.setdefault("_dtensor_types", {})
+        if base not in cache:
+            cache[base] = build_dtensor_type(base)
+        return cache[base]
 
     def dtype(self, name: str) -> Any:
         if name not in _DTYPES:
@@ -351,6 +360,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             "cross_entropy": lambda logits, target, reduction: F.cross_entropy(logits, target, reduction=reduction),
             "silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
             "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "pow": torch.pow,
+            "abs": torch.abs,
         }
         return check_local_op(name, table)
 

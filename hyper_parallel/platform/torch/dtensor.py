@@ -1,0 +1,337 @@
+"""The torch DTensor class: a ``torch.Tensor`` wrapper subclass whose aten ops are routed
+to core's sharding rules through ``__torch_dispatch__``.
+
+[Note: torch DTensor dispatch]
+A DTensor is a wrapper subclass (``torch.Tensor._make_wrapper_subclass``, as torch's own
+DTensor): it has the global shape, dtype and device and no storage; its local tensor is
+``_local``. ``__torch_function__`` passes every torch function on to the dispatcher
+(except a batched matmul, run whole under the matmul rule: its decomposition merges
+batch and head dims, which loses a head sharding): autograd records the op on the DTensors, composite ops (``F.linear``,
+``reshape``) decompose, and each aten op then arrives at ``__torch_dispatch__`` below
+autograd, forward and backward alike. There ``_translate`` names the op as
+``OP_RULES`` does (``aten.mm`` -> ``"matmul"``, ``aten._softmax`` -> ``"softmax"``) and
+reads its non-tensor arguments into the rule's params; core plans the redistributions
+and the output placements and runs the aten op on the local tensors. An aten op without
+a translation takes core's fallback (inputs to ``Replicate``, one warning per op).
+
+Arguments: Python numbers and 0-dim framework tensors (torch wraps Python scalars into
+those) stay in the local call as they are; a framework tensor with dims mixed with
+DTensors raises ``RuntimeError``, as torch's DTensor does (a ``TypeError`` would turn
+into Python's generic "unsupported operand" inside a binary operator): wrap it with
+``DTensor.from_local`` first.
+
+``_foreach_*`` ops (the optimizers' and ``clip_grad_norm_``'s multi-tensor paths) run
+as one aten call on the local tensors when, at every list index, the DTensors share one
+spec without ``Partial`` (an optimizer's parameter, gradient and states); otherwise
+index by index through the rule of the op's single-tensor form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+aten = torch.ops.aten
+
+#: pointwise aten ops whose rule has the op's own name
+_POINTWISE = frozenset({
+    "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "sqrt", "rsqrt", "silu", "gelu", "relu", "sigmoid",
+    "tanh", "abs", "sign", "sin", "cos", "reciprocal", "clamp", "addcmul", "addcdiv", "maximum", "minimum", "where",
+    "masked_fill", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "isnan", "isinf",
+    "isfinite", "ones_like", "empty_like", "full_like", "fill", "silu_backward", "sigmoid_backward",
+    "tanh_backward", "gelu_backward", "threshold_backward", "clone", "detach", "alias", "copy", "zeros_like",
+    "lerp",
+})
+#: pointwise aten ops under another rule name
+_RENAMED = {"_to_copy": "to_copy", "rsub": "sub", "clamp_min": "clamp", "clamp_max": "clamp", "zero": "zeros_like",
+            "mm": "matmul", "bmm": "bmm", "addmm": "addmm", "_softmax": "softmax", "_log_softmax": "log_softmax",
+            "_softmax_backward_data": "softmax_backward", "_log_softmax_backward_data": "log_softmax_backward",
+            "embedding_dense_backward": "embedding_backward"}
+
+
+def _shape_arg(shape: Sequence[int], numel: int) -> tuple[int, ...]:
+    """A view's size argument with ``-1`` resolved."""
+    shape = [int(s) for s in shape]
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            if s != -1:
+                known *= s
+        shape[shape.index(-1)] = numel // known if known else 0
+    return tuple(shape)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+def _dims(dim: Any) -> tuple[int, ...] | None:
+    if dim is None:
+        return None
+    if isinstance(dim, int):
+        return (dim,)
+    return tuple(dim) or None  # aten reads an empty dim list as "every dim"
+
+
+def _translate(name: str, overload: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+               is_dtensor: Callable[[Any], bool]) -> tuple[str, dict[str, Any]]:
+    """``(rule name, params)`` of an aten op (``name`` without a trailing ``_``); a rule
+    name not in ``OP_RULES`` takes core's fallback."""
+    x = args[0] if args else None
+    if name in _POINTWISE or name in ("_to_copy", "rsub", "clamp_min", "clamp_max", "zero"):
+        operands = args if name not in ("lerp",) else args[:2]
+        scalar = any(not is_dtensor(a) and (isinstance(a, (int, float)) or (isinstance(a, torch.Tensor)))
+                     for a in operands)
+        return _RENAMED.get(name, name), {"scalar": scalar, "first_is_tensor": is_dtensor(x)}
+    if name in ("mm", "bmm", "addmm", "embedding_dense_backward"):
+        params = {"num_weights": int(args[2])} if name == "embedding_dense_backward" else {}
+        return _RENAMED[name], params
+    if name in ("sum", "mean", "amax", "amin"):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and not isinstance(args[1], torch.dtype) else None)
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        return name, {"dim": _dims(dim), "keepdim": bool(keepdim)}
+    if name == "linalg_vector_norm":
+        ord_ = float(kwargs.get("ord", args[1] if len(args) > 1 else 2.0))
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+        keepdim = kwargs.get("keepdim", args[3] if len(args) > 3 else False)
+        rule = "norm" if ord_ > 0 else "linalg_vector_norm"
+        return rule, {"ord": ord_, "dim": _dims(dim), "keepdim": bool(keepdim)}
+    if name in ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"):
+        return _RENAMED[name], {"dim": int(args[1] if name in ("_softmax", "_log_softmax") else args[2])}
+    if name in ("view", "_unsafe_view") and overload in ("default", ""):
+        return "view", {"shape": _shape_arg(args[1], _numel(x.shape))}
+    if name == "unsqueeze":
+        dim = int(args[1]) % (x.dim() + 1)
+        shape = tuple(x.shape)
+        return "view", {"shape": shape[:dim] + (1,) + shape[dim:]}
+    if name == "squeeze":
+        dims = range(x.dim()) if len(args) < 2 else _dims(args[1])
+        drop = {d % max(x.dim(), 1) for d in dims if x.shape[d] == 1}
+        return "view", {"shape": tuple(s for d, s in enumerate(x.shape) if d not in drop)}
+    if name == "expand":
+        size = [int(s) for s in args[1]]
+        offset = len(size) - x.dim()
+        return "expand", {"shape": tuple(x.shape[k - offset] if s == -1 else s for k, s in enumerate(size))}
+    if name == "t":
+        return "transpose", {"dim0": 0, "dim1": min(1, x.dim() - 1)}
+    if name == "transpose":
+        return "transpose", {"dim0": int(args[1]) % x.dim(), "dim1": int(args[2]) % x.dim()}
+    if name == "permute":
+        return "permute", {"dims": tuple(int(d) % x.dim() for d in args[1])}
+    if name == "slice":
+        dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0)) % x.dim()
+        start = kwargs.get("start", args[2] if len(args) > 2 else None)
+        end = kwargs.get("end", args[3] if len(args) > 3 else None)
+        step = kwargs.get("step", args[4] if len(args) > 4 else 1)
+        shape = list(x.shape)
+        shape[dim] = len(range(*slice(start, end, step).indices(shape[dim])))
+        return "slice", {"dim": dim, "shape": tuple(shape)}
+    if name in ("cat", "stack"):
+        tensors = list(args[0])
+        dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
+        if name == "stack":
+            return "stack", {"dim": dim % (tensors[0].dim() + 1)}
+        dim %= tensors[0].dim()
+        shape = list(tensors[0].shape)
+        shape[dim] = sum(int(t.shape[dim]) for t in tensors)
+        return "cat", {"dim": dim, "shape": tuple(shape)}
+    if name == "embedding":
+        return "embedding", {}
+    return name, {}
+
+
+def _local_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                is_dtensor: Callable[[Any], bool]) -> tuple[list[Any], Callable[..., Any]]:
+    """The DTensors among ``args``/``kwargs`` (in order) and the op as a function of
+    their local tensors."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(flat) if is_dtensor(leaf)]
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor) and not is_dtensor(leaf) and leaf.dim() > 0:
+            raise RuntimeError(f"{func}: got a torch.Tensor of shape {tuple(leaf.shape)} together with DTensors; "
+                            "wrap it as a DTensor first, e.g. DTensor.from_local(t, mesh, [Replicate()] * "
+                            "mesh.ndim) for a tensor every rank holds whole")
+
+    def call(*locals_: Any) -> Any:
+        leaves = list(flat)
+        for i, local in zip(positions, locals_):
+            leaves[i] = local
+        local_args, local_kwargs = tree_unflatten(leaves, spec)
+        return func(*local_args, **local_kwargs)
+
+    return [flat[i] for i in positions], call
+
+
+def _unwrap_all(args: Any, is_dtensor: Callable[[Any], bool]) -> Any:
+    flat, spec = tree_flatten(args)
+    return tree_unflatten([leaf._local if is_dtensor(leaf) else leaf for leaf in flat], spec)
+
+
+def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A ``_foreach_*`` op: one call on the local tensors when every index's DTensors
+    share a spec without ``Partial`` and the op is pointwise, else index by index."""
+    def is_dtensor(x: Any) -> bool:
+        return isinstance(x, cls)
+
+    single = name[len("_foreach_"):]
+    inplace = single.endswith("_")
+    single = single.rstrip("_")
+    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+    count = len(args[lists[0]])
+    columns = [[args[i][k] for i in lists] for k in range(count)]
+    pointwise = single in _POINTWISE
+    fast = pointwise and not kwargs
+    for k, column in enumerate(columns):
+        others = [a for i, a in enumerate(args) if i not in lists and isinstance(a, torch.Tensor)]
+        dts = [t for t in column + others if is_dtensor(t)]
+        if (not dts or len({t.spec for t in dts}) != 1 or any(pl.is_partial() for pl in dts[0].placements)
+                or any(isinstance(t, torch.Tensor) and not is_dtensor(t) for t in column + others)):
+            fast = False
+            break
+    if fast:
+        out = func(*_unwrap_all(args, is_dtensor), **kwargs)
+        if inplace:
+            return out
+        return [cls(local, column[0].spec) for local, column in zip(out, columns)]
+    results = []
+    for k in range(count):
+        per_index = tuple([a[k]] if i in lists else a for i, a in enumerate(args))
+        rule, params = _translate(single if single != "norm" else "linalg_vector_norm", "default",
+                                  _single_args(single, per_index, lists), kwargs, is_dtensor)
+        dtensors, call = _local_call(func, per_index, kwargs, is_dtensor)
+        if not dtensors:
+            out = call()
+            results.append(None if inplace else out[0])
+            continue
+        writes_dtensor = inplace and is_dtensor(args[lists[0]][k])
+        results.append(cls.dispatch_op(rule, dtensors, lambda *ls, call=call: _foreach_result(call(*ls), ls, inplace),
+                                       params, 0 if writes_dtensor else None))
+    return None if inplace else results
+
+
+def _single_args(single: str, per_index: tuple[Any, ...], lists: list[int]) -> tuple[Any, ...]:
+    """The arguments of the single-tensor op an index of a foreach op runs (for reading
+    its params): each list argument's element."""
+    return tuple(a[0] if i in lists else a for i, a in enumerate(per_index))
+
+
+def _foreach_result(out: Any, locals_: Sequence[Any], inplace: bool) -> Any:
+    """The local result of one index: the written tensor for an in-place op (which
+    returns nothing), else the one-element list's element."""
+    return locals_[0] if inplace else out[0]
+
+
+def _global_strides(shape: Sequence[int], local: torch.Tensor) -> tuple[int, ...]:
+    """Contiguous strides of the global ``shape`` in the dim order of ``local``'s memory
+    (outermost first), so that composite ops deciding between a view and a copy
+    (``reshape``, ``contiguous``) decide as they would on the local tensor."""
+    ndim = len(shape)
+    order = sorted(range(ndim), key=lambda d: (-local.stride(d), d))
+    strides = [0] * ndim
+    acc = 1
+    for d in reversed(order):
+        strides[d] = acc
+        acc *= max(int(shape[d]), 1)
+    return tuple(strides)
+
+
+def _view(func: Any) -> Callable[..., Any]:
+    def call(x: torch.Tensor, local_shape: Sequence[int]) -> torch.Tensor:
+        try:
+            return func(x, list(local_shape))
+        except RuntimeError:
+            # The global strides said a view is possible but this rank's piece is not
+            # viewable (a non-contiguous slice): a copy (in-place writes to the result
+            # then do not reach the input, as after torch's reshape).
+            return x.reshape(list(local_shape))
+    return call
+
+
+def build_dtensor_type(base: type) -> type:
+    """The torch DTensor class over core's ``base`` (see [Note: torch DTensor dispatch])."""
+
+    explicit = {torch.matmul: "matmul", torch.Tensor.matmul: "matmul", torch.Tensor.__matmul__: "matmul"}
+
+    class DTensor(torch.Tensor, base):  # type: ignore[misc, valid-type]
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
+            # A batched matmul decomposes into a reshape that merges the batch and head
+            # dims, which cannot keep a head sharding: it runs whole under the matmul
+            # rule (batch dims shard), as the explicit dtensor_functional.matmul does.
+            op = explicit.get(func)
+            if (op is not None and not kwargs and len(args) == 2 and all(isinstance(a, cls) for a in args)
+                    and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
+                return base.dispatch_explicit(op, args, torch.matmul)
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+        @staticmethod
+        def __new__(cls, local: torch.Tensor, spec: Any) -> DTensor:
+            shape = tuple(spec.shape)
+            r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=_global_strides(shape, local),
+                                                    dtype=local.dtype, device=local.device, layout=local.layout,
+                                                    requires_grad=False)
+            r._local = local
+            r._spec = spec
+            return r
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass  # __new__ sets the attributes
+
+        def __repr__(self, *, tensor_contents: Any = None) -> str:
+            return base.__repr__(self)
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
+            kwargs = kwargs or {}
+
+            def is_dtensor(x: Any) -> bool:
+                return isinstance(x, cls)
+
+            name = func.overloadpacket.__name__
+            inplace = name.endswith("_") and not name.endswith("__")
+            if base.dispatch_skipped():
+                out = func(*_unwrap_all(args, is_dtensor), **_unwrap_all(kwargs, is_dtensor))
+                return args[0] if inplace and not name.startswith("_foreach_") else out
+            if name.startswith("_foreach_"):
+                return _run_foreach(cls, func, name, args, kwargs)
+            if name in ("_local_scalar_dense", "equal", "is_same_size"):
+                return func(*[base.full_local(a) if is_dtensor(a) else a for a in args], **kwargs)
+            if name.startswith("new_") and is_dtensor(args[0]):
+                # x.new_zeros(size) and the like: a new tensor every rank makes whole
+                # (torch's DTensor makes it replicated too)
+                return base.replicated(func(args[0]._local, *args[1:], **kwargs), args[0].device_mesh)
+            rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs,
+                                      is_dtensor)
+            dtensors, call = _local_call(func, args, kwargs, is_dtensor)
+            if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand"):
+                # the size argument is global; the local call takes this rank's
+                local_fn = _view(func) if rule == "view" else (lambda x, local_shape: func(x, list(local_shape)))
+                return base.dispatch_op(rule, dtensors, local_fn, params, with_local_shape=True)
+            if name == "mean":
+                # the sum over the global count (an exact mean of uneven shards; a sharded
+                # reduced dim gives Partial("sum"), as for functional.mean)
+                dims = params["dim"] if params["dim"] is not None else tuple(range(args[0].dim()))
+                count = _numel([args[0].shape[d] for d in dims])
+                dtype = kwargs.get("dtype")
+
+                def mean(x: torch.Tensor) -> torch.Tensor:
+                    return aten.sum.dim_IntList(x, list(dims), params["keepdim"], dtype=dtype) / count
+
+                return base.dispatch_op("sum", dtensors, mean, params)
+            if rule == "embedding":
+                # aten.embedding(weight, indices); the rule takes (indices, weight)
+                dtensors = dtensors[::-1]
+                return base.dispatch_op(rule, dtensors, lambda ids, w: call(w, ids), params)
+            return base.dispatch_op(rule, dtensors, call, params,
+                                    0 if inplace and is_dtensor(args[0]) else None)
+
+    return DTensor
