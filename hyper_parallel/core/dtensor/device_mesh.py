@@ -182,10 +182,16 @@ class DeviceMesh:
 
     # -- identity ----------------------------------------------------------------------
     def _key(self) -> tuple[Any, ...]:
-        return self._device_type, self.shape, tuple(self._mesh.reshape(-1).tolist()), self._names
+        # a mesh never changes after construction, and every DTensor op compares and
+        # hashes meshes: the key is computed once
+        key = self.__dict__.get("_cached_key")
+        if key is None:
+            key = self._device_type, self.shape, tuple(self._mesh.reshape(-1).tolist()), self._names
+            self.__dict__["_cached_key"] = key
+        return key
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, DeviceMesh) and self._key() == other._key()
+        return self is other or (isinstance(other, DeviceMesh) and self._key() == other._key())
 
     def __hash__(self) -> int:
         return hash(self._key())

@@ -129,10 +129,12 @@ def _is_floating(local: Any) -> bool:
 
 @dataclass(frozen=True)
 class OpPlan:
-    """The placements each input is redistributed to, and the output's spec."""
+    """The placements each input is redistributed to, and the output's spec (and this
+    rank's shape of it)."""
 
     targets: tuple[tuple[Placement, ...], ...]
     out_spec: DTensorSpec
+    out_local_shape: tuple[int, ...]
 
 
 def _freeze(value: Any) -> Any:
@@ -143,11 +145,18 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def plan_op(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | None = None,
+def freeze_params(params: dict[str, Any] | None) -> tuple[Any, ...]:
+    """``params`` as the hashable tuple ``plan_op`` keys its cache by (a caller that
+    dispatches the same op often freezes once)."""
+    return _freeze(params) if params else ()
+
+
+def plan_op(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | tuple[Any, ...] | None = None,
             inplace: int | None = None) -> OpPlan:
     """The plan of ``op`` (a key of ``OP_RULES``) on inputs of ``specs`` (one mesh).
 
     Args:
+        params: the rule's params, a dict or frozen by ``freeze_params``.
         inplace: the index of the input an in-place op writes: it keeps its placements
             and the output has them.
 
@@ -157,7 +166,8 @@ def plan_op(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | None
             placements on some mesh axis (``x.add_(y)`` always can: ``y`` is moved to
             ``x``'s layout; an in-place softmax over ``x``'s sharded dim cannot).
     """
-    return _plan_cached(op, tuple(specs), _freeze(dict(params or {})), inplace)
+    frozen = params if isinstance(params, tuple) else _freeze(params) if params else ()
+    return _plan_cached(op, tuple(specs), frozen, inplace)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -203,15 +213,16 @@ def _plan_cached(op: str, specs: tuple[DTensorSpec, ...], frozen: tuple[Any, ...
             break
         chosen[axis] = replicated
     targets = tuple(tuple(c.inputs[i] for c in chosen) for i in range(len(specs)))
-    return OpPlan(targets, DTensorSpec(mesh, tuple(c.output for c in chosen), tuple(out_shape)))
+    out_spec = DTensorSpec(mesh, tuple(c.output for c in chosen), tuple(out_shape))
+    return OpPlan(targets, out_spec, out_spec.local_shape())
 
 
 def _check_result(op: str, out: Any, plan: OpPlan) -> None:
-    spec = plan.out_spec
-    if tuple(int(s) for s in out.shape) != spec.local_shape():
+    if tuple(out.shape) != plan.out_local_shape:
+        spec = plan.out_spec
         raise RuntimeError(f"{op}: the local result has shape {tuple(out.shape)}, but the rule's output "
                            f"{list(spec.placements)} of global shape {spec.shape} gives this rank "
-                           f"{spec.local_shape()}; the rule in op_rules.py does not describe this op")
+                           f"{plan.out_local_shape}; the rule in op_rules.py does not describe this op")
 
 
 def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
@@ -296,10 +307,11 @@ def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[...,
     """
     if dispatch_skipped():
         return local_fn(*[t._local for t in dtensors])
-    mesh = dtensors[0].device_mesh
-    for t in dtensors[1:]:
-        if t.device_mesh != mesh:
-            raise ValueError(f"{op}: inputs live on different meshes ({mesh} and {t.device_mesh}); "
+    specs = [t._spec for t in dtensors]
+    mesh = specs[0].mesh
+    for spec in specs[1:]:
+        if spec.mesh != mesh:
+            raise ValueError(f"{op}: inputs live on different meshes ({mesh} and {spec.mesh}); "
                              "redistribute them onto one mesh first")
     if op not in OP_RULES:
         if inplace is not None and any(not pl.is_replicate() for pl in dtensors[inplace].placements):
@@ -307,8 +319,9 @@ def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[...,
                                "the op has no sharding rule (hyper_parallel.core.dtensor.op_rules.OP_RULES), so it "
                                "could only run on a replicated copy; use the out-of-place op")
         return _fallback(op, dtensors, local_fn, differentiable=False)
-    plan = plan_op(op, [t.spec for t in dtensors], params, inplace)
-    locals_ = [redistribute_raw(t._local, t.spec, target) for t, target in zip(dtensors, plan.targets)]
+    plan = plan_op(op, specs, params, inplace)
+    locals_ = [t._local if target == spec.placements else redistribute_raw(t._local, spec, target)
+               for t, spec, target in zip(dtensors, specs, plan.targets)]
     if with_local_shape:
         out = local_fn(*locals_, local_shape=plan.out_spec.local_shape())
     else:

@@ -274,12 +274,17 @@ class DTensor:
 
     # -- what a backend's DTensor class calls (see Platform.dtensor_type) ----------------
     @staticmethod
-    def dispatch_op(op: str, dtensors: Sequence[DTensor], local_fn: Any, params: dict[str, Any] | None = None,
-                    inplace: int | None = None, with_local_shape: bool = False) -> Any:
+    def dispatch_op(op: str, dtensors: Sequence[DTensor], local_fn: Any,
+                    params: dict[str, Any] | tuple[Any, ...] | None = None, inplace: int | None = None,
+                    with_local_shape: bool = False) -> Any:
         """Run an intercepted framework op: ``dispatch.dispatch_local``."""
-        from hyper_parallel.core.dtensor.dispatch import dispatch_local
+        return _dispatch.dispatch_local(op, dtensors, local_fn, params, inplace=inplace,
+                                        with_local_shape=with_local_shape)
 
-        return dispatch_local(op, dtensors, local_fn, params, inplace=inplace, with_local_shape=with_local_shape)
+    @staticmethod
+    def freeze_params(params: dict[str, Any] | None) -> tuple[Any, ...]:
+        """``params`` frozen for ``dispatch_op`` (a backend caching its translations)."""
+        return _dispatch.freeze_params(params)
 
     @staticmethod
     def dispatch_explicit(op: str, tensors: Sequence[Any], local_fn: Any, params: dict[str, Any] | None = None) -> Any:
@@ -287,23 +292,17 @@ class DTensor:
         calls of ``functional.py`` do: ``dispatch.dispatch`` (a backend routes the few
         composite functions whose decomposition would lose a sharding here, such as a
         batched matmul with sharded heads)."""
-        from hyper_parallel.core.dtensor.dispatch import dispatch
-
-        return dispatch(op, tensors, local_fn, params)
+        return _dispatch.dispatch(op, tensors, local_fn, params)
 
     @staticmethod
     def dispatch_skipped() -> bool:
         """Whether ``SkipDTensorDispatch`` is active (ops then run on local tensors)."""
-        from hyper_parallel.core.dtensor.dispatch import dispatch_skipped
-
-        return dispatch_skipped()
+        return _dispatch.dispatch_skipped()
 
     @staticmethod
     def full_local(dt: DTensor) -> Any:
         """The whole tensor on this rank, outside autograd (all-gather / all-reduce)."""
-        from hyper_parallel.core.dtensor.dispatch import full_local
-
-        return full_local(dt)
+        return _dispatch.full_local(dt)
 
     @staticmethod
     def replicated(local: Any, mesh: DeviceMesh) -> DTensor:
@@ -414,3 +413,8 @@ def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence
     with p.no_grad():
         return make_dtensor(redistribute_local(local, replicated, placements),
                             DTensorSpec(device_mesh, placements, shape))
+
+
+# dispatch.py builds on this module (it wraps results in DTensors), so it is imported
+# once this module's names exist; the DTensor hooks above call into it.
+from hyper_parallel.core.dtensor import dispatch as _dispatch  # noqa: E402

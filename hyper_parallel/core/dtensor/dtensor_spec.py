@@ -66,6 +66,14 @@ class DTensorSpec:
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
 
+    def __hash__(self) -> int:
+        # specs key the op-plan cache; the fields never change, so the hash is computed once
+        value = self.__dict__.get("_hash")
+        if value is None:
+            value = hash((self.mesh, self.placements, self.shape))
+            object.__setattr__(self, "_hash", value)
+        return value
+
     def local_shape(self) -> tuple[int, ...]:
         """This rank's local shape."""
         coordinate = self.mesh.get_coordinate()

@@ -30,6 +30,7 @@ Families (``n``: the size of the mesh axis; dims are dims of the global tensors)
 | ``stack`` | ``Shard(d)`` on every input -> ``Shard(d')`` (``d' = d`` before the new dim, ``d + 1`` from it); a ``Partial`` that an input has -> the same ``Partial`` on every input |
 | ``expand`` | ``Shard(d)`` of a dim that is not broadcast -> ``Shard(d')``; ``Partial -> Partial`` |
 | ``addmm`` | ``bias + x @ y`` (2-D): the ``matmul`` strategies of ``(x, y)``, the bias aligned to the output's shard (``Partial`` with a ``Partial`` output) |
+| ``like`` | a new tensor of the input's shape that does not read its values (``ones_like``, ``fill``): ``Shard(d) -> Shard(d)``; ``Partial -> Replicate`` (no communication) |
 | ``embedding_backward`` | ``grad [*ids, dim]``, ``ids``: ``(Shard(-1), R) -> Shard(1)``; ``(Shard(d), Shard(d)) -> Partial``; ``(Partial, R) -> Partial`` |
 
 ``along_dim`` takes any number of inputs of the same rank (``cat``, a softmax's backward)
@@ -88,13 +89,15 @@ OP_RULES: MappingProxyType[str, OpRule] = MappingProxyType({
     "mul": OpRule("pointwise", partial="one"),
     "div": OpRule("pointwise", partial="first"),
     # identities, copies and casts are linear (a Partial passes through)
-    **{name: OpRule("pointwise", partial="all") for name in ("clone", "detach", "alias", "to_copy", "copy",
-                                                             "zeros_like", "lerp")},
+    **{name: OpRule("pointwise", partial="all") for name in ("clone", "detach", "alias", "to_copy", "copy", "lerp")},
+    # new tensors shaped like the input, whose values they do not read
+    **{name: OpRule("like") for name in ("ones_like", "empty_like", "full_like", "fill")},
+    "zeros_like": OpRule("like", partial="all"),  # zeros are a valid Partial("sum") too (zero_ of a Partial)
     **{name: OpRule("pointwise") for name in (
         "pow", "exp", "log", "sqrt", "rsqrt", "silu", "gelu", "relu", "sigmoid", "tanh", "float", "abs", "sign",
         "sin", "cos", "reciprocal", "clamp", "addcmul", "addcdiv", "maximum", "minimum", "where", "masked_fill",
         "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "isnan", "isinf",
-        "isfinite", "ones_like", "empty_like", "full_like", "fill", "silu_backward", "sigmoid_backward",
+        "isfinite", "silu_backward", "sigmoid_backward",
         "tanh_backward", "gelu_backward", "threshold_backward")},
     "matmul": OpRule("matmul"),
     "bmm": OpRule("matmul"),
@@ -202,6 +205,8 @@ def output_shape(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[s
         return tuple(s for d, s in enumerate(shapes[0]) if d not in reduced)
     if family == "along_dim":
         return tuple(params.get("shape", shapes[0]))
+    if family == "like":
+        return shapes[0]
     if family == "stack":
         dim = params["dim"] % (len(shapes[0]) + 1)
         return shapes[0][:dim] + (len(shapes),) + shapes[0][dim:]
@@ -318,6 +323,13 @@ def strategies(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[str
         for x_pl, y_pl, out in ((Shard(0), R, Shard(0)), (R, Shard(1), Shard(1)), (Shard(1), Shard(0), P),
                                 (P, R, P), (R, P, P)):
             add([_aligned(bias, out_shape, out.dim) if isinstance(out, Shard) else out, x_pl, y_pl], out)
+    elif family == "like":
+        for d in range(len(shapes[0])):
+            add([Shard(d)], Shard(d))
+        for partial in sorted(params.get("current", ()), key=repr):
+            if rule.partial == "all":
+                add([partial], partial)
+            add([partial], R)
     elif family == "embedding_backward":
         ids = shapes[1]
         add([Shard(len(ids)), R], Shard(1))

@@ -49,7 +49,8 @@ class TypesSection(ABC):
         ``base`` is core's framework-free ``DTensor`` (attributes ``_local``, the local
         tensor, and ``_spec``; static members ``dispatch_op(op, dtensors, local_fn,
         params, inplace, with_local_shape)``, ``dispatch_explicit(op, tensors, local_fn,
-        params)``, ``dispatch_skipped()``, ``full_local(dt)``, ``replicated(local, mesh)``). A backend whose
+        params)``, ``dispatch_skipped()``, ``full_local(dt)``, ``replicated(local, mesh)``,
+        ``freeze_params(params)``). A backend whose
         framework lets a tensor subclass intercept its ops returns a subclass of the
         framework's tensor and of ``base``, constructed as ``cls(local, spec)`` without
         autograd, that routes every framework op with a DTensor input to

@@ -28,6 +28,7 @@ index by index through the rule of the op's single-tensor form.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,13 +151,21 @@ def _local_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 is_dtensor: Callable[[Any], bool]) -> tuple[list[Any], Callable[..., Any]]:
     """The DTensors among ``args``/``kwargs`` (in order) and the op as a function of
     their local tensors."""
+    if not kwargs and not any(isinstance(a, (list, tuple)) for a in args):
+        # the common case, without pytree: flat positional arguments
+        positions = [i for i, a in enumerate(args) if is_dtensor(a)]
+        _check_mixed(func, args, is_dtensor)
+
+        def call_flat(*locals_: Any) -> Any:
+            leaves = list(args)
+            for i, local in zip(positions, locals_):
+                leaves[i] = local
+            return func(*leaves)
+
+        return [args[i] for i in positions], call_flat
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(flat) if is_dtensor(leaf)]
-    for leaf in flat:
-        if isinstance(leaf, torch.Tensor) and not is_dtensor(leaf) and leaf.dim() > 0:
-            raise RuntimeError(f"{func}: got a torch.Tensor of shape {tuple(leaf.shape)} together with DTensors; "
-                            "wrap it as a DTensor first, e.g. DTensor.from_local(t, mesh, [Replicate()] * "
-                            "mesh.ndim) for a tensor every rank holds whole")
+    _check_mixed(func, flat, is_dtensor)
 
     def call(*locals_: Any) -> Any:
         leaves = list(flat)
@@ -166,6 +175,14 @@ def _local_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         return func(*local_args, **local_kwargs)
 
     return [flat[i] for i in positions], call
+
+
+def _check_mixed(func: Any, leaves: Sequence[Any], is_dtensor: Callable[[Any], bool]) -> None:
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and not is_dtensor(leaf) and leaf.dim() > 0:
+            raise RuntimeError(f"{func}: got a torch.Tensor of shape {tuple(leaf.shape)} together with DTensors; "
+                               "wrap it as a DTensor first, e.g. DTensor.from_local(t, mesh, [Replicate()] * "
+                               "mesh.ndim) for a tensor every rank holds whole")
 
 
 def _unwrap_all(args: Any, is_dtensor: Callable[[Any], bool]) -> Any:
@@ -184,21 +201,12 @@ def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs:
     single = single.rstrip("_")
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
     count = len(args[lists[0]])
-    columns = [[args[i][k] for i in lists] for k in range(count)]
-    pointwise = single in _POINTWISE
-    fast = pointwise and not kwargs
-    for k, column in enumerate(columns):
-        others = [a for i, a in enumerate(args) if i not in lists and isinstance(a, torch.Tensor)]
-        dts = [t for t in column + others if is_dtensor(t)]
-        if (not dts or len({t.spec for t in dts}) != 1 or any(pl.is_partial() for pl in dts[0].placements)
-                or any(isinstance(t, torch.Tensor) and not is_dtensor(t) for t in column + others)):
-            fast = False
-            break
-    if fast:
-        out = func(*_unwrap_all(args, is_dtensor), **kwargs)
+    if single in _POINTWISE and not kwargs and _foreach_fits(cls, args, lists, count):
+        out = func(*[[x._local if isinstance(x, cls) else x for x in a] if i in lists else a
+                     for i, a in enumerate(args)])
         if inplace:
             return out
-        return [cls(local, column[0].spec) for local, column in zip(out, columns)]
+        return [cls(local, args[lists[0]][k]._spec) for k, local in enumerate(out)]
     results = []
     for k in range(count):
         per_index = tuple([a[k]] if i in lists else a for i, a in enumerate(args))
@@ -215,6 +223,31 @@ def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs:
     return None if inplace else results
 
 
+def _foreach_fits(cls: type, args: tuple[Any, ...], lists: list[int], count: int) -> bool:
+    """Whether a pointwise foreach op can run as one call on the local tensors: every
+    tensor argument is a list of DTensors, and at each index they share one spec
+    without ``Partial`` (the result then has that spec)."""
+    if any(isinstance(a, torch.Tensor) for i, a in enumerate(args) if i not in lists):
+        return False
+    seen: set[Any] = set()
+    for k in range(count):
+        spec = None
+        for i in lists:
+            x = args[i][k]
+            if isinstance(x, cls):
+                if spec is None:
+                    spec = x._spec
+                elif x._spec is not spec and x._spec != spec:
+                    return False
+            elif isinstance(x, torch.Tensor) or spec is None and i == lists[0]:
+                return False  # a plain tensor, or nothing to write
+        if spec not in seen:
+            if any(pl.is_partial() for pl in spec.placements):
+                return False
+            seen.add(spec)
+    return True
+
+
 def _single_args(single: str, per_index: tuple[Any, ...], lists: list[int]) -> tuple[Any, ...]:
     """The arguments of the single-tensor op an index of a foreach op runs (for reading
     its params): each list argument's element."""
@@ -227,18 +260,13 @@ def _foreach_result(out: Any, locals_: Sequence[Any], inplace: bool) -> Any:
     return locals_[0] if inplace else out[0]
 
 
-def _global_strides(shape: Sequence[int], local: torch.Tensor) -> tuple[int, ...]:
-    """Contiguous strides of the global ``shape`` in the dim order of ``local``'s memory
-    (outermost first), so that composite ops deciding between a view and a copy
-    (``reshape``, ``contiguous``) decide as they would on the local tensor."""
-    ndim = len(shape)
-    order = sorted(range(ndim), key=lambda d: (-local.stride(d), d))
-    strides = [0] * ndim
-    acc = 1
-    for d in reversed(order):
-        strides[d] = acc
-        acc *= max(int(shape[d]), 1)
-    return tuple(strides)
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(size), 1)
+    return tuple(reversed(strides))
 
 
 def _view(func: Any) -> Callable[..., Any]:
@@ -246,9 +274,10 @@ def _view(func: Any) -> Callable[..., Any]:
         try:
             return func(x, list(local_shape))
         except RuntimeError:
-            # The global strides said a view is possible but this rank's piece is not
-            # viewable (a non-contiguous slice): a copy (in-place writes to the result
-            # then do not reach the input, as after torch's reshape).
+            # The global (contiguous) strides said a view is possible but this rank's
+            # piece is not viewable (a transposed or sliced piece): a copy, as torch's
+            # reshape makes of a non-contiguous tensor (in-place writes to the result
+            # then do not reach the input).
             return x.reshape(list(local_shape))
     return call
 
@@ -269,13 +298,19 @@ def build_dtensor_type(base: type) -> type:
             if (op is not None and not kwargs and len(args) == 2 and all(isinstance(a, cls) for a in args)
                     and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
                 return base.dispatch_explicit(op, args, torch.matmul)
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
+            # everything else straight on (what torch's DTensor has as __torch_function__)
+            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
         @staticmethod
         def __new__(cls, local: torch.Tensor, spec: Any) -> DTensor:
             shape = tuple(spec.shape)
-            r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=_global_strides(shape, local),
+            # The strides are the contiguous ones of the global shape on every rank, never
+            # derived from the local piece: composite ops (reshape, contiguous) decide
+            # between a view and a copy from them, and a decision that differed between
+            # ranks (a size-1 piece is contiguous where its peers are not) would send the
+            # ranks down different op sequences and mismatch their collectives. A view of
+            # a piece that is not viewable copies instead (see ``_view``).
+            r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=_contiguous_strides(shape),
                                                     dtype=local.dtype, device=local.device, layout=local.layout,
                                                     requires_grad=False)
             r._local = local
@@ -291,47 +326,105 @@ def build_dtensor_type(base: type) -> type:
         @classmethod
         def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:
-            kwargs = kwargs or {}
-
-            def is_dtensor(x: Any) -> bool:
-                return isinstance(x, cls)
-
-            name = func.overloadpacket.__name__
-            inplace = name.endswith("_") and not name.endswith("__")
             if base.dispatch_skipped():
-                out = func(*_unwrap_all(args, is_dtensor), **_unwrap_all(kwargs, is_dtensor))
-                return args[0] if inplace and not name.startswith("_foreach_") else out
-            if name.startswith("_foreach_"):
-                return _run_foreach(cls, func, name, args, kwargs)
-            if name in ("_local_scalar_dense", "equal", "is_same_size"):
-                return func(*[base.full_local(a) if is_dtensor(a) else a for a in args], **kwargs)
-            if name.startswith("new_") and is_dtensor(args[0]):
-                # x.new_zeros(size) and the like: a new tensor every rank makes whole
-                # (torch's DTensor makes it replicated too)
-                return base.replicated(func(args[0]._local, *args[1:], **kwargs), args[0].device_mesh)
-            rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs,
-                                      is_dtensor)
-            dtensors, call = _local_call(func, args, kwargs, is_dtensor)
-            if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand"):
-                # the size argument is global; the local call takes this rank's
-                local_fn = _view(func) if rule == "view" else (lambda x, local_shape: func(x, list(local_shape)))
-                return base.dispatch_op(rule, dtensors, local_fn, params, with_local_shape=True)
-            if name == "mean":
-                # the sum over the global count (an exact mean of uneven shards; a sharded
-                # reduced dim gives Partial("sum"), as for functional.mean)
-                dims = params["dim"] if params["dim"] is not None else tuple(range(args[0].dim()))
-                count = _numel([args[0].shape[d] for d in dims])
-                dtype = kwargs.get("dtype")
+                return _run_skipped(cls, func, args, kwargs or {})
+            key = None if kwargs else _flat_key(cls, func, args)
+            entry = plans.get(key) if key is not None else None
+            if entry is not None:
+                rule, params, inplace, positions = entry
+                dtensors = [args[i] for i in positions]
 
-                def mean(x: torch.Tensor) -> torch.Tensor:
-                    return aten.sum.dim_IntList(x, list(dims), params["keepdim"], dtype=dtype) / count
+                def call(*locals_: Any) -> Any:
+                    leaves = list(args)
+                    for i, local in zip(positions, locals_):
+                        leaves[i] = local
+                    return func(*leaves)
 
-                return base.dispatch_op("sum", dtensors, mean, params)
-            if rule == "embedding":
-                # aten.embedding(weight, indices); the rule takes (indices, weight)
-                dtensors = dtensors[::-1]
-                return base.dispatch_op(rule, dtensors, lambda ids, w: call(w, ids), params)
-            return base.dispatch_op(rule, dtensors, call, params,
-                                    0 if inplace and is_dtensor(args[0]) else None)
+                return base.dispatch_op(rule, dtensors, call, params, inplace)
+            return _run_op(cls, base, func, args, kwargs or {}, key, plans)
 
+    # (func, argument specs and values) -> (rule, params, inplace, DTensor positions) of
+    # the ops that run as they are (no special local call): the translation and the
+    # frozen params are computed once per such key; bounded (cleared when full).
+    plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     return DTensor
+
+
+def _flat_key(cls: type, func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A hashable key of an op call with flat positional arguments, or None."""
+    parts: list[Any] = [func]
+    for a in args:
+        if isinstance(a, cls):
+            parts.append(a._spec)
+        elif isinstance(a, torch.Tensor):
+            if a.dim() != 0:
+                return None
+            parts.append(_SCALAR_TENSOR)
+        elif isinstance(a, (list, tuple)):
+            return None
+        else:
+            parts.append((type(a), a))
+    return tuple(parts)
+
+
+_SCALAR_TENSOR = ("0-dim tensor",)
+_PLAN_CACHE_SIZE = 4096
+
+
+def _run_skipped(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Under ``SkipDTensorDispatch``: the op on the local tensors; an in-place op returns
+    the DTensor it wrote."""
+    def is_dtensor(x: Any) -> bool:
+        return isinstance(x, cls)
+
+    name = func.overloadpacket.__name__
+    out = func(*_unwrap_all(args, is_dtensor), **_unwrap_all(kwargs, is_dtensor))
+    inplace = name.endswith("_") and not name.endswith("__") and not name.startswith("_foreach_")
+    return args[0] if inplace else out
+
+
+def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+            key: tuple[Any, ...] | None, plans: dict[tuple[Any, ...], tuple[Any, ...]]) -> Any:
+    """An intercepted op the plan cache does not hold: translate it, run it, and cache
+    its translation when the op runs as it is."""
+    def is_dtensor(x: Any) -> bool:
+        return isinstance(x, cls)
+
+    name = func.overloadpacket.__name__
+    inplace = name.endswith("_") and not name.endswith("__")
+    if name.startswith("_foreach_"):
+        return _run_foreach(cls, func, name, args, kwargs)
+    if name in ("_local_scalar_dense", "equal", "is_same_size"):
+        return func(*[base.full_local(a) if is_dtensor(a) else a for a in args], **kwargs)
+    if name.startswith("new_") and is_dtensor(args[0]):
+        # x.new_zeros(size) and the like: a new tensor every rank makes whole
+        # (torch's DTensor makes it replicated too)
+        return base.replicated(func(args[0]._local, *args[1:], **kwargs), args[0].device_mesh)
+    rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs, is_dtensor)
+    dtensors, call = _local_call(func, args, kwargs, is_dtensor)
+    if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand"):
+        # the size argument is global; the local call takes this rank's
+        local_fn = _view(func) if rule == "view" else (lambda x, local_shape: func(x, list(local_shape)))
+        return base.dispatch_op(rule, dtensors, local_fn, params, with_local_shape=True)
+    if name == "mean":
+        # the sum over the global count (an exact mean of uneven shards; a sharded
+        # reduced dim gives Partial("sum"), as for functional.mean)
+        dims = params["dim"] if params["dim"] is not None else tuple(range(args[0].dim()))
+        count = _numel([args[0].shape[d] for d in dims])
+        dtype = kwargs.get("dtype")
+
+        def mean(x: torch.Tensor) -> torch.Tensor:
+            return aten.sum.dim_IntList(x, list(dims), params["keepdim"], dtype=dtype) / count
+
+        return base.dispatch_op("sum", dtensors, mean, params)
+    if rule == "embedding":
+        # aten.embedding(weight, indices); the rule takes (indices, weight)
+        return base.dispatch_op(rule, dtensors[::-1], lambda ids, w: call(w, ids), params)
+    written = 0 if inplace and is_dtensor(args[0]) else None
+    frozen = base.freeze_params(params)
+    out = base.dispatch_op(rule, dtensors, call, frozen, written)
+    if key is not None:
+        if len(plans) >= _PLAN_CACHE_SIZE:
+            plans.clear()
+        plans[key] = (rule, frozen, written, tuple(i for i, a in enumerate(args) if is_dtensor(a)))
+    return out
