@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=150)
     tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
     tr.add_argument("--warmup-steps", type=int, default=10)
+    tr.add_argument("--max-norm", type=float, default=1.0,
+                    help="clip the gradients to this global L2 norm, over every rank's piece (0: no clipping)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each decoder block's activations in the backward instead of keeping them "
@@ -122,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     name = args.model if not sizes else f"{args.model}+custom"
     return TrainConfig(platform=args.platform or _default_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                       warmup_steps=args.warmup_steps, seed=args.seed, eval_every=args.eval_every,
+                       warmup_steps=args.warmup_steps, max_norm=args.max_norm, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
                        out=args.out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
                        progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing)

@@ -249,6 +249,7 @@ class TrainConfig:
     lr: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.1
+    max_norm: float = 1.0
     seed: int = 0
     eval_every: int = 25
     eval_batches: int = 2
@@ -274,6 +275,8 @@ class TrainConfig:
             raise ValueError("--checkpoint-every and --warmup-steps must be >= 0")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr={self.lr!r} must be a positive number")
+        if not (self.max_norm >= 0 and math.isfinite(self.max_norm)):
+            raise ValueError(f"--max-norm={self.max_norm!r} must be a number >= 0 (0 turns gradient clipping off)")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout={self.timeout_s!r} must be a positive number of seconds")
         lay, mod = self.layout, self.model

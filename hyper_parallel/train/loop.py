@@ -37,6 +37,7 @@ from hyper_parallel.train.model import build_model
 from hyper_parallel.train.optim import AdamW, lr_at, set_parameter_values
 from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh, context_parallel_style,
                                               data_parallel_coordinate, parallelize)
+from hyper_parallel.train.grad_norm import GlobalGradNorm, clip_coefficient
 from hyper_parallel.train.pipeline import Pipeline, build_pipeline, forward_loss
 from hyper_parallel.train.pipeline import train_step as pipeline_train_step
 
@@ -65,6 +66,7 @@ class _Run:
     pipe: Pipeline | None = None  # this rank's pipeline stages (None when pp == 1)
     names: list[str] = field(default_factory=list)  # the decoder's name of each entry of params
     boxes: dict[str, Box] = field(default_factory=dict)  # name -> this rank's box (local_boxes)
+    grad_norm: GlobalGradNorm | None = None  # the global gradient norm of params (see grad_norm.py)
 
 
 def _scalar(p: Platform, value: float) -> Any:
@@ -117,18 +119,23 @@ def _batch_tensors(run: _Run, batch: Any) -> list[Any]:
                                   load_balance=context_parallel_style(run.layout).load_balance)
 
 
-def _train_step(run: _Run, step: int) -> float:
+def _train_step(run: _Run, step: int) -> tuple[float, float]:
+    """One step; returns the mean loss and the global gradient norm before clipping."""
     cfg, p = run.cfg, run.p
     batch = rank_batch(run.corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
     lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
     if run.pipe is not None:  # see [Note: pipeline gradients and loss]
         local = pipeline_train_step(run.pipe, _batch_tensors(run, batch))
-        run.optimizer.step(run.pipe.gradients(), lr)
-        return _mean_over_last_stage(run, local)
-    loss, backward = p.vjp(run.model, _batch_tensors(run, batch), run.params)
-    _, grads = backward([_scalar(p, 1.0)])
-    run.optimizer.step(grads, lr)
-    return _mean_over_dp(run, float(p.to_numpy(loss)))
+        grads = run.pipe.gradients()
+    else:
+        loss, backward = p.vjp(run.model, _batch_tensors(run, batch), run.params)
+        _, grads = backward([_scalar(p, 1.0)])
+    assert run.grad_norm is not None
+    norm = run.grad_norm(run.optimizer.gradients(grads))
+    run.optimizer.step(grads, lr, clip_coefficient(norm, cfg.max_norm))
+    if run.pipe is not None:
+        return _mean_over_last_stage(run, local), norm
+    return _mean_over_dp(run, float(p.to_numpy(loss))), norm
 
 
 def _validation_loss(run: _Run) -> float:
@@ -258,8 +265,9 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                 if mesh is not None and dp_size * layout.cp > 1 else None)
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
+    grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,
-                cp_mesh, pipe, names, boxes)
+                cp_mesh, pipe, names, boxes, grad_norm)
 
 
 def _announce(run: _Run, loaded: checkpoint.Loaded) -> None:
@@ -303,9 +311,10 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
     try:
         for step in range(start + 1, cfg.steps + 1):
             began = time.perf_counter()
-            loss = _train_step(run, step)
+            loss, grad_norm = _train_step(run, step)
             elapsed = time.perf_counter() - began
-            row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps),
+            row: dict[str, Any] = {"step": step, "loss": loss, "grad_norm": grad_norm,
+                                   "lr": lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps),
                                    "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                                    "peak_memory_bytes": _peak_memory(run)}
             if step % cfg.eval_every == 0 or step == cfg.steps:

@@ -2,10 +2,11 @@
 
 One line of ``metrics.jsonl`` per optimizer step::
 
-    {"step": 12, "loss": 3.91, "lr": 0.0024, "tokens_per_s": 5123.4, "step_time_s": 0.2,
-     "peak_memory_bytes": [r0, r1, ...], "val_loss": 3.95}      # val_loss every K steps
+    {"step": 12, "loss": 3.91, "grad_norm": 0.83, "lr": 0.0024, "tokens_per_s": 5123.4,
+     "step_time_s": 0.2, "peak_memory_bytes": [r0, r1, ...], "val_loss": 3.95}   # val_loss every K steps
 
-``loss`` and ``val_loss`` are mean next-byte cross-entropies in nats; ``tokens_per_s``
+``loss`` and ``val_loss`` are mean next-byte cross-entropies in nats; ``grad_norm`` is the
+global L2 norm of the gradients before clipping (``grad_norm.py``); ``tokens_per_s``
 counts the tokens of the whole (global) batch; ``peak_memory_bytes`` holds each rank's
 ``platform.memory_stats().peak`` (device memory, or peak RSS on CPU).
 """
@@ -59,7 +60,8 @@ class Progress:
     def update(self, row: dict[str, Any]) -> None:
         if self._bar is None:
             return
-        postfix = {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s']:.0f}"}
+        postfix = {"loss": f"{row['loss']:.3f}", "gnorm": f"{row['grad_norm']:.2f}",
+                   "tok/s": f"{row['tokens_per_s']:.0f}"}
         if "val_loss" in row:
             postfix["val"] = f"{row['val_loss']:.3f}"
         self._bar.set_postfix(postfix, refresh=False)

@@ -45,17 +45,30 @@ class AdamW:
 
             self._opt = MSAdamW(self._params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
 
-    def step(self, grads: Sequence[Any], lr: float) -> None:
-        """One update with ``grads`` (one per parameter, as ``platform.vjp`` returns them) at
-        learning rate ``lr``. torch reads the gradients ``vjp`` accumulated into ``.grad``
-        and they are cleared after the step."""
+    def gradients(self, grads: Sequence[Any]) -> list[Any]:
+        """The gradients ``step`` will apply: torch's ``.grad`` of each parameter (what
+        ``vjp`` accumulated; zeros for a parameter that got none), else ``grads``."""
+        if self._p.framework != "torch":
+            return list(grads)
+        import torch
+
+        return [torch.zeros_like(param) if param.grad is None else param.grad for param in self._params]
+
+    def step(self, grads: Sequence[Any], lr: float, scale: float = 1.0) -> None:
+        """One update with ``grads`` (one per parameter, as ``platform.vjp`` returns them)
+        multiplied by ``scale`` (gradient clipping) at learning rate ``lr``. torch reads the
+        gradients ``vjp`` accumulated into ``.grad`` and they are cleared after the step."""
         for group in self._opt.param_groups:
             group["lr"] = float(lr)
         if self._p.framework == "torch":
+            if scale != 1.0:
+                for param in self._params:
+                    if param.grad is not None:
+                        param.grad.mul_(scale)
             self._opt.step()
             self._opt.zero_grad(set_to_none=True)
         else:
-            self._opt(tuple(grads))
+            self._opt(tuple(grads) if scale == 1.0 else tuple(g * scale for g in grads))
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """``{"step": int64 [], "exp_avg.{i}": ..., "exp_avg_sq.{i}": ...}`` (``i``: the

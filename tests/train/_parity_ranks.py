@@ -100,7 +100,7 @@ def check_against_reference(out: str, layouts: list[dict]) -> list[list[float]]:
     sign-like first steps can amplify a flipped near-zero gradient a little. All-to-alls
     and all-gathers move values without arithmetic."""
     p = get_platform()
-    curves, configs = [], []
+    curves, configs, norms = [], [], []
     for degrees in layouts:
         cfg = layout_config(out, degrees)
         assert cfg.layout.pp == 1 and cfg.layout.world_size == p.world_size(), degrees
@@ -112,6 +112,7 @@ def check_against_reference(out: str, layouts: list[dict]) -> list[list[float]]:
             assert local[name] == local_shape(name, shape, cfg.layout), (degrees, name, local[name], shape)
         rows = train(cfg, write_outputs=False, run=run)
         curves.append([*losses(rows).tolist(), rows[-1]["val_loss"]])
+        norms.append([row["grad_norm"] for row in rows])
         configs.append(cfg)
     # The reference uses no collectives: rank 0 runs it after every layout's collectives (a
     # rank waiting in a collective for rank 0's reference would time out). It ignores the
@@ -119,10 +120,18 @@ def check_against_reference(out: str, layouts: list[dict]) -> list[list[float]]:
     if p.rank() == 0:
         ref_rows = train(configs[0], reference=True, write_outputs=False)
         ref = [*losses(ref_rows).tolist(), ref_rows[-1]["val_loss"]]
-        for cfg, got in zip(configs, curves):
+        ref_norms = [row["grad_norm"] for row in ref_rows]
+        # --max-norm 1.0 (the default) clips these steps: the parity includes clipping
+        assert max(ref_norms) > configs[0].max_norm, ref_norms
+        for cfg, got, got_norms in zip(configs, curves, norms):
             np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0,
                                        err_msg=f"{cfg.layout.describe()} ({cfg.layout.cp_mode}) vs single process "
                                                "(losses, then the validation loss)")
+            # the global gradient norm (every rank's pieces, replicas counted once) is the
+            # reference's, to the same float32 sums-in-other-orders tolerance
+            np.testing.assert_allclose(got_norms, ref_norms, rtol=2e-5, atol=0,
+                                       err_msg=f"{cfg.layout.describe()} ({cfg.layout.cp_mode}) vs single process "
+                                               "(global gradient norms)")
     return curves
 
 

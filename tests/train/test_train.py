@@ -133,6 +133,7 @@ def _config(*flags: str):
     (["--cp", "4", "--cp-mode", "ring", "--ulysses-degree", "2"], ["apply to --cp-mode hybrid only", "--cp-mode ring"]),
     (["--dp-shard", "3", "--batch-size", "8"], ["--batch-size=8", "divisible by the data-parallel degree (3)"]),
     (["--model", "huge"], ["--model='huge'", "tiny, small"]),
+    (["--max-norm", "-1"], ["--max-norm=-1.0", ">= 0", "0 turns gradient clipping off"]),
     (["--n-heads", "5"], ["dim=128", "n_heads=5"]),
 ])
 def test_bad_configuration(flags: list[str], needles: list[str]) -> None:
@@ -261,3 +262,13 @@ def test_resume_with_another_model_is_refused(tmp_path: Path, capsys) -> None:
     message = capsys.readouterr().err
     assert "step_00000002" in message and "dim=32" in message and "dim=64" in message, message
     assert "resume with the model that wrote it" in message, message
+
+
+def test_clip_coefficient() -> None:
+    """torch's clip_grad_norm_ rule: max_norm / (norm + 1e-6) when below 1; 0 never clips."""
+    from hyper_parallel.train.grad_norm import clip_coefficient
+
+    assert clip_coefficient(4.0, 1.0) == pytest.approx(1.0 / (4.0 + 1e-6), rel=1e-15)
+    assert clip_coefficient(0.5, 1.0) == 1.0
+    assert clip_coefficient(1e9, 0.0) == 1.0
+

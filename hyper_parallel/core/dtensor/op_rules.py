@@ -31,6 +31,7 @@ Families (``n``: the size of the mesh axis; dims are dims of the global tensors)
 | ``expand`` | ``Shard(d)`` of a dim that is not broadcast -> ``Shard(d')``; ``Partial -> Partial`` |
 | ``addmm`` | ``bias + x @ y`` (2-D): the ``matmul`` strategies of ``(x, y)``, the bias aligned to the output's shard (``Partial`` with a ``Partial`` output) |
 | ``like`` | a new tensor of the input's shape that does not read its values (``ones_like``, ``fill``): ``Shard(d) -> Shard(d)``; ``Partial -> Replicate`` (no communication) |
+| ``attention`` | ``q [b, hq, sq, d]``, ``k``/``v [b, hkv, skv, d]`` (BNSD): ``Shard(0)`` on all -> ``Shard(0)``; ``Shard(1)`` on all -> ``Shard(1)`` when the axis divides both head counts (query head groups stay with their key/value head); sequences whole (that is context parallelism's job) |
 | ``embedding_backward`` | ``grad [*ids, dim]``, ``ids``: ``(Shard(-1), R) -> Shard(1)``; ``(Shard(d), Shard(d)) -> Partial``; ``(Partial, R) -> Partial`` |
 
 ``along_dim`` takes any number of inputs of the same rank (``cat``, a softmax's backward)
@@ -117,6 +118,7 @@ OP_RULES: MappingProxyType[str, OpRule] = MappingProxyType({
     "expand": OpRule("expand"),
     "addmm": OpRule("addmm"),
     "embedding_backward": OpRule("embedding_backward"),
+    "scaled_dot_product_attention": OpRule("attention"),
     "cross_entropy": OpRule("cross_entropy"),
     "transpose": OpRule("transpose"),
     "permute": OpRule("permute"),
@@ -216,6 +218,8 @@ def output_shape(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[s
         return (shapes[1][0], shapes[2][1])
     if family == "embedding_backward":
         return (params["num_weights"], shapes[0][-1])
+    if family == "attention":
+        return shapes[0][:-1] + (shapes[2][-1],)
     if family == "cross_entropy":
         return (shapes[0][0],) if params["reduction"] == "none" else ()
     if family == "transpose":
@@ -330,6 +334,11 @@ def strategies(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[str
             if rule.partial == "all":
                 add([partial], partial)
             add([partial], R)
+    elif family == "attention":
+        if shapes[0][0] > 1:
+            add([Shard(0)] * n_in, Shard(0))
+        if shapes[0][1] % num == 0 and shapes[1][1] % num == 0:
+            add([Shard(1)] * n_in, Shard(1))
     elif family == "embedding_backward":
         ids = shapes[1]
         add([Shard(len(ids)), R], Shard(1))

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 aten = torch.ops.aten
@@ -269,6 +270,23 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _attention(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.scaled_dot_product_attention`` on DTensor q/k/v without a mask tensor or
+    dropout: the fused op on the local tensors under the ``attention`` rule (batch or
+    heads sharded), above autograd, as a whole; ``None`` for other calls (they
+    decompose or reach the fused aten op, which takes the fallback)."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+    if (not all(isinstance(t, cls) for t in (q, k, v)) or bound.get("attn_mask") is not None
+            or bound.get("dropout_p", 0.0) != 0.0 or q.dim() != 4):
+        return None
+    options = {key: bound[key] for key in ("is_causal", "scale", "enable_gqa") if key in bound}
+    return base.dispatch_explicit("scaled_dot_product_attention", (q, k, v),
+                                  lambda ql, kl, vl: F.scaled_dot_product_attention(ql, kl, vl, **options))
+
+
 def _view(func: Any) -> Callable[..., Any]:
     def call(x: torch.Tensor, local_shape: Sequence[int]) -> torch.Tensor:
         try:
@@ -298,6 +316,10 @@ def build_dtensor_type(base: type) -> type:
             if (op is not None and not kwargs and len(args) == 2 and all(isinstance(a, cls) for a in args)
                     and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
                 return base.dispatch_explicit(op, args, torch.matmul)
+            if func is F.scaled_dot_product_attention and not base.dispatch_skipped():
+                routed = _attention(cls, base, args, kwargs or {})
+                if routed is not None:
+                    return routed
             # everything else straight on (what torch's DTensor has as __torch_function__)
             return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
