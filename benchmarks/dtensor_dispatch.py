@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Per-op dispatch overhead of DTensors on small tensors: hyper_parallel's DTensor beside
 torch's own ``torch.distributed.tensor.DTensor`` in the same run (torch-cpu), and on
-MindSpore the explicit ``dtensor_functional`` calls beside the same ops on plain tensors.
+MindSpore its ``mint`` ops on DTensors beside the same ops on plain tensors.
 
 2 ranks, float32, 1-D mesh; every op runs without communication (its inputs already
 fit the rule), so the time is the dispatch itself plus the local kernel, which the
 "local" column shows alone. Each measurement times ``--calls`` back-to-back calls and
 divides; the median over ``--iters`` repetitions on rank 0 is reported (microseconds per
-call). ratio = hyper_parallel / torch DTensor (torch) or hyper_parallel / plain op
-(MindSpore).
+call). ratio = hyper_parallel / torch DTensor (torch) or hyper_parallel / plain op on
+the local piece (MindSpore).
 
 | op | shapes and placements |
 |---|---|
@@ -100,12 +100,14 @@ def bench_torch(calls: int, iters: int) -> list[dict]:
 
 
 def bench_mindspore(calls: int, iters: int) -> list[dict]:
-    """Runs on every rank (mindspore-cpu): ``dtensor_functional`` on DTensors and the same
-    op on plain (local-sized) tensors."""
+    """Runs on every rank (mindspore-cpu): MindSpore's own ops on DTensors (intercepted by
+    ``__fallback__``) and the same ops on plain (local-sized) tensors."""
     import numpy as np
+    from mindspore import mint
 
     import hyper_parallel as hp
-    from hyper_parallel import dtensor_functional as F
+
+    F = mint.nn.functional
 
     p = hp.get_platform()
     n = p.world_size()
@@ -120,7 +122,7 @@ def bench_mindspore(calls: int, iters: int) -> list[dict]:
     fns = {
         "linear": (lambda: F.linear(xd, wd), lambda: F.linear(x, w)),
         "add": (lambda: ad + ad, lambda: a + a),
-        "softmax": (lambda: F.softmax(ad, -1), lambda: F.softmax(a, -1)),
+        "softmax": (lambda: F.softmax(ad, dim=-1), lambda: F.softmax(a, dim=-1)),
     }
     rows = []
     for op, (ours, plain) in fns.items():
@@ -142,8 +144,8 @@ def summarize(rows: list[dict], framework: str) -> list[dict]:
 def markdown(results: list[dict], world: int) -> str:
     lines = [f"# DTensor dispatch overhead per op ({world} ranks, CPU, float32, one thread)", "",
              "Microseconds per call, median of repetitions on rank 0. torch: ratio = hyper_parallel / "
-             "torch.distributed.tensor; local = the local kernel alone. MindSpore: the explicit "
-             "dtensor_functional call / the same op on plain tensors (MindSpore ops do not take DTensors yet).", "",
+             "torch.distributed.tensor; local = the local kernel alone. MindSpore: mint ops on DTensors "
+             "(intercepted by __fallback__) / the same op on plain tensors of the local size.", "",
              "| framework | op | hyper_parallel µs | reference µs | local µs | ratio |", "|---|---|---:|---:|---:|---:|"]
     for e in results:
         reference = e.get("torch_us", e.get("plain_us"))

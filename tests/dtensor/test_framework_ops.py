@@ -1,16 +1,12 @@
-"""DTensors as framework tensors: a model written only with torch's own layers and
-functions, whose parameters are DTensors (``torch.nn.Parameter(distribute_tensor(...))``),
-trains with torch's own AdamW (foreach and per-tensor) and ``clip_grad_norm_`` to the
-losses, global gradient norms, gradients and parameters of one process; plus
-``SkipDTensorDispatch``, in-place ops and the fallback of an op without a rule.
+"""DTensors as framework tensors: a model written only with the framework's own layers and
+functions, whose parameters are DTensors (``torch.nn.Parameter(distribute_tensor(...))``,
+``mindspore.Parameter(distribute_tensor(...))``), trains with the framework's own AdamW to
+the losses, gradients and parameters of one process; on torch also with ``foreach`` both
+ways and ``clip_grad_norm_`` (the global norm), with attention through torch's fused SDPA;
+plus ``SkipDTensorDispatch``, in-place ops and the fallback of an op without a rule.
 
 Float64 data: the tolerance (1e-10) absorbs the different summation orders of sharded
 matmuls, reductions and the norm's partial sums.
-
-MindSpore: DTensor does not intercept MindSpore ops yet (the backend's ``dtensor_type`` is
-core's class; MindSpore 2.10's Tensor-subclass ``__fallback__`` hook is the planned
-route), so these tests skip there; ``test_ops.py`` covers the explicit
-``dtensor_functional`` calls on both backends.
 """
 
 from __future__ import annotations
@@ -24,8 +20,9 @@ import pytest
 from hyper_parallel import DTensor, Replicate, Shard, SkipDTensorDispatch, distribute_tensor, init_device_mesh
 from hyper_parallel.platform import get_platform
 
-pytestmark = pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
-                                reason="DTensor does not intercept MindSpore ops yet (issue 15: __fallback__ route)")
+ON_MINDSPORE = os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore")
+torch_only = pytest.mark.skipif(ON_MINDSPORE, reason="torch's layers, AdamW foreach, clip_grad_norm_ and SDPA")
+mindspore_only = pytest.mark.skipif(not ON_MINDSPORE, reason="MindSpore's mint layers and AdamW")
 
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 VOCAB, DIM, HIDDEN, BATCH, SEQ = 13, 8, 10, 4, 5
@@ -164,6 +161,7 @@ def check_training(mesh_shape: tuple[int, ...]) -> int:
     return 1
 
 
+@torch_only
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["tp2", "tp4", "dp2xtp2"])
 def test_torch_layers_and_adamw_on_dtensor_parameters(run_on_ranks, mesh_shape: tuple[int, ...]) -> None:
     world = int(np.prod(mesh_shape))
@@ -210,6 +208,135 @@ def check_skip_and_inplace() -> None:
     assert float(norm) == pytest.approx(float(torch.linalg.vector_norm(1 + 6 * full)), rel=1e-14)
 
 
+@torch_only
 @pytest.mark.parametrize("world_size", [2])
 def test_skip_dispatch_inplace_and_fallback(run_on_ranks, world_size: int) -> None:
     run_on_ranks(check_skip_and_inplace, world_size=world_size, timeout_s=120)
+
+
+# -- MindSpore: mint layers, ops.gather embedding, mindspore.experimental.optim.AdamW ----------
+MS_TP = {"embed": Shard(1), "norm1.weight": Replicate(), "w1.weight": Shard(0), "w3.weight": Shard(0),
+         "w2.weight": Shard(1), "norm2.weight": Replicate(), "head.weight": Shard(0)}
+
+
+def _ms_model(values: dict, mesh=None, placements=None):
+    import mindspore as ms
+    from mindspore import Parameter, mint, nn, ops
+
+    p = get_platform()
+
+    def param(name: str):
+        value = p.from_numpy(values[name])
+        if mesh is not None:
+            value = distribute_tensor(value, mesh, placements[name])
+        return Parameter(value, name=name)
+
+    class Linear(nn.Cell):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.weight = param(f"{name}.weight")
+
+        def construct(self, x):
+            return mint.nn.functional.linear(x, self.weight)
+
+    class RMSNorm(nn.Cell):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.weight = param(f"{name}.weight")
+
+        def construct(self, x):
+            return x * mint.rsqrt((x * x).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+    class Model(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = param("embed")
+            self.norm1, self.norm2 = RMSNorm("norm1"), RMSNorm("norm2")
+            self.w1, self.w3, self.w2, self.head = Linear("w1"), Linear("w3"), Linear("w2"), Linear("head")
+
+        def construct(self, ids):
+            x = ops.gather(self.embed, ids, 0)
+            h = self.norm1(x)
+            x = x + self.w2(mint.nn.functional.silu(self.w1(h)) * self.w3(h))
+            return self.head(self.norm2(x))
+
+    del ms
+    return Model()
+
+
+def _ms_train(mesh_shape: tuple[int, ...] | None, steps: int = 3) -> dict:
+    import mindspore as ms
+    from mindspore import ops
+    from mindspore.experimental.optim import AdamW
+
+    from tests.dtensor._reference import expected_local
+
+    p = get_platform()
+    rng = np.random.default_rng(0)
+    shapes = {"embed": (VOCAB, DIM), "norm1.weight": (DIM,), "w1.weight": (HIDDEN, DIM),
+              "w3.weight": (HIDDEN, DIM), "w2.weight": (DIM, HIDDEN), "norm2.weight": (DIM,), "head.weight": (VOCAB, DIM)}
+    values = {name: (1.0 if name.startswith("norm") else 0.0) + 0.3 * rng.standard_normal(shape)
+              for name, shape in shapes.items()}
+    mesh = placements = None
+    if mesh_shape is not None:
+        names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+        mesh = init_device_mesh(p.device_type, mesh_shape, mesh_dim_names=names)
+        placements = {name: [pl if axis == "tp" else Replicate() for axis in names] for name, pl in MS_TP.items()}
+    model = _ms_model(values, mesh, placements)
+    params = model.trainable_params()
+    order = [param.name for param in params]
+    optimizer = AdamW(params, lr=0.05, weight_decay=0.1)
+    data = np.random.default_rng(3)
+    record: dict = {"loss": [], "grads": []}
+    for _ in range(steps):
+        ids = p.from_numpy(data.integers(0, VOCAB, (BATCH, SEQ)))
+        target = p.from_numpy(data.integers(0, VOCAB, (BATCH * SEQ,)).astype(np.int32))
+        if mesh is not None:
+            batch = [Shard(0) if axis == "dp" else Replicate() for axis in mesh.mesh_dim_names]
+            ids = distribute_tensor(ids, mesh, batch)
+
+        def loss_fn(ids):
+            logits = model(ids)
+            if mesh is not None:
+                assert isinstance(logits, DTensor) and tuple(logits.shape) == (BATCH, SEQ, VOCAB), repr(logits)
+                logits = logits.full_tensor()
+            return ops.cross_entropy(logits.reshape(-1, VOCAB), target)
+
+        loss, grads = ms.value_and_grad(loss_fn, None, params)(ids)
+        record["loss"].append(float(loss.asnumpy()))
+        record["grads"].append([g.asnumpy().copy() for g in grads])
+        optimizer(grads)
+    if mesh is not None:
+        coordinate = mesh.get_coordinate()
+        record["expect"] = lambda name, full: expected_local(full, placements[name], mesh.shape, coordinate)
+        record["params"] = {name: param.full_tensor().asnumpy() for name, param in zip(order, params)}
+    else:
+        record["params"] = {name: param.asnumpy() for name, param in zip(order, params)}
+    record["order"] = order
+    return record
+
+
+def check_training_mindspore(mesh_shape: tuple[int, ...]) -> int:
+    ref = _ms_train(None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _ms_train(mesh_shape)
+    fallbacks = sorted({str(w.message).split("'")[1] for w in caught if "no sharding rule" in str(w.message)})
+    assert not fallbacks, f"ops that took the replicate fallback: {fallbacks}"
+    where = f"mesh {mesh_shape}"
+    for step, (g_got, g_ref) in enumerate(zip(got["grads"], ref["grads"])):
+        for name, a, b in zip(got["order"], g_got, g_ref):
+            # value_and_grad gives each DTensor parameter the gradient of its local piece
+            np.testing.assert_allclose(a, got["expect"](name, b), **TOL, err_msg=f"{where}: step {step} {name}")
+    np.testing.assert_allclose(got["loss"], ref["loss"], **TOL, err_msg=f"{where}: losses")
+    for name in got["order"]:
+        np.testing.assert_allclose(got["params"][name], ref["params"][name], **TOL,
+                                   err_msg=f"{where}: {name} after the steps")
+    return 1
+
+
+@mindspore_only
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["tp2", "tp4", "dp2xtp2"])
+def test_mindspore_layers_and_adamw_on_dtensor_parameters(run_on_ranks, mesh_shape: tuple[int, ...]) -> None:
+    world = int(np.prod(mesh_shape))
+    assert run_on_ranks(check_training_mindspore, mesh_shape, world_size=world, timeout_s=600) == [1] * world

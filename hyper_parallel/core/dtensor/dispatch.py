@@ -226,7 +226,8 @@ def _check_result(op: str, out: Any, plan: OpPlan) -> None:
 
 
 def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
-             params: dict[str, Any] | None = None) -> Any:
+             params: dict[str, Any] | None = None, *, inplace: int | None = None,
+             with_local_shape: bool = False) -> Any:
     """Run ``local_fn`` (the op on local tensors) on ``tensors`` under the rule
     ``OP_RULES[op]``, differentiably on both frameworks (the explicit calls of
     ``functional.py``).
@@ -239,11 +240,16 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
         local_fn: the op on local tensors, called with one local tensor per input.
         params: the op's other arguments as the rule family reads them (``dim``,
             ``keepdim``, ``shape``, ...).
+        inplace: the index of the input an in-place op writes: it keeps its placements,
+            ``local_fn`` writes its local tensor, and that DTensor is returned.
+        with_local_shape: call ``local_fn(*locals, local_shape=...)`` with this rank's
+            output shape (ops that take a size).
 
     Returns:
         A DTensor with the global output shape and the placements the strategies give;
         its local tensor is ``local_fn``'s result. Under ``SkipDTensorDispatch``:
-        ``local_fn`` of the local tensors, a framework tensor.
+        ``local_fn`` of the local tensors, a framework tensor (the written DTensor for
+        an in-place op).
 
     Collectives: the redistributions the chosen strategies need (see
     ``DTensor.redistribute``), none when the inputs already fit.
@@ -256,14 +262,19 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
         return local_fn(*tensors)
     dtensors = _check_inputs(op, tensors)
     if dispatch_skipped():
-        return local_fn(*[t.to_local() for t in dtensors])
+        out = local_fn(*[t.to_local() for t in dtensors])
+        return dtensors[inplace] if inplace is not None else out
     if op not in OP_RULES:
+        _refuse_sharded_inplace(op, dtensors, inplace)
         return _fallback(op, dtensors, local_fn, differentiable=True)
-    plan = plan_op(op, [t.spec for t in dtensors], params)
+    plan = plan_op(op, [t.spec for t in dtensors], params, inplace)
     mesh = dtensors[0].device_mesh
     out_placements = plan.out_spec.placements
     locals_ = []
-    for t, target in zip(dtensors, plan.targets):
+    for index, (t, target) in enumerate(zip(dtensors, plan.targets)):
+        if index == inplace:
+            locals_.append(t._local)  # written in place: the DTensor's own local tensor
+            continue
         moved = t if tuple(target) == t.placements else t.redistribute(mesh, target)
         grad = tuple(Partial("sum") if pl.is_replicate() and not out.is_replicate() else grad_pl
                      for pl, grad_pl, out in zip(target, gradient_placements(tuple(target)), out_placements))
@@ -272,9 +283,21 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
             locals_.append(moved.to_local(grad_placements=grad))
         else:
             locals_.append(moved.to_local())
-    out = local_fn(*locals_)
+    if with_local_shape:
+        out = local_fn(*locals_, local_shape=plan.out_local_shape)
+    else:
+        out = local_fn(*locals_)
     _check_result(op, out, plan)
+    if inplace is not None:
+        return dtensors[inplace]
     return wrap_local(out, plan.out_spec)
+
+
+def _refuse_sharded_inplace(op: str, dtensors: Sequence[DTensor], inplace: int | None) -> None:
+    if inplace is not None and any(not pl.is_replicate() for pl in dtensors[inplace].placements):
+        raise RuntimeError(f"in-place {op} on a DTensor with placements {list(dtensors[inplace].placements)}: "
+                           "the op has no sharding rule (hyper_parallel.core.dtensor.op_rules.OP_RULES), so it "
+                           "could only run on a replicated copy; use the out-of-place op")
 
 
 def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[..., Any],
@@ -314,10 +337,7 @@ def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[...,
             raise ValueError(f"{op}: inputs live on different meshes ({mesh} and {spec.mesh}); "
                              "redistribute them onto one mesh first")
     if op not in OP_RULES:
-        if inplace is not None and any(not pl.is_replicate() for pl in dtensors[inplace].placements):
-            raise RuntimeError(f"in-place {op} on a DTensor with placements {list(dtensors[inplace].placements)}: "
-                               "the op has no sharding rule (hyper_parallel.core.dtensor.op_rules.OP_RULES), so it "
-                               "could only run on a replicated copy; use the out-of-place op")
+        _refuse_sharded_inplace(op, dtensors, inplace)
         return _fallback(op, dtensors, local_fn, differentiable=False)
     plan = plan_op(op, specs, params, inplace)
     locals_ = [t._local if target == spec.placements else redistribute_raw(t._local, spec, target)

@@ -9,12 +9,14 @@ routed to ``dispatch_local`` (torch: a wrapper subclass with ``__torch_dispatch_
 Every DTensor is made through ``make_dtensor``, so ``isinstance(x, DTensor)`` holds on
 every backend.
 
-Autograd sits where the framework puts it. With a framework tensor subclass, autograd
-records ops on the DTensors themselves (the intercepted ops run below it on the local
-tensors), so ``from_local`` / ``to_local`` are custom functions between the two levels
-(``_FromLocal`` / ``_ToLocal``, as torch's DTensor has). Otherwise (a backend without
-interception) the local tensor is the autograd node and ``from_local`` / ``to_local``
-are identities on it. ``redistribute`` is one differentiable function on the local
+Autograd sits where the framework puts it. With a wrapper subclass (torch: the class
+sets ``wrapper_autograd = True``), autograd records ops on the DTensors themselves (the
+intercepted ops run below it on the local tensors), so ``from_local`` / ``to_local`` are
+custom functions between the two levels (``_FromLocal`` / ``_ToLocal``, as torch's
+DTensor has). Otherwise (core's class; MindSpore's subclass, which is its local tensor
+under another Python type and shares its autograd identity) the local tensor is the
+autograd node and ``from_local`` / ``to_local`` are identities on it; intercepted ops
+then run above autograd through ``dispatch.dispatch``. ``redistribute`` is one differentiable function on the local
 tensor (see ``redistribute.py``) in both cases.
 """
 
@@ -287,12 +289,13 @@ class DTensor:
         return _dispatch.freeze_params(params)
 
     @staticmethod
-    def dispatch_explicit(op: str, tensors: Sequence[Any], local_fn: Any, params: dict[str, Any] | None = None) -> Any:
-        """Run a composite framework function whole, above autograd, as the explicit
-        calls of ``functional.py`` do: ``dispatch.dispatch`` (a backend routes the few
-        composite functions whose decomposition would lose a sharding here, such as a
-        batched matmul with sharded heads)."""
-        return _dispatch.dispatch(op, tensors, local_fn, params)
+    def dispatch_explicit(op: str, tensors: Sequence[Any], local_fn: Any, params: dict[str, Any] | None = None,
+                          inplace: int | None = None, with_local_shape: bool = False) -> Any:
+        """Run a framework function above autograd, as the explicit calls of
+        ``functional.py`` do: ``dispatch.dispatch`` (torch routes the few composite
+        functions whose decomposition would lose a sharding here, such as a batched
+        matmul with sharded heads; MindSpore every intercepted op)."""
+        return _dispatch.dispatch(op, tensors, local_fn, params, inplace=inplace, with_local_shape=with_local_shape)
 
     @staticmethod
     def dispatch_skipped() -> bool:
@@ -322,8 +325,10 @@ def dtensor_class() -> type:
 
 
 def _intercepts(cls: type) -> bool:
-    """Whether ``cls`` is a framework tensor subclass (autograd on the DTensors)."""
-    return cls is not DTensor
+    """Whether autograd records ops on ``cls``'s instances themselves (a wrapper
+    subclass: torch), rather than on their local tensors (core's class; MindSpore's
+    subclass, which shares its local tensor's autograd identity)."""
+    return bool(getattr(cls, "wrapper_autograd", False))
 
 
 def make_dtensor(local: Any, spec: DTensorSpec) -> DTensor:
@@ -411,8 +416,10 @@ def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence
     shape = tuple(int(s) for s in tensor.shape)
     replicated = DTensorSpec(device_mesh, (Replicate(),) * device_mesh.ndim, shape)
     with p.no_grad():
-        return make_dtensor(redistribute_local(local, replicated, placements),
-                            DTensorSpec(device_mesh, placements, shape))
+        # a copy of its own, not a view of ``tensor``: the result is a new leaf that
+        # optimizers update in place (MindSpore's Assign refuses a view)
+        piece = p.clone(redistribute_local(local, replicated, placements))
+        return make_dtensor(piece, DTensorSpec(device_mesh, placements, shape))
 
 
 # dispatch.py builds on this module (it wraps results in DTensors), so it is imported

@@ -95,7 +95,7 @@ OP_RULES: MappingProxyType[str, OpRule] = MappingProxyType({
     **{name: OpRule("like") for name in ("ones_like", "empty_like", "full_like", "fill")},
     "zeros_like": OpRule("like", partial="all"),  # zeros are a valid Partial("sum") too (zero_ of a Partial)
     **{name: OpRule("pointwise") for name in (
-        "pow", "exp", "log", "sqrt", "rsqrt", "silu", "gelu", "relu", "sigmoid", "tanh", "float", "abs", "sign",
+        "pow", "exp", "log", "sqrt", "rsqrt", "square", "silu", "gelu", "relu", "sigmoid", "tanh", "float", "abs", "sign",
         "sin", "cos", "reciprocal", "clamp", "addcmul", "addcdiv", "maximum", "minimum", "where", "masked_fill",
         "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "isnan", "isinf",
         "isfinite", "silu_backward", "sigmoid_backward",

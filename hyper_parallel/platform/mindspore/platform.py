@@ -16,6 +16,7 @@ from hyper_parallel.platform.base import Capability, MemoryStats, Platform
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.mindspore.autograd import MindSporeAutograd
 from hyper_parallel.platform.mindspore.collectives import MindSporeCollectives
+from hyper_parallel.platform.mindspore.dtensor import build_dtensor_type
 from hyper_parallel.platform.mindspore.groups import MindSporeGroups
 from hyper_parallel.platform.mindspore.modules import MindSporeModules
 from hyper_parallel.platform.mindspore.ops import MindSporeOps
@@ -88,10 +89,13 @@ class MindSporePlatform(
         return isinstance(obj, self._ms.Tensor)
 
     def dtensor_type(self, base: type) -> type:
-        """``base`` itself: MindSpore ops do not intercept DTensors on this backend yet
-        (MindSpore 2.10's Tensor-subclass ``__fallback__`` hook is the planned route);
-        model code runs on DTensors through ``hyper_parallel.dtensor_functional``."""
-        return base
+        """A ``mindspore.Tensor`` subclass made with ``Tensor._make_subclass`` whose
+        PyNative ops reach core's rules through ``__fallback__``; see [Note: MindSpore
+        DTensor dispatch] in ``platform/mindspore/dtensor.py``."""
+        cache = self.__dict__.setdefault("_dtensor_types", {})
+        if base not in cache:
+            cache[base] = build_dtensor_type(base, self._ms)
+        return cache[base]
 
     def dtype(self, name: str) -> Any:
         """``mindspore.<name>`` (``"bool"`` is ``mindspore.bool_``)."""

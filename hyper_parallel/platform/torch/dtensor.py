@@ -306,6 +306,9 @@ def build_dtensor_type(base: type) -> type:
     explicit = {torch.matmul: "matmul", torch.Tensor.matmul: "matmul", torch.Tensor.__matmul__: "matmul"}
 
     class DTensor(torch.Tensor, base):  # type: ignore[misc, valid-type]
+        # autograd records ops on the wrappers; their aten ops run below it
+        wrapper_autograd = True
+
         @classmethod
         def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:

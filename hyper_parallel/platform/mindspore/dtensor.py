@@ -1,0 +1,264 @@
+"""The MindSpore DTensor class: a ``mindspore.Tensor`` subclass whose PyNative ops are
+routed to core's sharding rules through MindSpore 2.10's ``__fallback__`` hook.
+
+[Note: MindSpore DTensor dispatch]
+A DTensor is made with ``Tensor._make_subclass(cls, local)``: it *is* its local tensor
+under another Python type (same storage, same autograd identity), carrying the spec.
+So, unlike torch's wrapper, autograd records on the local tensors: ``value_and_grad``
+differentiates through the ops core runs on them, and a ``Parameter`` made from a
+DTensor (MindSpore derives a ``ParameterDTensor`` class) receives the gradient of its
+local piece. ``shape`` (and ``size``) report the global shape to Python code; kernels
+see the local tensor.
+
+Every PyNative op with a DTensor input calls ``__fallback__(op, args, kwargs)`` with the
+primitive (``AddExt``, ``Dense``, ``SumExt``, ``Reshape``, ...) and its arguments.
+``_translate`` names it as ``OP_RULES`` does and reads its params; core's explicit
+dispatch (``dispatch.dispatch``) then redistributes differentiably, runs the primitive on
+the local tensors (under ``NoFallbackGuard``) and wraps the result. A primitive without
+a translation takes core's fallback (inputs to Replicate, one warning per op).
+
+What ``__fallback__`` does not reach (checked on MindSpore 2.10 CPU): indexing
+(``x[..., :4]`` runs on the local tensor and returns it), the ops inside
+``mindspore.experimental.optim.AdamW`` (they update each parameter's local storage
+directly: the element-wise step on the shard, correct for AdamW), and gradients:
+``value_and_grad`` returns plain local tensors, so ``ops.clip_by_global_norm`` on them
+computes a norm of this rank's pieces only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+#: primitive -> (rule, kind); kind says how the params are read (see ``_translate``)
+_PRIMITIVES: dict[str, tuple[str, str]] = {
+    **{name: ("add", "pointwise") for name in ("AddExt", "AddScalar", "Add", "Adds")},
+    **{name: ("sub", "pointwise") for name in ("SubExt", "SubScalar", "Sub")},
+    **{name: ("mul", "pointwise") for name in ("Mul", "Muls")},
+    **{name: ("div", "pointwise") for name in ("Div", "Divs", "RealDiv")},
+    "Neg": ("neg", "pointwise"), "PowTensorScalar": ("pow", "pointwise"), "Exp": ("exp", "pointwise"),
+    "Log": ("log", "pointwise"), "Sqrt": ("sqrt", "pointwise"), "Rsqrt": ("rsqrt", "pointwise"),
+    "SiLU": ("silu", "pointwise"), "GeLU": ("gelu", "pointwise"), "ReLU": ("relu", "pointwise"),
+    "Sigmoid": ("sigmoid", "pointwise"), "Tanh": ("tanh", "pointwise"), "Abs": ("abs", "pointwise"),
+    "Reciprocal": ("reciprocal", "pointwise"), "ToDtype": ("to_copy", "pointwise"),
+    "Cast": ("to_copy", "pointwise"), "Clone": ("clone", "pointwise"),
+    "InplaceAddExt": ("add", "inplace"), "InplaceAddsExt": ("add", "inplace"),
+    "InplaceSubExt": ("sub", "inplace"), "InplaceMul": ("mul", "inplace"), "InplaceMuls": ("mul", "inplace"),
+    "InplaceDiv": ("div", "inplace"), "InplaceDivs": ("div", "inplace"), "InplaceCopy": ("copy", "inplace"),
+    "Assign": ("copy", "inplace"),
+    "Dense": ("linear", "linear"), "MatMulExt": ("matmul", "plain"), "BatchMatMulExt": ("bmm", "plain"),
+    "SumExt": ("sum", "reduce"), "MeanExt": ("mean", "reduce"),
+    "Softmax": ("softmax", "dim1"), "LogSoftmaxExt": ("log_softmax", "dim1"), "LogSoftmax": ("log_softmax", "dim1"),
+    "Reshape": ("view", "reshape"), "ExpandDims": ("view", "unsqueeze"),
+    "TransposeExtView": ("transpose", "transpose"), "TransposeExt": ("transpose", "transpose"),
+    "Transpose": ("permute", "permute"), "Concat": ("cat", "cat"), "LinalgVectorNorm": ("norm", "norm"),
+    "Square": ("square", "pointwise"), "ReduceSum": ("sum", "reduce"), "Gather": ("embedding", "gather"),
+}
+
+
+def _name(op: Any) -> str:
+    return getattr(op, "__name__", None) or getattr(op, "name", None) or type(op).__name__
+
+
+def _dims(dim: Any) -> tuple[int, ...] | None:
+    if dim is None:
+        return None
+    if isinstance(dim, int):
+        return (dim,)
+    return tuple(int(d) for d in dim) or None
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= int(s)
+    return out
+
+
+def build_dtensor_type(base: type, ms: Any) -> type:
+    """The MindSpore DTensor class over core's ``base`` (see [Note: MindSpore DTensor
+    dispatch]); ``ms``: the ``mindspore`` module."""
+    from mindspore._c_expression import NoFallbackGuard
+
+    Tensor, Parameter = ms.Tensor, ms.Parameter
+
+    def is_dtensor(x: Any) -> bool:
+        return isinstance(x, DTensor)
+
+    def unwrap(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value._local
+        if isinstance(value, (list, tuple)):
+            return type(value)(unwrap(v) for v in value)
+        return value
+
+    def call_op(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        with NoFallbackGuard():
+            return op(*args, **kwargs)
+
+    class DTensor(Tensor, base):  # type: ignore[misc, valid-type]
+        def __new__(cls, local: Any, spec: Any = None) -> DTensor:
+            t = Tensor._make_subclass(cls, local)
+            if spec is None and isinstance(local, DTensor):
+                # mindspore.Parameter(dtensor) makes its ParameterDTensor class this way
+                t._local_tensor, t._spec = local._local_tensor, local._spec
+            else:
+                t._local_tensor, t._spec = local, spec
+            return t
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass  # __new__ sets the attributes
+
+        @property
+        def _local(self) -> Any:
+            """The local tensor, typed as a plain ``mindspore.Tensor``. A parameter's is
+            a same-shape reshape of the parameter itself (under ``NoFallbackGuard``):
+            ``value_and_grad`` differentiates with respect to the ``Parameter`` object, so
+            the ops must read that object, and its current values (``set_data`` and the
+            optimizers' ``Assign`` write the parameter, not the tensor it was made from)."""
+            if isinstance(self, Parameter):
+                with NoFallbackGuard():
+                    return ms.mint.reshape(self, tuple(self._local_tensor.shape))
+            return self._local_tensor
+
+        @property
+        def shape(self) -> tuple[int, ...]:
+            """The global shape (kernels see the local tensor's)."""
+            return tuple(self._spec.shape)
+
+        @property
+        def size(self) -> int:
+            """The number of elements of the global tensor."""
+            return _numel(self._spec.shape)
+
+        def numel(self) -> int:
+            return _numel(self._spec.shape)
+
+        def __repr__(self) -> str:
+            return base.__repr__(self)
+
+        __str__ = __repr__
+
+        def __fallback__(self, op: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+            kwargs = dict(kwargs or {})
+            args = list(args)
+            name = _name(op)
+            if len(args) == 3 and isinstance(args[1], str) and isinstance(args[2], tuple):
+                # a legacy primitive (ops.gather, ReduceSum) calls op(primitive, name, inputs)
+                prim, name, inputs = args
+                legacy = op
+
+                def op(*inner: Any, **_: Any) -> Any:  # noqa: ANN401
+                    return legacy(prim, name, tuple(inner))
+
+                args = list(inputs)
+            if base.dispatch_skipped():
+                out = call_op(op, unwrap(args), unwrap(kwargs))
+                inplace = _PRIMITIVES.get(name, ("", ""))[1] == "inplace"
+                return args[0] if inplace else out
+            rule, kind = _PRIMITIVES.get(name, (name, "plain"))
+            return _dispatch(base, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
+
+    DTensor.__qualname__ = DTensor.__name__ = "DTensor"
+    return DTensor
+
+
+def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[Any], kwargs: dict[str, Any],
+              is_dtensor: Callable[[Any], bool], call_op: Callable[..., Any]) -> Any:
+    """One intercepted primitive: its DTensor inputs, params and local call, through
+    core's explicit dispatch."""
+    tensors: list[Any] = []
+    positions: list[tuple[int, int | None]] = []  # (argument index, list index)
+    for i, a in enumerate(args):
+        if is_dtensor(a):
+            tensors.append(a)
+            positions.append((i, None))
+        elif isinstance(a, (list, tuple)):
+            for j, item in enumerate(a):
+                if is_dtensor(item):
+                    tensors.append(item)
+                    positions.append((i, j))
+        elif hasattr(a, "shape") and hasattr(a, "dtype") and len(a.shape) > 0:
+            tensors.append(a)  # a framework tensor among DTensors: dispatch refuses it by name
+            positions.append((i, None))
+
+    def local_call(*locals_: Any, local_shape: Sequence[int] | None = None) -> Any:
+        call_args = [list(a) if isinstance(a, (list, tuple)) else a for a in args]
+        for (i, j), local in zip(positions, locals_):
+            if j is None:
+                call_args[i] = local
+            else:
+                call_args[i][j] = local
+        call_args = [type(args[i])(a) if isinstance(args[i], (list, tuple)) else a for i, a in enumerate(call_args)]
+        if local_shape is not None:
+            call_args = [call_args[0], *local_shape] if kind == "reshape" else call_args
+        return call_op(op, call_args, kwargs)
+
+    x = args[0] if args else None
+    params: dict[str, Any] = {}
+    inplace = None
+    with_local_shape = False
+    if kind in ("pointwise", "inplace"):
+        # a number (or 0-dim tensor) anywhere among the inputs, ``2 - x`` included:
+        # then no Partial passes through an add (an extra argument such as an ``alpha``
+        # counts too, which only costs a reduction)
+        scalar = any(not is_dtensor(a) and (isinstance(a, (int, float)) and not isinstance(a, bool)
+                                            or hasattr(a, "shape") and len(a.shape) == 0) for a in args)
+        params = {"scalar": scalar, "first_is_tensor": is_dtensor(x)}
+        inplace = 0 if kind == "inplace" else None
+    elif kind == "reduce":
+        dims = _dims(args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        params = {"dim": dims, "keepdim": keepdim}
+        if rule == "mean":
+            # the sum over the global count (an exact mean of uneven shards; a sharded
+            # reduced dim gives Partial("sum"), as for functional.mean)
+            every = tuple(range(len(x.shape))) if dims is None else dims
+            count = _numel([x.shape[d] for d in every])
+
+            def mean(local: Any) -> Any:
+                return local.sum(every, keepdim=keepdim) / count
+
+            return base.dispatch_explicit("sum", tensors, mean, params)
+    elif kind == "dim1":
+        params = {"dim": int(args[1] if len(args) > 1 else kwargs.get("dim", -1)) % len(x.shape)}
+    elif kind == "reshape":
+        shape = [int(s) for s in (args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])]
+        if -1 in shape:
+            known = _numel([s for s in shape if s != -1])
+            shape[shape.index(-1)] = _numel(x.shape) // known if known else 0
+        params = {"shape": tuple(shape)}
+        with_local_shape = True
+    elif kind == "unsqueeze":
+        dim = int(args[1]) % (len(x.shape) + 1)
+        params = {"shape": tuple(x.shape[:dim]) + (1,) + tuple(x.shape[dim:])}
+    elif kind == "transpose":
+        params = {"dim0": int(args[1]) % len(x.shape), "dim1": int(args[2]) % len(x.shape)}
+    elif kind == "permute":
+        perm = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        params = {"dims": tuple(int(d) % len(x.shape) for d in perm)}
+    elif kind == "cat":
+        items = list(args[0])
+        dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(items[0].shape)
+        shape = list(items[0].shape)
+        shape[dim] = sum(int(t.shape[dim]) for t in items)
+        params = {"dim": dim, "shape": tuple(shape)}
+    elif kind == "norm":
+        ord_ = float(args[1] if len(args) > 1 and args[1] is not None else 2.0)
+        params = {"ord": ord_, "dim": _dims(args[2] if len(args) > 2 else None),
+                  "keepdim": bool(args[3] if len(args) > 3 else False)}
+        if ord_ <= 0:
+            rule = name  # no partial form: the fallback
+    elif kind == "gather":
+        # Gather(weight, ids, axis, batch_dims): an embedding lookup when axis = 0
+        if int(args[2]) != 0 or (len(args) > 3 and int(args[3]) != 0):
+            rule = name
+        else:
+            return base.dispatch_explicit(rule, tensors[::-1], lambda ids, w: local_call(w, ids))
+    elif kind == "linear":
+        if len(args) > 2 and args[2] is None:
+            # Dense(x, w, None): the rule takes (x, w)
+            return base.dispatch_explicit(rule, tensors, lambda xl, wl: call_op(op, [xl, wl, None], kwargs))
+    if with_local_shape:
+        return base.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
+    return base.dispatch_explicit(rule, tensors, local_call, params, inplace)
