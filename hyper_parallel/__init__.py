@@ -22,9 +22,11 @@ from hyper_parallel.core.dtensor import (
     Replicate,
     Shard,
     SkipDTensorDispatch,
+    clip_grads_by_global_norm,
     distribute_module,
     distribute_parameter,
     distribute_tensor,
+    global_grad_norm,
     init_device_mesh,
 )
 from hyper_parallel.core.dtensor import functional as dtensor_functional
@@ -57,7 +59,7 @@ __all__ = [
     "Capability", "P2POp", "Platform", "ReduceOp", "Work", "get_platform", "init",
     # DTensor
     "DTensor", "DeviceMesh", "OP_RULES", "OpRule", "Partial", "Placement", "Replicate", "Shard",
-    "SkipDTensorDispatch", "distribute_module", "distribute_parameter", "distribute_tensor", "dtensor_functional", "init_device_mesh",
+    "SkipDTensorDispatch", "clip_grads_by_global_norm", "distribute_module", "global_grad_norm", "distribute_parameter", "distribute_tensor", "dtensor_functional", "init_device_mesh",
     # tensor parallelism
     "ColwiseParallel", "ParallelStyle", "PrepareModuleInput", "RowwiseParallel", "SequenceParallel",
     "parallelize_module",

@@ -1,8 +1,10 @@
 """DTensors as framework tensors: a model written only with the framework's own layers and
 functions, whose parameters are DTensors (``torch.nn.Parameter(distribute_tensor(...))``,
 ``mindspore.Parameter(distribute_tensor(...))``), trains with the framework's own AdamW to
-the losses, gradients and parameters of one process; on torch also with ``foreach`` both
-ways and ``clip_grad_norm_`` (the global norm), with attention through torch's fused SDPA;
+the losses, gradients and parameters of one process, clipping every step by the global
+gradient norm (torch's own ``clip_grad_norm_``, with ``foreach`` both ways, and AdamW's
+``foreach`` both ways; on MindSpore ``hyper_parallel.clip_grads_by_global_norm``, since
+``value_and_grad`` gives local pieces), with attention through torch's fused SDPA;
 plus ``SkipDTensorDispatch``, in-place ops and the fallback of an op without a rule.
 
 Float64 data: the tolerance (1e-10) absorbs the different summation orders of sharded
@@ -17,7 +19,16 @@ import warnings
 import numpy as np
 import pytest
 
-from hyper_parallel import DTensor, Replicate, Shard, SkipDTensorDispatch, distribute_tensor, init_device_mesh
+from hyper_parallel import (
+    DTensor,
+    Replicate,
+    Shard,
+    SkipDTensorDispatch,
+    clip_grads_by_global_norm,
+    distribute_tensor,
+    global_grad_norm,
+    init_device_mesh,
+)
 from hyper_parallel.platform import get_platform
 
 ON_MINDSPORE = os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore")
@@ -130,6 +141,9 @@ def train(mesh_shape: tuple[int, ...] | None, foreach: bool, steps: int = 3) -> 
             assert all(isinstance(g, DTensor) for g in grads), [type(g) for g in grads]
             grads = [g.full_tensor() for g in grads]
         record["grads"].append([g.detach().numpy().copy() for g in grads])
+        if mesh is not None:  # hyper_parallel's norm from the pieces agrees with torch's
+            record.setdefault("hp_norm", []).append(
+                float(global_grad_norm(list(model.parameters()), [q.grad for q in model.parameters()])))
         # a small max_norm, so that every step clips
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, foreach=foreach)
         record["norm"].append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
@@ -152,6 +166,7 @@ def check_training(mesh_shape: tuple[int, ...]) -> int:
         where = f"mesh {mesh_shape}, foreach={foreach}"
         np.testing.assert_allclose(got["loss"], ref["loss"], **TOL, err_msg=f"{where}: losses")
         np.testing.assert_allclose(got["norm"], ref["norm"], **TOL, err_msg=f"{where}: gradient norms")
+        np.testing.assert_allclose(got["hp_norm"], ref["norm"], **TOL, err_msg=f"{where}: global_grad_norm")
         assert min(ref["norm"]) > 0.5, f"max_norm 0.5 should clip every step: {ref['norm']}"
         for step, (g_got, g_ref) in enumerate(zip(got["grads"], ref["grads"])):
             for i, (a, b) in enumerate(zip(g_got, g_ref)):
@@ -215,6 +230,7 @@ def test_skip_dispatch_inplace_and_fallback(run_on_ranks, world_size: int) -> No
 
 
 # -- MindSpore: mint layers, ops.gather embedding, mindspore.experimental.optim.AdamW ----------
+MS_MAX_NORM = 0.5
 MS_TP = {"embed": Shard(1), "norm1.weight": Replicate(), "w1.weight": Shard(0), "w3.weight": Shard(0),
          "w2.weight": Shard(1), "norm2.weight": Replicate(), "head.weight": Shard(0)}
 
@@ -305,7 +321,15 @@ def _ms_train(mesh_shape: tuple[int, ...] | None, steps: int = 3) -> dict:
         loss, grads = ms.value_and_grad(loss_fn, None, params)(ids)
         record["loss"].append(float(loss.asnumpy()))
         record["grads"].append([g.asnumpy().copy() for g in grads])
-        optimizer(grads)
+        # clipping by the global norm, with max_norm small enough to clip every step
+        if mesh is not None:
+            grads, norm = clip_grads_by_global_norm(params, grads, MS_MAX_NORM)
+            record.setdefault("norm", []).append(float(norm.asnumpy()))
+        else:
+            norm = float(np.sqrt(sum(np.sum(g.asnumpy() ** 2) for g in grads)))
+            record.setdefault("norm", []).append(norm)
+            grads = tuple(g * min(1.0, MS_MAX_NORM / (norm + 1e-6)) for g in grads)
+        optimizer(tuple(grads))
     if mesh is not None:
         coordinate = mesh.get_coordinate()
         record["expect"] = lambda name, full: expected_local(full, placements[name], mesh.shape, coordinate)
@@ -329,6 +353,8 @@ def check_training_mindspore(mesh_shape: tuple[int, ...]) -> int:
             # value_and_grad gives each DTensor parameter the gradient of its local piece
             np.testing.assert_allclose(a, got["expect"](name, b), **TOL, err_msg=f"{where}: step {step} {name}")
     np.testing.assert_allclose(got["loss"], ref["loss"], **TOL, err_msg=f"{where}: losses")
+    assert min(ref["norm"]) > MS_MAX_NORM, ref["norm"]
+    np.testing.assert_allclose(got["norm"], ref["norm"], **TOL, err_msg=f"{where}: clip_grads_by_global_norm's norm")
     for name in got["order"]:
         np.testing.assert_allclose(got["params"][name], ref["params"][name], **TOL,
                                    err_msg=f"{where}: {name} after the steps")
@@ -340,3 +366,21 @@ def check_training_mindspore(mesh_shape: tuple[int, ...]) -> int:
 def test_mindspore_layers_and_adamw_on_dtensor_parameters(run_on_ranks, mesh_shape: tuple[int, ...]) -> None:
     world = int(np.prod(mesh_shape))
     assert run_on_ranks(check_training_mindspore, mesh_shape, world_size=world, timeout_s=600) == [1] * world
+
+
+def check_norm_bad_input() -> None:
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (p.world_size(),))
+    param = distribute_tensor(p.from_numpy(np.ones((4, 3))), mesh, [Shard(0)])
+    plain = p.from_numpy(np.ones((4, 3)))
+    for call, error, text in (
+            (lambda: global_grad_norm([plain], [plain]), TypeError, "not a DTensor; its layout over the ranks"),
+            (lambda: global_grad_norm([param], []), ValueError, "1 parameters but 0 gradients"),
+            (lambda: global_grad_norm([param], [None], norm_type=0.0), ValueError, "norm_type=0.0")):
+        with pytest.raises(error) as err:
+            call()
+        assert text in str(err.value), str(err.value)
+
+
+def test_global_grad_norm_bad_input(run_on_ranks) -> None:
+    run_on_ranks(check_norm_bad_input, world_size=2, timeout_s=120)
