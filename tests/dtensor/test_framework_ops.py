@@ -40,7 +40,8 @@ VOCAB, DIM, HIDDEN, BATCH, SEQ = 13, 8, 10, 4, 5
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 2
 
 # tensor-parallel placements of each parameter (Megatron: column-parallel in, row-parallel out)
-TP = {"embed.weight": Shard(1), "norm1": Replicate(), "wq.weight": Shard(0), "wk.weight": Shard(0),
+# (the embedding table is vocabulary parallel: Shard(0) over its rows)
+TP = {"embed.weight": Shard(0), "norm1": Replicate(), "wq.weight": Shard(0), "wk.weight": Shard(0),
       "wv.weight": Shard(0), "wo.weight": Shard(1), "norm2": Replicate(), "w1.weight": Shard(0),
       "w3.weight": Shard(0), "w2.weight": Shard(1), "norm3": Replicate(), "head.weight": Shard(0)}
 
@@ -231,7 +232,7 @@ def test_skip_dispatch_inplace_and_fallback(run_on_ranks, world_size: int) -> No
 
 # -- MindSpore: mint layers, ops.gather embedding, mindspore.experimental.optim.AdamW ----------
 MS_MAX_NORM = 0.5
-MS_TP = {"embed": Shard(1), "norm1.weight": Replicate(), "w1.weight": Shard(0), "w3.weight": Shard(0),
+MS_TP = {"embed": Shard(0), "norm1.weight": Replicate(), "w1.weight": Shard(0), "w3.weight": Shard(0),
          "w2.weight": Shard(1), "norm2.weight": Replicate(), "head.weight": Shard(0)}
 
 

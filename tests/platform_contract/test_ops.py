@@ -216,6 +216,9 @@ def check_local_ops() -> list[str]:
         "rsqrt": (lambda op: op(x * x + 1.0), 1 / np.sqrt(a * a + 1)),
         "pow": (lambda op: op(x, 2.0), a ** 2),
         "abs": (lambda op: op(x), np.abs(a)),
+        # rows 1..2 of weight: ids 1 and 2 look up, 0 and 3 give zeros
+        "masked_embedding": (lambda op: op(p.from_numpy(ids), p.from_numpy(weight[1:3].copy()), 1),
+                             np.where(((ids >= 1) & (ids < 3))[..., None], weight[np.clip(ids, 1, 2)], 0.0)),
     }
     assert set(expected) == set(LOCAL_OPS), set(expected) ^ set(LOCAL_OPS)
     for name, (call, want) in expected.items():

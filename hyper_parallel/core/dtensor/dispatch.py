@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.core.dtensor.dtensor import DTensor, make_dtensor, wrap_local
-from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_shape
+from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_offset, local_shape
 from hyper_parallel.core.dtensor.op_rules import OP_RULES, Strategy, output_shape, strategies, view_keeps_dim
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor.redistribute import gradient_placements, redistribute_raw
@@ -217,6 +217,23 @@ def _plan_cached(op: str, specs: tuple[DTensorSpec, ...], frozen: tuple[Any, ...
     return OpPlan(targets, out_spec, out_spec.local_shape())
 
 
+def _vocabulary_parallel(op: str, plan: OpPlan, weight: DTensorSpec,
+                         local_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """[Note: vocabulary-parallel embedding] An embedding whose table is ``Shard(0)``
+    (rows of the vocabulary) on some mesh axis looks up, on each rank, the ids that fall
+    in its rows and gives zeros for the others: the result is a ``Partial("sum")`` (the
+    Megatron vocabulary-parallel embedding). That is not the framework's embedding of the
+    local table, so ``platform.local_op("masked_embedding")`` runs instead, given where
+    this rank's rows start."""
+    if op != "embedding" or Shard(0) not in plan.targets[1]:
+        return local_fn
+    target = plan.targets[1]
+    coordinate = weight.mesh.get_coordinate()
+    start = 0 if coordinate is None else local_offset(weight.shape, target, weight.mesh.shape, coordinate, 0)
+    masked = get_platform().local_op("masked_embedding")
+    return lambda ids, table: masked(ids, table, start)
+
+
 def _check_result(op: str, out: Any, plan: OpPlan) -> None:
     if tuple(out.shape) != plan.out_local_shape:
         spec = plan.out_spec
@@ -268,6 +285,7 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
         _refuse_sharded_inplace(op, dtensors, inplace)
         return _fallback(op, dtensors, local_fn, differentiable=True)
     plan = plan_op(op, [t.spec for t in dtensors], params, inplace)
+    local_fn = _vocabulary_parallel(op, plan, dtensors[-1].spec, local_fn)
     mesh = dtensors[0].device_mesh
     out_placements = plan.out_spec.placements
     locals_ = []
@@ -340,6 +358,7 @@ def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[...,
         _refuse_sharded_inplace(op, dtensors, inplace)
         return _fallback(op, dtensors, local_fn, differentiable=False)
     plan = plan_op(op, specs, params, inplace)
+    local_fn = _vocabulary_parallel(op, plan, specs[-1], local_fn)
     locals_ = [t._local if target == spec.placements else redistribute_raw(t._local, spec, target)
                for t, spec, target in zip(dtensors, specs, plan.targets)]
     if with_local_shape:

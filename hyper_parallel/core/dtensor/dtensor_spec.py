@@ -22,6 +22,18 @@ def dim_size_at(shape: Sequence[int], placements: Sequence[Placement], mesh_shap
     return size
 
 
+def local_offset(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
+                 coordinate: Sequence[int], dim: int) -> int:
+    """Where this rank's piece starts along ``dim`` in the global tensor (nested shards:
+    each axis's chunk start within the chunk the outer axes left)."""
+    start, size = 0, shape[dim]
+    for a, placement in enumerate(placements):
+        if placement == Shard(dim):
+            offset, size = chunk_bounds(size, mesh_shape[a], coordinate[a])
+            start += offset
+    return start
+
+
 def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int],
                 coordinate: Sequence[int]) -> tuple[int, ...]:
     """The local shape at mesh ``coordinate`` (uneven and empty shards included)."""

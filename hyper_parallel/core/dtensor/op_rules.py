@@ -20,7 +20,7 @@ Families (``n``: the size of the mesh axis; dims are dims of the global tensors)
 | ``pointwise`` | every output dim ``d``: each input ``Shard`` of its dim aligned with ``d`` (broadcast dims of size 1 or missing: ``Replicate``) -> ``Shard(d)``; ``Partial`` where the op is linear (``partial`` option) |
 | ``matmul`` | batch dim ``d`` sharded on both (or broadcast) -> ``Shard(d)``; ``(Shard(-2), R) -> Shard(-2)``; ``(R, Shard(-1)) -> Shard(-1)``; ``(Shard(-1), Shard(-2)) -> Partial``; ``(Partial, R)``, ``(R, Partial) -> Partial`` |
 | ``linear`` | ``x [..., in]``, ``weight [out, in]``, ``bias [out]``: ``(Shard(d<-1), R, R) -> Shard(d)``; colwise ``(R, Shard(0), Shard(0)) -> Shard(-1)``; rowwise ``(Shard(-1), Shard(1), Partial) -> Partial``; ``(Partial, R, Partial) -> Partial`` |
-| ``embedding`` | ``ids [*]``, ``weight [vocab, dim]``: ``(Shard(d), R) -> Shard(d)``; ``(R, Shard(1)) -> Shard(-1)`` |
+| ``embedding`` | ``ids [*]``, ``weight [vocab, dim]``: ``(Shard(d), R) -> Shard(d)``; ``(R, Shard(1)) -> Shard(-1)``; vocabulary parallel ``(R, Shard(0)) -> Partial`` |
 | ``reduce`` | reduced dim sharded -> ``Partial(reduce_op)`` when the reduction allows it (sum), kept dim ``Shard(d)`` -> ``Shard(d')``; ``Partial -> Partial`` for sum |
 | ``along_dim`` | ``softmax``/``log_softmax`` along ``dim``: ``Shard(d != dim) -> Shard(d)`` |
 | ``cross_entropy`` | ``logits [N, C]``, ``target [N]``: ``(Shard(0), Shard(0)) -> Shard(0)`` (``reduction="none"``) or ``Partial`` (``"sum"``) |
@@ -283,6 +283,9 @@ def strategies(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[str
         for d in range(len(shapes[0])):
             add([Shard(d), R], Shard(d))
         add([R, Shard(1)], Shard(len(shapes[0])))
+        # vocabulary parallel: each rank looks up the rows it holds, zeros for the others
+        # (dispatch runs the masked lookup, see [Note: vocabulary-parallel embedding])
+        add([R, Shard(0)], P)
     elif family == "reduce":
         reduced = _reduced(shapes[0], params.get("dim"))
         keepdim = params.get("keepdim", False)

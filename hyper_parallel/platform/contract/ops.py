@@ -27,7 +27,7 @@ TENSOR_METHODS: tuple[str, ...] = (
 #: (the DTensor op rules run them on local tensors; see ``local_op``).
 LOCAL_OPS: tuple[str, ...] = (
     "softmax", "log_softmax", "embedding", "cross_entropy", "silu", "gelu", "relu", "sigmoid", "tanh",
-    "sqrt", "rsqrt", "pow", "abs",
+    "sqrt", "rsqrt", "pow", "abs", "masked_embedding",
 )
 
 
@@ -102,6 +102,11 @@ class OpsSection(ABC):
         - ``silu(x)``, ``gelu(x)`` (exact erf form), ``relu(x)``, ``sigmoid(x)``,
           ``tanh(x)``, ``sqrt(x)``, ``rsqrt(x)``: elementwise.
         - ``pow(x, exponent)``: elementwise ``x ** exponent`` for a Python float exponent.
+        - ``abs(x)``: elementwise.
+        - ``masked_embedding(ids, weight, start)``: ``weight`` ``[rows, dim]`` holds rows
+          ``start .. start + rows`` of a larger table; ids in that range give their row,
+          other ids zeros -> ``[*, dim]`` (vocabulary-parallel embedding; gradient to
+          ``weight`` only; ``rows`` may be 0).
 
         Raises:
             ValueError: ``name`` is not in ``LOCAL_OPS``.

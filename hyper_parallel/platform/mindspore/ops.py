@@ -119,6 +119,16 @@ class MindSporeOps(OpsSection):
         """A one-piece ``mint.cat``: MindSpore 2.10 has no CPU kernel for ``clone``."""
         return self._mint.cat([tensor])
 
+    def _masked_embedding(self, ids: Any, weight: Any, start: int) -> Any:
+        mint, ops = self._mint, self._ops
+        rows = int(weight.shape[0])
+        if rows == 0:
+            return mint.zeros((*ids.shape, int(weight.shape[1])), dtype=weight.dtype)
+        local = ids - start
+        valid = mint.logical_and(local >= 0, local < rows)
+        out = ops.gather(weight, mint.clamp(local, 0, rows - 1), 0)
+        return out * mint.unsqueeze(valid, -1).astype(out.dtype)
+
     def local_op(self, name: str) -> Callable[..., Any]:
         """``mint`` where it has CPU kernels; ``ops.log_softmax``, ``ops.gather`` (for
         embedding), ``ops.gelu`` and ``ops.cross_entropy`` where ``mint``'s do not
@@ -133,7 +143,7 @@ class MindSporeOps(OpsSection):
             "silu": functional.silu, "gelu": lambda x: ops.gelu(x, approximate="none"), "relu": functional.relu,
             "sigmoid": mint.sigmoid, "tanh": mint.tanh, "sqrt": mint.sqrt, "rsqrt": mint.rsqrt,
             "pow": lambda x, exponent: mint.pow(x, float(exponent)),
-            "abs": mint.abs,
+            "abs": mint.abs, "masked_embedding": self._masked_embedding,
         }
         return check_local_op(name, table)
 

@@ -41,6 +41,16 @@ _DTYPES = {
 assert set(_DTYPES) == set(DTYPE_NAMES)
 
 
+def _masked_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    rows = weight.shape[0]
+    if rows == 0:
+        return weight.new_zeros((*ids.shape, weight.shape[1]))
+    local = ids - start
+    valid = (local >= 0) & (local < rows)
+    out = torch.nn.functional.embedding(local.clamp(0, rows - 1), weight)
+    return out * valid.unsqueeze(-1).to(out.dtype)
+
+
 def _npu_available() -> bool:
     try:
         import torch_npu  # noqa: F401  (imports CANN; fails on machines without it)
@@ -360,7 +370,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             "cross_entropy": lambda logits, target, reduction: F.cross_entropy(logits, target, reduction=reduction),
             "silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
             "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "pow": torch.pow,
-            "abs": torch.abs,
+            "abs": torch.abs, "masked_embedding": _masked_embedding,
         }
         return check_local_op(name, table)
 
