@@ -130,10 +130,12 @@ def train(mesh_shape: tuple[int, ...] | None, foreach: bool, steps: int = 3) -> 
         if mesh is not None:
             batch = [Shard(0) if axis == "dp" else Replicate() for axis in mesh.mesh_dim_names]
             ids = distribute_tensor(ids, mesh, batch)
+            target = distribute_tensor(target, mesh, batch)
         logits = model(ids)
         if mesh is not None:
+            # the logits go into torch's cross-entropy as DTensors (never gathered when
+            # their classes are sharded)
             assert isinstance(logits, DTensor) and logits.shape == (BATCH, SEQ, VOCAB), repr(logits)
-            logits = logits.full_tensor()
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
         optimizer.zero_grad()
         loss.backward()
@@ -385,3 +387,56 @@ def check_norm_bad_input() -> None:
 
 def test_global_grad_norm_bad_input(run_on_ranks) -> None:
     run_on_ranks(check_norm_bad_input, world_size=2, timeout_s=120)
+
+
+def check_vocab_parallel_cross_entropy(mesh_shape: tuple[int, ...]) -> None:
+    """Class-sharded logits: torch's own ``F.cross_entropy`` (with its default
+    ``ignore_index=-100`` hit by one row) on torch, ``dtensor_functional.cross_entropy``
+    on MindSpore; loss and the logits' gradient against one process, never gathering
+    the logits (every reduction)."""
+    from hyper_parallel import dtensor_functional as HF
+    from tests.dtensor._reference import expected_local
+
+    p = get_platform()
+    names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+    mesh = init_device_mesh(p.device_type, mesh_shape, mesh_dim_names=names)
+    rng = np.random.default_rng(0)
+    logits, target = rng.standard_normal((6, 11)), rng.integers(0, 11, (6,)).astype(np.int64)
+    if p.framework == "torch":
+        target[2] = -100
+    logit_pl = [Shard(1) if a == "tp" else Shard(0) for a in names]
+    row_pl = [Replicate() if a == "tp" else Shard(0) for a in names]
+
+    def loss_fn(reduction, sharded):
+        def fn(x):
+            t = p.from_numpy(target)
+            if sharded:
+                x, t = DTensor.from_local(x, mesh, logit_pl, shape=logits.shape), distribute_tensor(t, mesh, row_pl)
+            if p.framework == "torch":
+                import torch.nn.functional as F
+                out = F.cross_entropy(x, t, reduction=reduction)
+            else:
+                out = HF.cross_entropy(x, t, reduction)
+            return out.full_tensor() if sharded else out
+        return fn
+
+    coordinate = mesh.get_coordinate()
+    for reduction in ("none", "sum", "mean"):
+        ref, ref_back = p.vjp(loss_fn(reduction, False), [p.from_numpy(logits)])
+        g = np.asarray(np.random.default_rng(1).standard_normal(p.to_numpy(ref).shape))
+        seed = p.from_numpy(g.reshape(-1)).reshape(g.shape)  # 0-dim for the reductions
+        (ref_grad,), _ = ref_back([seed])
+        local = p.from_numpy(expected_local(logits, logit_pl, mesh.shape, coordinate))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got, back = p.vjp(loss_fn(reduction, True), [local])
+        assert not [w for w in caught if "no sharding rule" in str(w.message)], [str(w.message) for w in caught]
+        np.testing.assert_allclose(p.to_numpy(got), p.to_numpy(ref), **TOL, err_msg=f"{reduction}: loss")
+        (grad,), _ = back([seed])
+        np.testing.assert_allclose(p.to_numpy(grad), expected_local(p.to_numpy(ref_grad), logit_pl, mesh.shape,
+                                                                    coordinate), **TOL, err_msg=f"{reduction}: grad")
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["tp2", "tp4", "dp2xtp2"])
+def test_vocab_parallel_cross_entropy(run_on_ranks, mesh_shape: tuple[int, ...]) -> None:
+    run_on_ranks(check_vocab_parallel_cross_entropy, mesh_shape, world_size=int(np.prod(mesh_shape)), timeout_s=300)

@@ -281,6 +281,17 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
     if dispatch_skipped():
         out = local_fn(*[t.to_local() for t in dtensors])
         return dtensors[inplace] if inplace is not None else out
+    if op == "cross_entropy" and not isinstance(params, tuple):
+        from hyper_parallel.core.dtensor import loss_parallel
+
+        # class-sharded logits (see [Note: vocabulary-parallel cross-entropy]), or a
+        # framework's own cross-entropy with an ignore index and torch's reductions
+        # (``local_fn`` then gives the per-row losses)
+        axis = loss_parallel.class_axis(dtensors[0])
+        params = dict(params or {})
+        if axis is not None or "ignore_index" in params:
+            return loss_parallel.reduced_cross_entropy(dtensors[0], dtensors[1], axis, params["reduction"],
+                                                       params.get("ignore_index"), local_fn)
     if op not in OP_RULES:
         _refuse_sharded_inplace(op, dtensors, inplace)
         return _fallback(op, dtensors, local_fn, differentiable=True)

@@ -197,7 +197,10 @@ def cross_entropy(logits: Any, target: Any, reduction: str = "mean") -> Any:
     """Cross-entropy of ``logits`` ``[N, C]`` (float) against class indices ``target``
     ``[N]`` (int64), natural log. ``reduction``: ``"none"`` -> ``[N]``; ``"sum"``,
     ``"mean"`` -> ``[]`` (the mean divides the sum by the global ``N``, so uneven
-    row shards are exact). Rows sharded: ``Partial("sum")`` for sum and mean.
+    row shards are exact). Rows sharded: ``Partial("sum")`` for sum and mean. Classes
+    sharded (``Shard(1)``): vocabulary parallel, the logits are never gathered (see
+    [Note: vocabulary-parallel cross-entropy] in ``loss_parallel.py``; three
+    all-reduces of ``[rows]`` over the class axis).
 
     Raises:
         ValueError: other shapes or reductions.

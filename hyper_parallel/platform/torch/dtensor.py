@@ -287,6 +287,33 @@ def _attention(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, A
                                   lambda ql, kl, vl: F.scaled_dot_product_attention(ql, kl, vl, **options))
 
 
+def _cross_entropy(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.cross_entropy`` of ``[N, C]`` DTensor logits against a ``[N]`` DTensor target
+    (no class weights, no label smoothing) whole, above autograd, through core's
+    ``cross_entropy`` dispatch: vocabulary parallel when the classes are sharded (see
+    [Note: vocabulary-parallel cross-entropy]), else per-row losses under the
+    ``cross_entropy`` rule, reduced as torch reduces (``ignore_index`` honoured); ``None``
+    for other calls (they decompose into ``log_softmax`` and ``nll_loss``)."""
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    logits, target = bound.get("input"), bound.get("target")
+    if (not isinstance(logits, cls) or not isinstance(target, cls) or logits.dim() != 2
+            or bound.get("weight") is not None or bound.get("label_smoothing", 0.0) != 0.0
+            or bound.get("size_average") is not None or bound.get("reduce") is not None
+            or target.dim() != 1):
+        return None
+    reduction = bound.get("reduction", "mean")
+    ignore_index = int(bound.get("ignore_index", -100))
+
+    def local(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        # per-row losses (0 for ignored rows); core reduces them across the ranks
+        return F.cross_entropy(x, t, ignore_index=ignore_index, reduction="none")
+
+    return base.dispatch_explicit("cross_entropy", (logits, target), local,
+                                  {"reduction": reduction, "ignore_index": ignore_index})
+
+
 def _view(func: Any) -> Callable[..., Any]:
     def call(x: torch.Tensor, local_shape: Sequence[int]) -> torch.Tensor:
         try:
@@ -321,6 +348,10 @@ def build_dtensor_type(base: type) -> type:
                 return base.dispatch_explicit(op, args, torch.matmul)
             if func is F.scaled_dot_product_attention and not base.dispatch_skipped():
                 routed = _attention(cls, base, args, kwargs or {})
+                if routed is not None:
+                    return routed
+            if func is F.cross_entropy and not base.dispatch_skipped():
+                routed = _cross_entropy(cls, base, args, kwargs or {})
                 if routed is not None:
                     return routed
             # everything else straight on (what torch's DTensor has as __torch_function__)
