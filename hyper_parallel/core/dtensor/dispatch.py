@@ -312,6 +312,13 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
             locals_.append(moved.to_local(grad_placements=grad))
         else:
             locals_.append(moved.to_local())
+    return _run(op, local_fn, locals_, plan, dtensors, inplace, with_local_shape, wrap_local)
+
+
+def _run(op: str, local_fn: Callable[..., Any], locals_: Sequence[Any], plan: OpPlan, dtensors: Sequence[DTensor],
+         inplace: int | None, with_local_shape: bool, wrap: Callable[[Any, DTensorSpec], Any]) -> Any:
+    """The local op on the redistributed locals, checked against the plan, wrapped (or
+    the written DTensor of an in-place op)."""
     if with_local_shape:
         out = local_fn(*locals_, local_shape=plan.out_local_shape)
     else:
@@ -319,7 +326,7 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
     _check_result(op, out, plan)
     if inplace is not None:
         return dtensors[inplace]
-    return wrap_local(out, plan.out_spec)
+    return wrap(out, plan.out_spec)
 
 
 def _refuse_sharded_inplace(op: str, dtensors: Sequence[DTensor], inplace: int | None) -> None:
@@ -372,14 +379,7 @@ def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[...,
     local_fn = _vocabulary_parallel(op, plan, specs[-1], local_fn)
     locals_ = [t._local if target == spec.placements else redistribute_raw(t._local, spec, target)
                for t, spec, target in zip(dtensors, specs, plan.targets)]
-    if with_local_shape:
-        out = local_fn(*locals_, local_shape=plan.out_spec.local_shape())
-    else:
-        out = local_fn(*locals_)
-    _check_result(op, out, plan)
-    if inplace is not None:
-        return dtensors[inplace]
-    return make_dtensor(out, plan.out_spec)
+    return _run(op, local_fn, locals_, plan, dtensors, inplace, with_local_shape, make_dtensor)
 
 
 def full_local(dt: DTensor) -> Any:

@@ -148,6 +148,22 @@ def _translate(name: str, overload: str, args: tuple[Any, ...], kwargs: dict[str
     return name, {}
 
 
+def _substituting(func: Any, leaves: Sequence[Any], positions: Sequence[int],
+                  unflatten: Any = None) -> Callable[..., Any]:
+    """``func`` called with ``leaves`` whose entries at ``positions`` are replaced by the
+    given local tensors (rebuilt into ``(args, kwargs)`` by ``unflatten`` when given)."""
+    def call(*locals_: Any) -> Any:
+        filled = list(leaves)
+        for i, local in zip(positions, locals_):
+            filled[i] = local
+        if unflatten is None:
+            return func(*filled)
+        local_args, local_kwargs = tree_unflatten(filled, unflatten)
+        return func(*local_args, **local_kwargs)
+
+    return call
+
+
 def _local_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                 is_dtensor: Callable[[Any], bool]) -> tuple[list[Any], Callable[..., Any]]:
     """The DTensors among ``args``/``kwargs`` (in order) and the op as a function of
@@ -156,26 +172,11 @@ def _local_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         # the common case, without pytree: flat positional arguments
         positions = [i for i, a in enumerate(args) if is_dtensor(a)]
         _check_mixed(func, args, is_dtensor)
-
-        def call_flat(*locals_: Any) -> Any:
-            leaves = list(args)
-            for i, local in zip(positions, locals_):
-                leaves[i] = local
-            return func(*leaves)
-
-        return [args[i] for i in positions], call_flat
+        return [args[i] for i in positions], _substituting(func, args, positions)
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(flat) if is_dtensor(leaf)]
     _check_mixed(func, flat, is_dtensor)
-
-    def call(*locals_: Any) -> Any:
-        leaves = list(flat)
-        for i, local in zip(positions, locals_):
-            leaves[i] = local
-        local_args, local_kwargs = tree_unflatten(leaves, spec)
-        return func(*local_args, **local_kwargs)
-
-    return [flat[i] for i in positions], call
+    return [flat[i] for i in positions], _substituting(func, flat, positions, spec)
 
 
 def _check_mixed(func: Any, leaves: Sequence[Any], is_dtensor: Callable[[Any], bool]) -> None:
@@ -388,15 +389,8 @@ def build_dtensor_type(base: type) -> type:
             entry = plans.get(key) if key is not None else None
             if entry is not None:
                 rule, params, inplace, positions = entry
-                dtensors = [args[i] for i in positions]
-
-                def call(*locals_: Any) -> Any:
-                    leaves = list(args)
-                    for i, local in zip(positions, locals_):
-                        leaves[i] = local
-                    return func(*leaves)
-
-                return base.dispatch_op(rule, dtensors, call, params, inplace)
+                return base.dispatch_op(rule, [args[i] for i in positions], _substituting(func, args, positions),
+                                        params, inplace)
             return _run_op(cls, base, func, args, kwargs or {}, key, plans)
 
     # (func, argument specs and values) -> (rule, params, inplace, DTensor positions) of
