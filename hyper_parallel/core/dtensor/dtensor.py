@@ -5,7 +5,8 @@ holding this rank's local piece.
 Core defines one ``DTensor`` class. A backend whose framework lets a tensor subclass
 intercept its ops (``Platform.dtensor_type``) builds from it the class DTensors really
 have: a subclass of both the framework's tensor and this class, whose framework ops are
-routed to ``dispatch_local`` (torch: a wrapper subclass with ``__torch_dispatch__``).
+routed to the sharding rules (torch: a wrapper subclass with ``__torch_dispatch__``;
+MindSpore: a ``Tensor._make_subclass`` of the local tensor with ``__fallback__``).
 Every DTensor is made through ``make_dtensor``, so ``isinstance(x, DTensor)`` holds on
 every backend.
 
@@ -16,8 +17,8 @@ custom functions between the two levels (``_FromLocal`` / ``_ToLocal``, as torch
 DTensor has). Otherwise (core's class; MindSpore's subclass, which is its local tensor
 under another Python type and shares its autograd identity) the local tensor is the
 autograd node and ``from_local`` / ``to_local`` are identities on it; intercepted ops
-then run above autograd through ``dispatch.dispatch``. ``redistribute`` is one differentiable function on the local
-tensor (see ``redistribute.py``) in both cases.
+then run above autograd through ``dispatch.dispatch``. ``redistribute`` is one
+differentiable function on the local tensor (see ``redistribute.py``) in both cases.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ class DTensor:
     """A distributed tensor. Build one with ``DTensor.from_local`` or
     ``distribute_tensor``; the constructor is internal (see ``make_dtensor``).
 
-    On a backend that intercepts framework ops (torch) a DTensor is also a framework
-    tensor: ``torch.nn.Parameter(dt)``, ``torch.nn.functional.linear(x_dt, w_dt)``,
-    optimizers and ``clip_grad_norm_`` run on it through the sharding rules (see
-    ``docs/dtensor.md``). The framework's own attributes (``shape``, ``dtype``,
-    operators, methods) then take precedence over the ones below, with the same meaning.
+    On both backends a DTensor is also a framework tensor: ``torch.nn.Parameter(dt)``,
+    ``torch.nn.functional.linear(x_dt, w_dt)``, ``mindspore.Parameter(dt)``,
+    ``mint.nn.functional.linear``, the frameworks' optimizers and torch's
+    ``clip_grad_norm_`` run on it through the sharding rules (see ``docs/dtensor.md``).
+    The framework's own attributes (``shape``, ``dtype``, operators, methods) then take
+    precedence over the ones below, with the same meaning.
     """
 
     def __init__(self, local: Any, spec: DTensorSpec) -> None:

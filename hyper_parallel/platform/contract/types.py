@@ -47,18 +47,23 @@ class TypesSection(ABC):
         """The class DTensors have on this backend, built once per ``base`` and cached.
 
         ``base`` is core's framework-free ``DTensor`` (attributes ``_local``, the local
-        tensor, and ``_spec``; static members ``dispatch_op(op, dtensors, local_fn,
-        params, inplace, with_local_shape)``, ``dispatch_explicit(op, tensors, local_fn,
-        params)``, ``dispatch_skipped()``, ``full_local(dt)``, ``replicated(local, mesh)``,
-        ``freeze_params(params)``). A backend whose
-        framework lets a tensor subclass intercept its ops returns a subclass of the
-        framework's tensor and of ``base``, constructed as ``cls(local, spec)`` without
-        autograd, that routes every framework op with a DTensor input to
-        ``base.dispatch_op`` (naming the op as ``OP_RULES`` does, with the op's
-        non-tensor arguments as the rule's params), runs ops on the local tensors while
-        ``base.dispatch_skipped()``, and gives the framework the global shape. torch:
-        a wrapper subclass with ``__torch_dispatch__``. A backend without such a hook
-        returns ``base`` itself (framework ops then do not take DTensors).
+        tensor, and ``_spec``; the static members the class calls: ``dispatch_op(op,
+        dtensors, local_fn, params, inplace, with_local_shape)``, ``dispatch_explicit(op,
+        tensors, local_fn, params, inplace, with_local_shape)``, ``dispatch_skipped()``,
+        ``full_local(dt)``, ``replicated(local, mesh)``, ``freeze_params(params)``).
+
+        A backend whose framework lets a tensor subclass intercept its ops returns a
+        subclass of the framework's tensor and of ``base``, constructed as
+        ``cls(local, spec)`` without autograd, reporting the global shape. It names each
+        framework op with a DTensor input as ``OP_RULES`` does (its non-tensor arguments
+        as the rule's params) and runs ops on the local tensors while
+        ``base.dispatch_skipped()``. Where autograd records on the class's instances (a
+        wrapper with no storage of its own: torch's ``__torch_dispatch__`` subclass) the
+        class sets ``wrapper_autograd = True`` and routes to ``dispatch_op``, below
+        autograd; where the instances share their local tensor's autograd identity
+        (MindSpore's ``Tensor._make_subclass`` with ``__fallback__``) it routes to
+        ``dispatch_explicit``, above autograd. A backend without such a hook returns
+        ``base`` itself.
         """
 
     @abstractmethod

@@ -4,11 +4,14 @@ to core's sharding rules through ``__torch_dispatch__``.
 [Note: torch DTensor dispatch]
 A DTensor is a wrapper subclass (``torch.Tensor._make_wrapper_subclass``, as torch's own
 DTensor): it has the global shape, dtype and device and no storage; its local tensor is
-``_local``. ``__torch_function__`` passes every torch function on to the dispatcher
-(except a batched matmul, run whole under the matmul rule: its decomposition merges
-batch and head dims, which loses a head sharding): autograd records the op on the DTensors, composite ops (``F.linear``,
-``reshape``) decompose, and each aten op then arrives at ``__torch_dispatch__`` below
-autograd, forward and backward alike. There ``_translate`` names the op as
+``_local``. ``__torch_function__`` passes every torch function on to the dispatcher,
+except three composites run whole above autograd through core's explicit dispatch,
+because their decompositions lose a sharding: a batched matmul (its reshape merges
+batch and head dims), ``F.scaled_dot_product_attention`` (the fused aten op has no
+rule) and ``F.cross_entropy`` (vocabulary parallel; ``ignore_index`` and torch's
+reductions). Otherwise autograd records the op on the DTensors, composite ops
+(``F.linear``, ``reshape``) decompose, and each aten op then arrives at
+``__torch_dispatch__`` below autograd, forward and backward alike. There ``_translate`` names the op as
 ``OP_RULES`` does (``aten.mm`` -> ``"matmul"``, ``aten._softmax`` -> ``"softmax"``) and
 reads its non-tensor arguments into the rule's params; core plans the redistributions
 and the output placements and runs the aten op on the local tensors. An aten op without
