@@ -13,6 +13,7 @@ matmuls, reductions and the norm's partial sums.
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -209,6 +210,13 @@ def check_skip_and_inplace() -> None:
     assert torch.equal(rep.to_local(), 1 + 3 * full)
     dt.add_(rep)
     assert dt.placements == (Shard(0),) and torch.equal(dt.full_tensor(), 1 + 6 * full)
+
+    # copy.deepcopy (of a module, too) copies the local tensors and shares the mesh
+    param = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)]))
+    twin = copy.deepcopy(torch.nn.ParameterList([param]))[0]
+    assert isinstance(twin, DTensor) and twin.placements == (Shard(0),) and twin.requires_grad
+    assert torch.equal(twin.full_tensor(), full) and twin.to_local().data_ptr() != param.to_local().data_ptr()
+    assert twin.device_mesh is param.device_mesh
 
     # an op without a rule: inputs to Replicate, one warning naming it, a right answer
     with warnings.catch_warnings(record=True) as caught:

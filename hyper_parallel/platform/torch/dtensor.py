@@ -383,6 +383,19 @@ def build_dtensor_type(base: type) -> type:
         def __repr__(self, *, tensor_contents: Any = None) -> str:
             return base.__repr__(self)
 
+        def __deepcopy__(self, memo: dict[int, Any]) -> DTensor:
+            # A copy of the local tensor under the same spec: meshes (and their process
+            # groups, which cannot be copied) are shared, as torch's DTensor shares them.
+            if id(self) in memo:
+                return memo[id(self)]
+            with torch.no_grad():
+                out = type(self)(self._local.clone(), self._spec)
+            out.requires_grad_(self.requires_grad)
+            if getattr(self, "_is_param", False):
+                out._is_param = True
+            memo[id(self)] = out
+            return out
+
         @classmethod
         def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:
