@@ -58,8 +58,13 @@ def global_grad_norm(parameters: Sequence[Any], grads: Sequence[Any], norm_type:
     if not norm_type > 0:
         raise ValueError(f"global_grad_norm: norm_type={norm_type!r}; use a p-norm with p > 0, or float('inf')")
     infinite = norm_type == float("inf")
+    # float32 or better, as torch's clip_grad_norm_ accumulates; decided from the
+    # parameters' dtypes, which every rank sees alike (a dtype from the local gradients
+    # could differ between ranks, and so the all-reduce's)
+    wide = "float64" if any(isinstance(q, DTensor) and p.dtype_name(q.dtype) == "float64" for q in params) \
+        else "float32"
+    dtype = p.dtype(wide)
     terms = []
-    dtype = p.dtype("float32")
     for index, (param, grad) in enumerate(zip(params, grads)):
         if not isinstance(param, DTensor):
             raise TypeError(f"global_grad_norm: parameter {index} is a {type(param).__name__}, not a DTensor; its "
@@ -67,12 +72,7 @@ def global_grad_norm(parameters: Sequence[Any], grads: Sequence[Any], norm_type:
                             "compute the norm of plain replicated gradients with the framework's own function")
         if grad is None or param.device_mesh.get_coordinate() is None:
             continue
-        local = _local_piece(param, grad)
-        if p.dtype_name(local.dtype) == "float64":
-            dtype = p.dtype("float64")
-        # float32 or better, as torch's clip_grad_norm_ accumulates
-        wide = p.dtype("float64") if p.dtype_name(local.dtype) == "float64" else p.dtype("float32")
-        magnitude = p.local_op("abs")(p.to_dtype(local, wide))
+        magnitude = p.local_op("abs")(p.to_dtype(_local_piece(param, grad), dtype))
         if infinite:
             terms.append(magnitude.amax(tuple(range(magnitude.ndim))) if magnitude.ndim else magnitude)
             continue
@@ -84,7 +84,7 @@ def global_grad_norm(parameters: Sequence[Any], grads: Sequence[Any], norm_type:
     if not terms:
         total = p.zeros((), dtype)
     else:
-        stacked = p.stack([p.to_dtype(t, dtype) for t in terms])
+        stacked = p.stack(terms)
         total = stacked.amax((0,)) if infinite else stacked.sum()
     if p.world_size() > 1:
         total = p.all_reduce(total, "max" if infinite else "sum").wait()
