@@ -88,7 +88,9 @@ def bench_rank(impl: str, blocks: int, dim: int, batch: int, seq: int, iters: in
         if step >= warmup:
             seconds.append(elapsed)
     return {"seconds": seconds, "peak_bytes": p.memory_stats().peak - base,
-            "params": sum(int(t.numel()) for t in model.parameters())}
+            # this rank's values: both implementations' parameters are DTensors of the global shape
+            "params": sum(int(t.to_local().numel() if hasattr(t, "to_local") else t.numel())
+                          for t in model.parameters())}
 
 
 def run(impl: str, world: int, args: argparse.Namespace) -> dict:

@@ -172,3 +172,16 @@ def check_attention_backward(dout: Any, q: Any, out: Any, lse: Any) -> None:
     if _dims(lse) != (b, h, sq):
         raise ValueError(f"attention_backward: lse has shape {_dims(lse)}; it must be [batch, heads, q_seq] = "
                          f"{[b, h, sq]} (attention's second output)")
+
+
+def refuse_dtensor(tensor: Any, member: str) -> None:
+    """Raise where a platform member that reads a tensor's values is handed a DTensor:
+    its values are a piece of a global tensor, and which one the caller means (this
+    rank's piece, the whole tensor) must be said, not guessed.
+
+    Raises:
+        TypeError: ``tensor`` is a DTensor (it has a spec and ``to_local``).
+    """
+    if hasattr(tensor, "_spec") and hasattr(tensor, "to_local"):
+        raise TypeError(f"{member}: got a DTensor of global shape {tuple(tensor.shape)}; pass tensor.to_local() "
+                        "for this rank's piece or tensor.full_tensor() for the whole tensor (a collective)")

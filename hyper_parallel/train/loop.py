@@ -34,7 +34,7 @@ from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, MetricsWriter, Progress, plot_losses
 from hyper_parallel.train.model import build_model
-from hyper_parallel.train.optim import AdamW, lr_at, set_parameter_values
+from hyper_parallel.train.optim import AdamW, local_tensor, lr_at, set_parameter_values
 from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh, context_parallel_style,
                                               data_parallel_coordinate, parallelize)
 from hyper_parallel.train.grad_norm import GlobalGradNorm, clip_coefficient
@@ -158,30 +158,18 @@ def _validation_loss(run: _Run) -> float:
 CHECKPOINT_KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
-def _piece(local: np.ndarray, box: Box) -> np.ndarray:
-    """The unpadded piece of a local array (fully_shard pads at the end of its shard dim)."""
-    return local[tuple(slice(0, n) for n in box.lengths)]
-
-
-def _padded(piece: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """``piece`` in a zero array of the local ``shape`` (the padding fully_shard keeps at zero)."""
-    out = np.zeros(shape, piece.dtype)
-    out[tuple(slice(0, n) for n in piece.shape)] = piece
-    return out
-
-
 def checkpoint_pieces(run: _Run, state: dict[str, np.ndarray]) -> dict[str, checkpoint.Piece]:
-    """``{"<kind>/<fqn>": Piece}``: this rank's unpadded pieces of every parameter and of
-    its AdamW moments (``state``: ``optimizer.state_arrays()``; see ``[Note:
+    """``{"<kind>/<fqn>": Piece}``: this rank's pieces of every parameter and of its AdamW
+    moments (``state``: ``optimizer.state_arrays()``; see ``[Note:
     layout-independent pieces]`` in ``checkpoint``)."""
     pieces = {}
     for i, (name, param) in enumerate(zip(run.names, run.params)):
         box = run.boxes[name]
-        locals_ = {"param": run.p.to_numpy(param), "exp_avg": state.get(f"exp_avg.{i}"),
+        locals_ = {"param": run.p.to_numpy(local_tensor(param)), "exp_avg": state.get(f"exp_avg.{i}"),
                    "exp_avg_sq": state.get(f"exp_avg_sq.{i}")}
         for kind, local in locals_.items():
             if local is not None:  # torch has no moments for a parameter that never had a gradient
-                pieces[f"{kind}/{name}"] = checkpoint.Piece(box, _piece(local, box))
+                pieces[f"{kind}/{name}"] = checkpoint.Piece(box, local)
     return pieces
 
 
@@ -202,16 +190,14 @@ def load_checkpoint(run: _Run, root: Path) -> checkpoint.Loaded | None:
 
 
 def restore(run: _Run, loaded: checkpoint.Loaded) -> None:
-    """Set the parameters and the AdamW state from ``loaded`` (padded to the local shapes)."""
+    """Set the parameters and the AdamW state from ``loaded`` (this rank's pieces)."""
     arrays = loaded.arrays
-    shapes = [tuple(param.shape) for param in run.params]
-    set_parameter_values(run.p, run.params, [_padded(arrays[f"param/{name}"], shape)
-                                             for name, shape in zip(run.names, shapes)])
+    set_parameter_values(run.p, run.params, [arrays[f"param/{name}"] for name in run.names])
     state: dict[str, np.ndarray] = {"step": np.asarray(loaded.manifest["optimizer_step"], np.int64)}
-    for i, (name, shape) in enumerate(zip(run.names, shapes)):
+    for i, name in enumerate(run.names):
         for kind in ("exp_avg", "exp_avg_sq"):
             if f"{kind}/{name}" in arrays:
-                state[f"{kind}.{i}"] = _padded(arrays[f"{kind}/{name}"], shape)
+                state[f"{kind}.{i}"] = arrays[f"{kind}/{name}"]
     run.optimizer.load_state_arrays(state)
 
 

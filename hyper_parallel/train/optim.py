@@ -5,8 +5,14 @@ state as numpy arrays (what checkpoints hold).
 torch: ``torch.optim.AdamW(foreach=False)`` (the per-parameter loop: the same arithmetic
 order on every run, so a resumed run is bit-identical). MindSpore:
 ``mindspore.experimental.optim.AdamW``, the same formula with bias correction (MindSpore's
-``nn.AdamWeightDecay`` has none and would not match torch). Both step the local shards of
-tensor-parallel parameters, which for this element-wise rule is exactly the unsharded step.
+``nn.AdamWeightDecay`` has none and would not match torch).
+
+The parameters of a parallelized model are DTensors (fully_shard, tensor parallelism).
+Both step their local pieces, which for this element-wise rule is exactly the unsharded
+step: torch runs the step under ``SkipDTensorDispatch`` (its ops on the DTensor
+parameters and gradients run on their local tensors, and the moments it creates are
+local tensors), MindSpore's ``AdamW`` updates each parameter's local storage. Gradients,
+moments and values cross this interface as local pieces (``local_tensor``).
 """
 
 from __future__ import annotations
@@ -16,10 +22,17 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.dtensor import DTensor, SkipDTensorDispatch
 from hyper_parallel.platform import Platform
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
+
+
+def local_tensor(x: Any) -> Any:
+    """A DTensor's local piece (not differentiable; on torch the DTensor's own storage, so
+    an in-place write reaches the parameter), a plain tensor itself."""
+    return x._local if isinstance(x, DTensor) else x
 
 
 class AdamW:
@@ -46,13 +59,15 @@ class AdamW:
             self._opt = MSAdamW(self._params, lr=lr, betas=BETAS, eps=EPS, weight_decay=weight_decay)
 
     def gradients(self, grads: Sequence[Any]) -> list[Any]:
-        """The gradients ``step`` will apply: torch's ``.grad`` of each parameter (what
-        ``vjp`` accumulated; zeros for a parameter that got none), else ``grads``."""
+        """The local pieces of the gradients ``step`` will apply: torch's ``.grad`` of each
+        parameter (what ``vjp`` accumulated; zeros for a parameter that got none), else
+        ``grads``."""
         if self._p.framework != "torch":
-            return list(grads)
+            return [local_tensor(g) for g in grads]
         import torch
 
-        return [torch.zeros_like(param) if param.grad is None else param.grad for param in self._params]
+        return [torch.zeros_like(local_tensor(param)) if param.grad is None else local_tensor(param.grad)
+                for param in self._params]
 
     def step(self, grads: Sequence[Any], lr: float, scale: float = 1.0) -> None:
         """One update with ``grads`` (one per parameter, as ``platform.vjp`` returns them)
@@ -61,11 +76,12 @@ class AdamW:
         for group in self._opt.param_groups:
             group["lr"] = float(lr)
         if self._p.framework == "torch":
-            if scale != 1.0:
-                for param in self._params:
-                    if param.grad is not None:
-                        param.grad.mul_(scale)
-            self._opt.step()
+            with SkipDTensorDispatch():
+                if scale != 1.0:
+                    for param in self._params:
+                        if param.grad is not None:
+                            param.grad.mul_(scale)
+                self._opt.step()
             self._opt.zero_grad(set_to_none=True)
         else:
             self._opt(tuple(grads) if scale == 1.0 else tuple(g * scale for g in grads))
@@ -81,28 +97,29 @@ class AdamW:
                 if not state:
                     continue
                 steps.add(int(state["step"]))
-                out[f"exp_avg.{i}"] = state["exp_avg"].detach().numpy().copy()
-                out[f"exp_avg_sq.{i}"] = state["exp_avg_sq"].detach().numpy().copy()
+                out[f"exp_avg.{i}"] = local_tensor(state["exp_avg"]).detach().numpy().copy()
+                out[f"exp_avg_sq.{i}"] = local_tensor(state["exp_avg_sq"]).detach().numpy().copy()
             out["step"] = np.asarray(steps.pop() if steps else 0, np.int64)
         else:
             out["step"] = np.asarray(int(self._opt.state_step.asnumpy()), np.int64)
             for i in range(len(self._params)):
-                out[f"exp_avg.{i}"] = self._opt.exp_avg[i].asnumpy().copy()
-                out[f"exp_avg_sq.{i}"] = self._opt.exp_avg_sq[i].asnumpy().copy()
+                out[f"exp_avg.{i}"] = local_tensor(self._opt.exp_avg[i]).asnumpy().copy()
+                out[f"exp_avg_sq.{i}"] = local_tensor(self._opt.exp_avg_sq[i]).asnumpy().copy()
         return out
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Restore what ``state_arrays`` returned (same parameters, same local shapes).
 
         Raises:
-            ValueError: a moment's shape differs from its parameter's.
+            ValueError: a moment's shape differs from its parameter's local shape.
         """
         step = int(arrays["step"])
         for i, param in enumerate(self._params):
+            shape = tuple(local_tensor(param).shape)
             for key in (f"exp_avg.{i}", f"exp_avg_sq.{i}"):
-                if key in arrays and tuple(arrays[key].shape) != tuple(param.shape):
+                if key in arrays and tuple(arrays[key].shape) != shape:
                     raise ValueError(f"optimizer state {key} has shape {arrays[key].shape} but parameter {i} has "
-                                     f"{tuple(param.shape)}; the checkpoint was written with another layout")
+                                     f"the local shape {shape}; the checkpoint was written with another layout")
         if self._p.framework == "torch":
             import torch
 
@@ -116,7 +133,7 @@ class AdamW:
             import mindspore as ms
 
             self._opt.state_step.set_data(ms.Tensor(step, ms.int32))
-            for i in range(len(self._params)):
+            for i in range(len(self._params)):  # set_data keeps a ParameterDTensor's spec
                 self._opt.exp_avg[i].set_data(ms.Tensor(arrays[f"exp_avg.{i}"].copy()))
                 self._opt.exp_avg_sq[i].set_data(ms.Tensor(arrays[f"exp_avg_sq.{i}"].copy()))
 
@@ -132,15 +149,16 @@ def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int) -> float:
 
 
 def set_parameter_values(p: Platform, params: Sequence[Any], values: Sequence[np.ndarray]) -> None:
-    """Overwrite each parameter's data in place with a float32 array of its shape."""
+    """Overwrite each parameter's local piece in place with a float32 array of its shape."""
     for param, value in zip(params, values):
-        if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"checkpoint value of shape {value.shape} for a parameter of shape {tuple(param.shape)}")
+        if tuple(value.shape) != tuple(local_tensor(param).shape):
+            raise ValueError(f"checkpoint value of shape {value.shape} for a parameter of local shape "
+                             f"{tuple(local_tensor(param).shape)}")
         if p.framework == "torch":
             import torch
 
             with torch.no_grad():
-                param.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+                local_tensor(param).copy_(torch.from_numpy(np.ascontiguousarray(value)))
         else:
             import mindspore as ms
 

@@ -83,6 +83,7 @@ from hyper_parallel.core.pipeline_parallel.schedules import loop_placement, v_pl
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
+from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel, apply_fully_shard,
                                               apply_tensor_parallel, fully_shard_mesh)
 
@@ -124,9 +125,10 @@ class Pipeline:
         return [param for module in self.modules for _, param in self.p.named_parameters(module)]
 
     def gradients(self) -> list[Any]:
-        """The last step's gradient of each ``parameters()`` entry: the stages'
-        ``param_grads()`` (already reduced over the data-parallel ranks), in stage order."""
-        return [grad for stage in self.stages for grad in stage.param_grads().values()]
+        """The local piece of the last step's gradient of each ``parameters()`` entry: the
+        stages' ``param_grads()`` (already reduced over the data-parallel ranks), in stage
+        order."""
+        return [local_tensor(grad) for stage in self.stages for grad in stage.param_grads().values()]
 
 
 def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,

@@ -25,6 +25,7 @@ from hyper_parallel.train.config import Layout
 from hyper_parallel.train.data import rank_batch
 from hyper_parallel.train.loop import _batch_tensors, _scalar, setup
 from hyper_parallel.train.model import build_model
+from hyper_parallel.train.optim import local_tensor
 from tests.train._ranks import tiny_config
 
 STEPS = 2
@@ -53,7 +54,7 @@ def _train(run, checkpointed: bool) -> tuple[list[float], list[list[np.ndarray]]
         # one forward per step; the checkpointed block's inside runs again in the backward
         assert len(log["inner"]) == calls + (1 if checkpointed else 0), log
         losses.append(float(p.to_numpy(loss)))
-        grads.append([p.to_numpy(g) for g in step_grads])
+        grads.append([p.to_numpy(local_tensor(g)) for g in step_grads])  # DTensor gradients on torch
         run.optimizer.step(step_grads, 1e-2)
     expected_inner = ["forward", "recompute"] * STEPS if checkpointed else ["None"] * STEPS
     assert log["inner"] == expected_inner, log

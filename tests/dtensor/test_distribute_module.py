@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hyper_parallel.core.dtensor import Replicate, Shard, distribute_module, distribute_parameter, init_device_mesh
+from hyper_parallel.core.dtensor import (DTensor, Replicate, Shard, distribute_module, distribute_parameter,
+                                         init_device_mesh)
 from hyper_parallel.platform import get_platform
 from tests.dtensor._reference import chunk
 from tests.platform_contract._models import build_mlp, mlp_numpy, mlp_weights
@@ -26,9 +27,11 @@ def check_distribute_module() -> None:
             if "." not in name:
                 distribute_parameter(submodule, name, device_mesh, [Replicate()])
 
+    # as with torch's distribute_module, the module computes on DTensors: input_fn wraps
+    # the input, the parameters are replicated DTensors, output_fn takes the local result
     distribute_module(model, mesh, partition,
-                      input_fn=lambda mod, args, m: (args[0] * 2.0,),
-                      output_fn=lambda mod, out, m: out + 1.0)
+                      input_fn=lambda mod, args, m: (DTensor.from_local(args[0] * 2.0, m, [Replicate()]),),
+                      output_fn=lambda mod, out, m: out.to_local() + 1.0)
     assert seen == ["", "fc1", "fc2"], seen
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     # float32 framework GEMMs against numpy's: summation order differs by a few ulps.
@@ -37,7 +40,8 @@ def check_distribute_module() -> None:
     sharded = build_mlp(p, mine)
     param = distribute_parameter(sharded.fc1, "weight", mesh, [Shard(0)])
     start, length = chunk(5, n, r)
-    np.testing.assert_array_equal(p.to_numpy(param), rank0["fc1.weight"][start:start + length])
+    assert tuple(param.shape) == (5, 4) and list(param.placements) == [Shard(0)], (param.shape, param.placements)
+    np.testing.assert_array_equal(p.to_numpy(param.to_local()), rank0["fc1.weight"][start:start + length])
     assert dict(p.named_parameters(sharded))["fc1.weight"] is param
     try:
         distribute_parameter(sharded.fc1, "gamma", mesh, [Replicate()])

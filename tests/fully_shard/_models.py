@@ -145,8 +145,13 @@ class Trainer:
     def grad_arrays(self) -> list[np.ndarray]:
         """The gradients the optimizer is about to apply, one per parameter (``self.params`` order)."""
         if self.p.framework == "torch":
-            return [self.p.to_numpy(param.grad) for param in self.params]
-        return [self.p.to_numpy(g) for g in self.grads]
+            for param in self.params:  # a DTensor parameter's gradient is a DTensor of its placements
+                if hasattr(param, "placements"):
+                    assert type(param.grad) is type(param) and param.grad.placements == param.placements, \
+                        (type(param.grad), getattr(param.grad, "placements", None), param.placements)
+            return [self.p.to_numpy(param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad)
+                    for param in self.params]
+        return [self.p.to_numpy(g) for g in self.grads]  # MindSpore: the local pieces
 
     def step(self) -> None:
         if self.p.framework == "torch":

@@ -164,7 +164,7 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
 
 
 def _check_grads(p, model, trainer, ref: dict, config: dict) -> None:
-    """The first step's sharded gradients against the reference's (padded chunks). Checked
+    """The first step's sharded gradients against the reference's chunks. Checked
     directly because AdamW is invariant to a gradient's scale: a wrong average would
     leave the trained parameters right."""
     managed = {id(hp.sharded): hp for state in _units(model, config) for hp in state.params}
@@ -173,10 +173,10 @@ def _check_grads(p, model, trainer, ref: dict, config: dict) -> None:
         expected = ref[f"grad:{name}"]
         hp = managed[id(param)]
         start, length = chunk(hp.shape[hp.dim], hp.shard_size, hp.shard_rank)
+        if hp.replicated:  # [Note: no empty chunks on MindSpore]
+            start, length = 0, hp.shape[hp.dim]
         expected = np.take(expected, range(start, start + length), axis=hp.dim)
-        pad = [(0, 0)] * expected.ndim
-        pad[hp.dim] = (0, hp.chunk - length)
-        np.testing.assert_allclose(grad, np.pad(expected, pad), **_tol(p, config),
+        np.testing.assert_allclose(grad, expected, **_tol(p, config),
                                    err_msg=f"{config}: gradient of {name} at step 0")
 
 
@@ -187,10 +187,11 @@ def _check_memory_model(p, model, config: dict) -> None:
     n = p.world_size()
     if "isp" in config:
         assert [id(b) for b in find_blocks(model)] == [id(b) for b in model.blocks], "blocks not found"
-        # Outside the gathered window each rank holds 1/N of every weight (plus padding).
+        # Outside the gathered window each rank holds its chunk of every weight, no more.
         params = [hp for state in _units(model, config) for hp in state.params]
-        local = sum(int(np.prod(hp.sharded.shape)) for hp in params)
-        expected = sum(-(-hp.shape[hp.dim] // n) * int(np.prod(hp.shape)) // hp.shape[hp.dim] for hp in params)
+        local = sum(int(np.prod(tuple(hp.local_tensor().shape))) for hp in params)
+        expected = sum((hp.shape[hp.dim] if hp.replicated else chunk(hp.shape[hp.dim], n, p.rank())[1])
+                       * int(np.prod(hp.shape)) // hp.shape[hp.dim] for hp in params)
         assert local == expected, (local, expected)
     model(p.from_numpy(_data(0)[:2]))
     for state in _units(model, config):
@@ -200,6 +201,8 @@ def _check_memory_model(p, model, config: dict) -> None:
                 assert hp.unsharded is None and hp.block is None, f"{config}: {hp.fqn} kept after the forward"
             elif reshard is False:
                 assert tuple(hp.unsharded.shape) == hp.shape, f"{config}: {hp.fqn} not kept after the forward"
+            elif hp.replicated:  # [Note: no empty chunks on MindSpore]: it keeps the whole tensor
+                assert hp.unsharded is None and hp.block is None, f"{config}: {hp.fqn} kept a block"
             else:
                 assert hp.unsharded is None and tuple(hp.block.shape)[0] == reshard * hp.chunk, \
                     f"{config}: {hp.fqn} should keep a block of {reshard} shards"

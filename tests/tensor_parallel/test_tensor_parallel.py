@@ -11,7 +11,7 @@ import fnmatch
 import numpy as np
 import pytest
 
-from hyper_parallel.core.dtensor import Replicate, Shard, init_device_mesh
+from hyper_parallel.core.dtensor import DTensor, Replicate, Shard, init_device_mesh
 from hyper_parallel.core.tensor_parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                   SequenceParallel, parallelize_module)
 from hyper_parallel.platform import get_platform
@@ -35,6 +35,11 @@ def _shard(value: np.ndarray, placement, n: int, r: int) -> np.ndarray:
         start, length = chunk(value.shape[placement.dim], n, r)
         return np.take(value, range(start, start + length), axis=placement.dim)
     return value
+
+
+def _local(p, x) -> np.ndarray:
+    """A DTensor's local piece (parameters; torch's gradients), a plain tensor's values."""
+    return p.to_numpy(x.to_local() if isinstance(x, DTensor) else x)
 
 
 def check_parity(kind: str, kv_heads: int = 4) -> None:
@@ -61,7 +66,10 @@ def check_parity(kind: str, kv_heads: int = 4) -> None:
     tp_named = list(p.named_parameters(tp))
     assert [name for name, _ in tp_named] == [name for name, _ in ref_named] and len(tp_named) == len(values)
     for name, param in tp_named:
-        np.testing.assert_array_equal(p.to_numpy(param), _shard(values[name], placements.get(name), n, r),
+        # every parameter of a parallelized module is a DTensor of the global shape
+        assert isinstance(param, DTensor) and tuple(param.shape) == values[name].shape, (name, type(param))
+        assert list(param.placements) == [placements.get(name, Replicate())], (name, param.placements)
+        np.testing.assert_array_equal(_local(p, param), _shard(values[name], placements.get(name), n, r),
                                       err_msg=f"{name}: the parameter should hold this rank's shard")
     # Each model's forward and backward run back to back: MindSpore 2.10's PyNative
     # autograd lost the first graph ("Can not find top cell for backward") when two vjp
@@ -74,13 +82,15 @@ def check_parity(kind: str, kv_heads: int = 4) -> None:
     np.testing.assert_allclose(p.to_numpy(tp_gx), _shard(p.to_numpy(ref_gx), seq, n, r), **TOL,
                                err_msg="input gradient")
     for (name, _), ref_grad, tp_grad in zip(tp_named, ref_grads, tp_grads):
-        np.testing.assert_allclose(p.to_numpy(tp_grad), _shard(p.to_numpy(ref_grad), placements.get(name), n, r),
+        if p.framework == "torch":  # MindSpore's value_and_grad returns the local pieces
+            assert isinstance(tp_grad, DTensor) and list(tp_grad.placements) == [placements.get(name, Replicate())]
+        np.testing.assert_allclose(_local(p, tp_grad), _shard(p.to_numpy(ref_grad), placements.get(name), n, r),
                                    **TOL, err_msg=f"gradient of {name}")
 
     optimizer_step(p, ref_params, ref_grads)
     optimizer_step(p, [param for _, param in tp_named], tp_grads)
     for (name, tp_param), ref_param in zip(tp_named, ref_params):
-        np.testing.assert_allclose(p.to_numpy(tp_param), _shard(p.to_numpy(ref_param), placements.get(name), n, r),
+        np.testing.assert_allclose(_local(p, tp_param), _shard(p.to_numpy(ref_param), placements.get(name), n, r),
                                    **TOL, err_msg=f"{name} after one AdamW step")
 
 

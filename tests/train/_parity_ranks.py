@@ -8,13 +8,14 @@ from fnmatch import fnmatch
 
 import numpy as np
 
+from hyper_parallel.core.dtensor.placement_types import chunk_bounds
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.loop import setup, train
 from hyper_parallel.train.model import parameter_shapes
 from hyper_parallel.train.parallelize import TP_PLAN
-from tests.train._ranks import losses, tiny_config
+from tests.train._ranks import local_shapes, losses, tiny_config
 
 #: Relative tolerance of torch against MindSpore on the same seed, data and layout.
 #: Both frameworks start from bit-identical float32 weights (one numpy generator) and see
@@ -54,11 +55,11 @@ def layout_config(out: str, degrees: dict, **changes: object) -> TrainConfig:
                        **changes)
 
 
-def local_shape(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
-    """The shape of parameter ``name`` (global ``shape``) on one rank of ``layout``
-    (no pipeline): ``TP_PLAN`` splits colwise weights ``[out, in]`` by rows and rowwise ones
-    by columns over ``tp``, then fully_shard keeps ``ceil(rows / (dp_shard x cp))`` rows
-    (padded; ``dp_replicate`` replicates)."""
+def local_shape(name: str, shape: tuple[int, ...], layout: Layout, rank: int) -> tuple[int, ...]:
+    """The shape of parameter ``name`` (global ``shape``) on ``rank`` of ``layout`` (no
+    pipeline): ``TP_PLAN`` splits colwise weights ``[out, in]`` by rows and rowwise ones by
+    columns over ``tp``, then fully_shard keeps the rank's chunk of the rows over
+    ``dp_shard x cp`` (``dp_replicate`` replicates)."""
     dims = list(shape)
     module = name.rsplit(".", 1)[0]
     for pattern, style in TP_PLAN.items():
@@ -69,7 +70,9 @@ def local_shape(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int,
                 dims[1] //= layout.tp
             else:
                 raise AssertionError(f"{name}: TP style {style!r} unknown to this test")
-    dims[0] = -(-dims[0] // (layout.dp_shard * layout.cp))
+    coords = dict(zip(Layout.AXES, np.unravel_index(rank, tuple(layout.degrees().values()))))
+    shard = int(coords["dp_shard"]) * layout.cp + int(coords["cp"])
+    dims[0] = chunk_bounds(dims[0], layout.dp_shard * layout.cp, shard)[1]
     return tuple(dims)
 
 
@@ -106,10 +109,10 @@ def check_against_reference(out: str, layouts: list[dict]) -> list[list[float]]:
         assert cfg.layout.pp == 1 and cfg.layout.world_size == p.world_size(), degrees
         run = setup(cfg)
         shapes = dict(parameter_shapes(cfg.model))
-        local = {name: tuple(param.shape) for name, param in p.named_parameters(run.model)}
+        local = local_shapes(p, run.model, shapes)
         assert sorted(local) == sorted(shapes), sorted(local)
         for name, shape in shapes.items():
-            assert local[name] == local_shape(name, shape, cfg.layout), (degrees, name, local[name], shape)
+            assert local[name] == local_shape(name, shape, cfg.layout, p.rank()), (degrees, name, local[name], shape)
         rows = train(cfg, write_outputs=False, run=run)
         curves.append([*losses(rows).tolist(), rows[-1]["val_loss"]])
         norms.append([row["grad_norm"] for row in rows])

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
+from hyper_parallel.core.dtensor.placement_types import chunk_bounds
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import PRESETS, Layout, ModelConfig, TrainConfig
 from hyper_parallel.train.loop import setup, train
+from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.model import parameter_shapes, stage_layers
 
 
@@ -53,7 +55,7 @@ def check_layout_parity(out: str) -> list[float]:
     run = setup(cfg)
     # the run really is sharded: wq holds n_heads / tp heads on this rank
     shapes = dict(parameter_shapes(cfg.model))
-    local = {name: tuple(param.shape) for name, param in p.named_parameters(run.model)}
+    local = local_shapes(p, run.model, shapes)
     np.testing.assert_equal(local["layers.0.attention.wq.weight"][0], shapes["layers.0.attention.wq.weight"][0] // n)
     np.testing.assert_equal(local["layers.0.feed_forward.w2.weight"][1],
                             shapes["layers.0.feed_forward.w2.weight"][1] // n)
@@ -70,19 +72,19 @@ def check_layout_parity(out: str) -> list[float]:
         # tp 2 x dp-shard 2: fully_shard over the dp submesh shards each rank's TP shard again
         both = cfg.replace(out=f"{out}/tp2_dp2", layout=Layout(tp=2, dp_shard=2))
         run = setup(both)
-        local = {name: tuple(param.shape) for name, param in p.named_parameters(run.model)}
-        # [rows, cols] -> TP shard -> Shard(0) over dp (row-padded): 1 / 4 of each sharded weight
+        local = local_shapes(p, run.model, shapes)
+        # [rows, cols] -> TP shard -> Shard(0) over dp: 1 / 4 of each sharded weight
         wq, w2 = shapes["layers.0.attention.wq.weight"], shapes["layers.0.feed_forward.w2.weight"]
         emb = shapes["tok_embeddings.weight"]
         assert local["layers.0.attention.wq.weight"] == (wq[0] // 4, wq[1]), local
         assert local["layers.0.feed_forward.w2.weight"] == (w2[0] // 2, w2[1] // 2), local
-        assert local["tok_embeddings.weight"] == (-(-emb[0] // 2), emb[1]), local
+        assert local["tok_embeddings.weight"] == (chunk_bounds(emb[0], 2, r // 2)[1], emb[1]), local
         both_got = losses(train(both, write_outputs=False, run=run))
         # tp 2 x cp 2 (Ulysses over the 4 local heads of each TP rank): fully_shard over the
         # flattened (dp_shard, cp) submesh of each TP coordinate averages the gradients over cp
         tp_cp = cfg.replace(out=f"{out}/tp2_cp2", layout=Layout(tp=2, cp=2, cp_mode="ulysses"))
         run = setup(tp_cp)
-        local = {name: tuple(param.shape) for name, param in p.named_parameters(run.model)}
+        local = local_shapes(p, run.model, shapes)
         assert local["layers.0.attention.wq.weight"] == (wq[0] // 4, wq[1]), local
         tp_cp_got = losses(train(tp_cp, write_outputs=False, run=run))
     # the reference uses no collectives: rank 0 runs it after every layout's collectives
@@ -138,10 +140,12 @@ def check_data_parallel_parity(out: str, layouts: list[dict], uneven: bool = Tru
                           **model)
         run = setup(cfg)
         shapes = dict(parameter_shapes(cfg.model))
-        local = {name: tuple(param.shape) for name, param in p.named_parameters(run.model)}
+        local = local_shapes(p, run.model, shapes)
         assert sorted(local) == sorted(shapes), sorted(local)
+        coords = dict(zip(Layout.AXES, np.unravel_index(p.rank(), tuple(layout.degrees().values()))))
+        shard = int(coords["dp_shard"]) * layout.cp + int(coords["cp"])  # cp: fully_shard over (dp_shard, cp)
         for name, shape in shapes.items():
-            rows = -(-shape[0] // (layout.dp_shard * layout.cp))  # cp: fully_shard over (dp_shard, cp)
+            rows = chunk_bounds(shape[0], layout.dp_shard * layout.cp, shard)[1]
             assert local[name] == (rows, *shape[1:]), (name, local[name], shape)
         got = losses(train(cfg, write_outputs=False, run=run))
         runs.append((cfg, got))
@@ -244,7 +248,7 @@ def check_pipeline_parity(out: str, layouts: list[dict], resume: bool = False) -
                           checkpoint_every=2 if resume and not runs else 0)
         run = setup(cfg)
         # this rank's parameters: its stages' blocks (and the embedding / the head), sharded
-        got_shapes = sorted(tuple(param.shape) for param in run.params)
+        got_shapes = sorted(tuple(local_tensor(param).shape) for param in run.params)
         assert got_shapes == pipeline_local_shapes(cfg, p.rank()), got_shapes
         rows = train(cfg, write_outputs=resume and not runs, run=run)
         got = losses(rows)
@@ -288,12 +292,22 @@ def reference_losses(cfg_values: dict) -> list[list[float]]:
     return [losses(rows).tolist(), [row["val_loss"] for row in rows if "val_loss" in row]]
 
 
+def local_shapes(p, model, shapes: dict) -> dict:
+    """``{name: local shape}`` of a parallelized model, after checking that every parameter
+    has the model's global shape (the DTensor parameters of fully_shard and TP do)."""
+    out = {}
+    for name, param in p.named_parameters(model):
+        assert tuple(param.shape) == tuple(shapes[name]), (name, tuple(param.shape), shapes[name])
+        out[name] = tuple(local_tensor(param).shape)
+    return out
+
+
 def pipeline_local_shapes(cfg: TrainConfig, rank: int) -> list[tuple[int, ...]]:
     """The shapes of the parameters rank ``rank`` of ``cfg``'s pipeline layout holds (sorted):
     its stages' parameters (``stage_layers``: the embedding on stage 0, the norm and head on
     the last), each split by the layout chain. Tensor parallelism (``TP_PLAN``): q/k/v and
     w1/w3 keep ``rows / tp`` rows, wo and w2 ``cols / tp`` columns; then fully_shard keeps
-    ``ceil(rows / (dp_shard x cp))`` rows (padded; dp_replicate holds replicas)."""
+    its chunk of the rows over ``dp_shard x cp`` (dp_replicate holds replicas)."""
     lay = cfg.layout
     coords = dict(zip(Layout.AXES, np.unravel_index(rank, tuple(lay.degrees().values()))))
     shapes = parameter_shapes(cfg.model)
@@ -313,6 +327,7 @@ def pipeline_local_shapes(cfg: TrainConfig, rank: int) -> list[tuple[int, ...]]:
                 local[0] //= lay.tp
             elif name.endswith((".wo.weight", ".w2.weight")):
                 local[1] //= lay.tp
-            local[0] = -(-local[0] // (lay.dp_shard * lay.cp))
+            shard = int(coords["dp_shard"]) * lay.cp + int(coords["cp"])
+            local[0] = chunk_bounds(local[0], lay.dp_shard * lay.cp, shard)[1]
             out.append(tuple(local))
     return sorted(out)

@@ -78,7 +78,7 @@ import difflib
 from collections.abc import Callable
 from typing import Any
 
-from hyper_parallel.core.activation_checkpoint.region import _PHASE, CheckpointPhase
+from hyper_parallel.core.activation_checkpoint.region import _EXIT, _PHASE, CheckpointPhase
 from hyper_parallel.platform import get_platform
 
 #: The attribute of a checkpointed module that holds its forward replacement's handle.
@@ -122,10 +122,15 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
         phase = CheckpointPhase.FORWARD if runs == 0 else CheckpointPhase.RECOMPUTE
         runs += 1
         token = _PHASE.set(phase)
+        exits: list[Callable[[], None]] = []
+        exit_token = _EXIT.set(exits if phase is CheckpointPhase.RECOMPUTE else None)
         try:
             return fn(*inputs)
         finally:
+            _EXIT.reset(exit_token)
             _PHASE.reset(token)
+            for callback in exits:  # see on_recompute_exit: also after an early stop
+                callback()
 
     return p.recompute(run, *args)
 

@@ -6,12 +6,19 @@ checkpointed function and reset after it, per thread, immutable values, nothing 
 between calls. Hooks that must behave differently inside a checkpointed region read it
 (fully_shard refuses a unit there). Kept apart from ``checkpoint`` so that fully_shard
 can import it without importing the wrapper, which imports fully_shard.
+
+A recomputation may be stopped early by the framework (torch stops once the last saved
+tensor the backward needs is recomputed), skipping the forward post-hooks of the modules
+it was in. Code that puts something in place for a recomputation and must take it away
+registers that with ``on_recompute_exit``; ``checkpoint`` runs the callbacks when the
+recomputation ends, however it ends. The list lives in a ContextVar set per recomputation.
 """
 
 from __future__ import annotations
 
 import contextvars
 import enum
+from collections.abc import Callable
 
 
 class CheckpointPhase(enum.Enum):
@@ -31,3 +38,22 @@ def checkpoint_phase() -> CheckpointPhase | None:
     """The phase of the innermost checkpointed function running now in this thread, or
     ``None`` outside every checkpointed region."""
     return _PHASE.get()
+
+
+#: The callbacks to run when the innermost recomputation running here ends.
+_EXIT: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+    "hyper_parallel_recompute_exit", default=None)
+
+
+def on_recompute_exit(callback: Callable[[], None]) -> None:
+    """Run ``callback()`` when the recomputation running now ends (normally, or stopped
+    early by the framework, which skips forward post-hooks).
+
+    Raises:
+        RuntimeError: no recomputation is running here.
+    """
+    callbacks = _EXIT.get()
+    if callbacks is None:
+        raise RuntimeError("on_recompute_exit: called outside a recomputation; check "
+                           "checkpoint_phase() is CheckpointPhase.RECOMPUTE first")
+    callbacks.append(callback)

@@ -215,3 +215,48 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         raise ValueError(f"init_device_mesh: mesh_shape={shape} holds {int(np.prod(shape)) if shape else 0} ranks but "
                          f"the world has {world}; give a shape whose product is {world}")
     return DeviceMesh(device_type, np.arange(world).reshape(shape), mesh_dim_names=mesh_dim_names)
+
+
+def _joint_mesh(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
+    """The mesh whose axes are ``outer``'s single axis followed by ``inner``'s, over the
+    ranks of both (the mesh of a tensor-parallel parameter that fully_shard shards again:
+    ``(tp, dp...)``, so that left-to-right nested sharding, tp chunk first, is how the
+    data lies). Its groups are the two meshes' own: nothing is created.
+
+    ``inner``'s root mesh must have an axis that runs along ``outer`` (the two come from
+    one ``init_device_mesh``, or from meshes of the same row-major layout).
+
+    Raises:
+        ValueError: ``outer`` is not 1-D, or no axis of ``inner``'s root runs along it.
+    """
+    if outer.ndim != 1:
+        raise ValueError(f"_joint_mesh: the outer mesh must be 1-D, got {outer.shape}")
+    root = inner._root
+    me = get_platform().rank()
+    where = np.argwhere(root._mesh == me)
+    line = outer._mesh.tolist()
+    axis = None
+    if len(where):
+        coordinate = tuple(int(c) for c in where[0])
+        for a in range(root.ndim):
+            if a in inner._root_axes:
+                continue
+            index = tuple(slice(None) if b == a else c for b, c in enumerate(coordinate))
+            if root._mesh[index].tolist() == line:
+                axis = a
+                break
+    if axis is None:
+        raise ValueError(f"the meshes {outer} and {inner} do not come from one layout: no axis of {root} runs "
+                         f"along {line}; build both as submeshes of one init_device_mesh (e.g. mesh2d['tp'] "
+                         "and mesh2d['dp'])")
+    axes = [axis, *inner._root_axes]
+    index = tuple(slice(None) if b in axes else c for b, c in enumerate(coordinate))
+    order = sorted(axes)  # numpy keeps the sliced axes in increasing order
+    ranks = np.transpose(root._mesh[index], [order.index(a) for a in axes])
+    names = (*outer._names, *inner._names) if outer._names and inner._names else None
+    joint = DeviceMesh.__new__(DeviceMesh)
+    joint._init(outer._device_type, np.ascontiguousarray(ranks).reshape((outer.size(), *inner.shape)), names)
+    joint._root = root
+    joint._root_axes = tuple(axes)
+    joint._groups = (*outer._groups, *inner._groups)
+    return joint

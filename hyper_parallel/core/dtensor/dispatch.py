@@ -206,9 +206,13 @@ def _plan_cached(op: str, specs: tuple[DTensorSpec, ...], frozen: tuple[Any, ...
     # 2.10's CPU kernels return uninitialised memory for a matmul with an empty
     # contracted dim and for the backward of a broadcast into an empty output. Axes
     # whose strategy would leave a rank such a piece run replicated (inner axes first).
-    # An in-place op keeps its placements (elementwise kernels handle empty pieces).
+    # An in-place op keeps its placements, and so does an element-wise op without
+    # broadcasting (detach, clone, zeros_like, grad * grad): elementwise kernels handle
+    # empty pieces, and replicating there would all-gather every unevenly sharded
+    # parameter an optimizer or ``nn.Parameter`` touches.
+    elementwise = rule.family in ("pointwise", "like") and all(tuple(shape) == tuple(out_shape) for shape in shapes)
     for axis in reversed(range(mesh.ndim)):
-        if inplace is not None or not any(
+        if inplace is not None or elementwise or not any(
                 _has_empty_piece(shape, [c.inputs[i] for c in chosen], mesh.shape) for i, shape in enumerate(shapes)):
             break
         chosen[axis] = replicated

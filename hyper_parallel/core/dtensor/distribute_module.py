@@ -1,8 +1,9 @@
 """``distribute_module`` and ``distribute_parameter``: place a module's parameters on a
 mesh and convert its inputs and outputs at its edges.
 
-A distributed parameter is a framework parameter holding this rank's local shard (see
-[Note: parameters hold the local shard] in ``core/tensor_parallel/style.py``).
+A distributed parameter is a framework parameter made from a DTensor (see [Note:
+parameters are DTensors, forwards compute on local tensors] in
+``core/tensor_parallel/style.py``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from hyper_parallel.platform import get_platform
 
 
 def distribute_parameter(module: Any, name: str, device_mesh: DeviceMesh, placements: Sequence[Placement]) -> Any:
-    """Replace ``module``'s own parameter ``name`` by a parameter holding this rank's piece
-    of it under ``placements`` (``distribute_tensor`` with ``src_data_rank=0``: the values
-    of mesh coordinate 0 are **broadcast** first). Returns the new parameter.
+    """Replace ``module``'s own parameter ``name`` by a parameter made from the DTensor
+    ``distribute_tensor(param, device_mesh, placements)`` (``src_data_rank=0``: the values
+    of mesh coordinate 0 are **broadcast** first): global shape, this rank's piece as its
+    local tensor. Returns the new parameter.
 
     Raises:
         KeyError: ``module`` has no parameter ``name``.
@@ -30,8 +32,9 @@ def distribute_parameter(module: Any, name: str, device_mesh: DeviceMesh, placem
     if name not in own:
         raise KeyError(f"distribute_parameter: {type(module).__name__} has no parameter {name!r}; "
                        f"its parameters: {sorted(own)}")
-    local = distribute_tensor(own[name], device_mesh, placements).to_local()
-    param = p.make_parameter(p.clone(local))
+    with p.no_grad():
+        param = p.make_parameter(distribute_tensor(p.detach(own[name]), device_mesh, placements),
+                                 requires_grad=bool(getattr(own[name], "requires_grad", True)))
     p.set_parameter(module, name, param)
     return param
 

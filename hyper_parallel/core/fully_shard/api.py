@@ -18,7 +18,7 @@ from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPContext, HSDPState
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from hyper_parallel.core.tensor_parallel.style import SEQUENCE_PARALLEL_ATTR, TP_SHARDS_ATTR
+from hyper_parallel.core.tensor_parallel.style import SEQUENCE_PARALLEL_ATTR
 from hyper_parallel.platform import get_platform
 
 def hsdp_state(module: Any) -> HSDPState:
@@ -195,8 +195,6 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
     for (fqn, param), placement in zip(managed, placements):
         offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
         hp = HSDPParam(fqn, param, uses[id(param)], mesh, placement, offload)
-        hp.tp = next((vars(owner).get(TP_SHARDS_ATTR, {})[name] for owner, name in hp.uses
-                      if name in vars(owner).get(TP_SHARDS_ATTR, {})), None)
         # SequenceParallel all-reduces its parameters' gradients over tp with a hook on
         # the parameter object, which is replaced here: the unit does that all-reduce
         # on the gathered parameter's gradient, before the reduce-scatter over dp.

@@ -1,23 +1,39 @@
 """One parameter under fully_shard: its shard, its gather, its gradient reduction.
 
-Layout (PyTorch FSDP2's ``FSDPParam``, with chunk semantics): a parameter of global
-shape ``[d0, d1, ...]`` placed ``Shard(dim)`` on the shard axis of ``Ns`` ranks is
-split into ``Ns`` chunks of ``chunk = ceil(d_dim / Ns)`` rows along ``dim``; the last
-chunks may be short or empty. Each rank keeps its chunk **padded with zeros to
-``chunk`` rows** as a framework parameter (so every rank's shard has the same shape
-and the all-gather needs no per-rank sizes); the DTensor view (``to_dtensor``) is the
-unpadded chunk. The padding rows have zero gradient, so an element-wise optimizer
-(AdamW) keeps them at zero. On an HSDP mesh ``(replicate, shard)`` the shard is the
-same on every rank of a replicate group. Under ``CPUOffloadPolicy`` the padded shard
-and its gradient live in host memory; each all-gather starts from a device copy.
+Layout (PyTorch FSDP2's ``FSDPParam``, with chunk semantics): a parameter of shape
+``[d0, d1, ...]`` placed ``Shard(dim)`` on the shard axis of ``Ns`` ranks is split into
+``Ns`` chunks of ``chunk = ceil(d_dim / Ns)`` rows along ``dim``; the last chunks may be
+short or empty. The module's registered parameter becomes a framework parameter made from
+a DTensor (as FSDP2's are): ``Shard(dim)`` over the mesh (``[Replicate(), Shard(dim)]``
+on an HSDP mesh ``(replicate, shard)``), the parameter's global shape, this rank's
+**unpadded** chunk as its local tensor. So ``state_dict``, ``clip_grad_norm_`` and the
+optimizers see the global tensor and never the padding. The all-gather pads each chunk
+to ``chunk`` rows first (every rank then sends the same size), and the reduce-scatter's
+padded result is cut back to the chunk. A parameter that tensor parallelism made a
+DTensor on a 1-D tp mesh keeps its meaning: fully_shard shards its local piece, and the
+parameter becomes a DTensor on the joint ``(tp, *fully_shard mesh)`` mesh with the tp
+placement first (the tp chunk, then the dp chunk inside it), the tensor-parallel global
+shape. Under ``CPUOffloadPolicy`` the chunk and its gradient live in host memory; each
+all-gather starts from a device copy.
+
+[Note: no empty chunks on MindSpore]
+Where a backend's parameters cannot have a zero-size local tensor (its DTensor class says
+``empty_parameters = False``: MindSpore, whose optimizers create their state with
+``Parameter.clone``, which rejects a zero-size shape), a parameter whose chunks would
+leave some rank none (6 rows over 4 ranks: 2, 2, 2, 0) is replicated over the shard axis
+instead (a one-time warning names it): ``Replicate()`` there, no all-gather, its gradient
+**all-reduced** (sum) over the shard axis and divided like the others. Such a parameter
+has fewer than ``N x (N - 1)`` rows along its shard dim, so the memory kept is small.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, _joint_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor, dtensor_class
+from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, chunk_bounds
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy
 from hyper_parallel.platform import get_platform
@@ -29,8 +45,9 @@ class HSDPParam:
 
     Args:
         fqn: dotted name from the fully_shard root (``"layers.0.weight"``).
-        param: the module's framework parameter (same values on every rank of ``mesh``; after
-            tensor parallelism, this rank's TP shard, which is then the "full" tensor here).
+        param: the module's framework parameter (same values on every rank of ``mesh``), or
+            a tensor-parallel DTensor parameter on a 1-D mesh, whose local piece is then the
+            "full" tensor here.
         uses: every ``(module, attribute)`` that reads the parameter (tied weights have several).
         mesh: 1-D ``(shard,)`` or 2-D ``(replicate, shard)`` mesh.
         placement: ``Shard(dim)`` on the shard axis.
@@ -47,7 +64,11 @@ class HSDPParam:
         # id of the parameter this one replaced: a module outside the unit that still
         # holds that object shares the weight with the unit (tied across units).
         self.source_id: int = id(param)
-        self.shape: tuple[int, ...] = tuple(int(s) for s in param.shape)
+        tp = param.spec if isinstance(param, DTensor) else None
+        if tp is not None:
+            with p.no_grad():
+                param = param.to_local()
+        self.shape: tuple[int, ...] = tuple(int(s) for s in param.shape)  # what is sharded here
         self.dim: int = placement.dim % len(self.shape)
         self.placement: Shard = Shard(self.dim)
         self.shard_group: Any = mesh.get_group(mesh.ndim - 1)
@@ -56,11 +77,29 @@ class HSDPParam:
         self.replicate_group: Any = mesh.get_group(0) if mesh.ndim == 2 else None
         self.replicate_size: int = mesh.size(0) if mesh.ndim == 2 else 1
         self.chunk: int = -(-self.shape[self.dim] // self.shard_size)  # rows per padded shard
+        # [Note: no empty chunks on MindSpore]
+        self.replicated: bool = (not getattr(dtensor_class(), "empty_parameters", True)
+                                 and chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_size - 1)[1] == 0)
+        if self.replicated:
+            warnings.warn(f"fully_shard: {fqn} of shape {self.shape} has {self.shape[self.dim]} rows along dim "
+                          f"{self.dim}, so chunks over {self.shard_size} ranks would leave some rank none, which "
+                          f"{get_platform().framework} parameters cannot be; it is replicated over the shard axis "
+                          "(its gradient all-reduced) instead", RuntimeWarning, stacklevel=3)
+        shard_axis = Replicate() if self.replicated else self.placement
+        placements = (Replicate(), shard_axis) if mesh.ndim == 2 else (shard_axis,)
+        if tp is None:
+            self.spec: DTensorSpec = DTensorSpec(mesh, placements, self.shape)
+        else:
+            self.spec = DTensorSpec(_joint_mesh(tp.mesh, mesh), (*tp.placements, *placements), tp.shape)
         with p.no_grad():
             start, length = chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_rank)
-            local = p.narrow(p.detach(param), self.dim, start, length)
-            local = p.pad(local, self.dim, 0, self.chunk - length)
-            self.sharded: Any = p.make_parameter(self.to_home(p.clone(local)), requires_grad=True)  # [.., chunk, ..] padded
+            if self.replicated:
+                start, length = 0, self.shape[self.dim]
+            local = self.to_home(p.clone(p.narrow(p.detach(param), self.dim, start, length)))
+            # the registered parameter: a DTensor whose local tensor is the unpadded chunk
+            self.sharded: Any = p.make_parameter(
+                DTensor.from_local(local, self.spec.mesh, self.spec.placements, shape=self.spec.shape),
+                requires_grad=True)
         self.unsharded: Any = None  # the gathered full tensor while unsharded, else None
         self.pending: Any = None  # a Work of an all-gather in flight (prefetch)
         self.grad_accum: Any = None  # the full gradient summed over micro-steps without sync
@@ -73,9 +112,6 @@ class HSDPParam:
         self.pending_reduce: Any = None  # a Work of this parameter's reduce-scatter in flight
         self.reduced: Any = None  # its result, when waited for before WaitReduce ran (see unshard)
         self.reduce_src: Any = None  # WaitReduce's output for this step's GatherParam (see hsdp_state)
-        # (tp mesh, Shard, global shape) when tensor parallelism sharded ``param`` first
-        # (set by fully_shard from the style's record; used by the state dicts).
-        self.tp: tuple[Any, Shard, tuple[int, ...]] | None = None
         # The tp group of a SequenceParallel module's parameter (set by fully_shard): its
         # full gradient is a partial sum over the sequence shards, all-reduced there first.
         self.sequence_parallel_group: Any = None
@@ -89,23 +125,36 @@ class HSDPParam:
         return get_platform().to_device(tensor, "cpu", pin_memory=self.offload.pin_memory)
 
     def local_length(self) -> int:
-        """Rows of this rank's unpadded chunk along ``dim``."""
+        """Rows of this rank's unpadded chunk along ``dim`` (all of them when replicated)."""
+        if self.replicated:
+            return self.shape[self.dim]
         return chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_rank)[1]
 
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's chunk (``shape`` with ``dim`` cut to ``local_length``)."""
+        return tuple(self.local_length() if d == self.dim else n for d, n in enumerate(self.shape))
+
     def local_tensor(self) -> Any:
-        """This rank's unpadded chunk (a view of the sharded parameter)."""
-        return get_platform().narrow(self.sharded, self.dim, 0, self.local_length())
+        """This rank's chunk: the registered DTensor parameter's local tensor (its
+        current values; not differentiable)."""
+        return self.sharded._local
+
+    def grad_source(self) -> Any:
+        """The registered parameter's local tensor as a differentiable read: what the
+        gather's autograd functions take, so the chunk's gradient becomes the DTensor
+        parameter's gradient (with its placements)."""
+        return self.sharded.to_local()
 
     def to_dtensor(self) -> DTensor:
-        """The sharded parameter as a DTensor: ``Shard(dim)`` on the shard axis
-        (``Replicate()`` first on an HSDP mesh), global shape ``self.shape``."""
-        placements = [Replicate(), self.placement] if self.mesh.ndim == 2 else [self.placement]
-        return DTensor.from_local(self.local_tensor(), self.mesh, placements, shape=self.shape)
+        """The registered parameter: a DTensor of ``spec`` (see the module docstring)."""
+        return self.sharded
 
     # -- collectives ---------------------------------------------------------------------
     def keep_block(self, full: Any, k: int) -> None:
         """After the forward with ``reshard_after_forward=k``: keep this rank's block of
         ``k`` shards, sliced from the gathered ``full`` (no communication)."""
+        if self.replicated:
+            return  # each gather is a local copy: nothing to keep
         p = get_platform()
         with p.no_grad():
             front = p.detach(full).transpose(0, self.dim) if self.dim else p.detach(full)
@@ -121,13 +170,20 @@ class HSDPParam:
         ``shard_size / k`` ranks of the same block position instead."""
         p = get_platform()
         with p.no_grad():
+            if self.replicated:
+                local = p.detach(self.local_tensor())
+                if self.offload is not None:
+                    local = p.to_device(local, p.device_type)
+                self.pending = _Ready(p.clone(p.to_dtype(local, dtype)))
+                return
             if self.block is not None:
                 front, group, out, free = self.block, self.inter_group, None, None
             else:
-                shard = p.detach(self.sharded)
+                shard = p.detach(self.local_tensor())
                 if self.offload is not None:  # copy first: the cast then runs on the device
                     shard = p.to_device(shard, p.device_type)
-                shard = p.to_dtype(shard, dtype)
+                # every rank sends ``chunk`` rows: the short or empty last chunks are padded
+                shard = p.pad(p.to_dtype(shard, dtype), self.dim, 0, self.chunk - self.local_length())
                 front = shard.transpose(0, self.dim).contiguous() if self.dim else shard  # gloo: contiguous buffers
                 group, out, free = self.shard_group, None, None
                 if self.pool is not None:
@@ -150,6 +206,9 @@ class HSDPParam:
         with p.no_grad():
             gathered = self.pending.wait()  # [Ns * chunk, ...] with dim moved to the front
             self.pending = None
+            if self.replicated:
+                self.unsharded = gathered
+                return gathered
             full = p.narrow(gathered, 0, 0, self.shape[self.dim])
             if self.dim:
                 full = full.transpose(0, self.dim)
@@ -174,6 +233,13 @@ class HSDPParam:
             g = p.to_dtype(grad, reduce_dtype)
             if self.sequence_parallel_group is not None:
                 g = p.all_reduce(g, group=self.sequence_parallel_group).wait()
+            if self.replicated:  # [Note: no empty chunks on MindSpore]
+                ready = p.new_event()
+                p.record_event(ready)
+                with p.stream(stream):
+                    p.wait_event(ready)
+                    self.pending_reduce = p.all_reduce(g.contiguous(), group=self.shard_group, async_op=True)
+                return
             if self.dim:
                 g = g.transpose(0, self.dim)
             g = p.pad(g, 0, 0, self.chunk * self.shard_size - self.shape[self.dim]).contiguous()
@@ -184,9 +250,10 @@ class HSDPParam:
                 self.pending_reduce = p.reduce_scatter_tensor(g, group=self.shard_group, async_op=True)
 
     def finish_reduce(self) -> Any:
-        """The sharded gradient: wait for the reduce-scatter, **all-reduce** (sum) over
-        the replicate axis (HSDP), divide by the data-parallel size (each rank's loss is
-        a mean over its own batch), cast to the shard's dtype and home."""
+        """The gradient of this rank's chunk: wait for the reduce-scatter, **all-reduce**
+        (sum) over the replicate axis (HSDP), divide by the data-parallel size (each
+        rank's loss is a mean over its own batch), cut the padding, cast to the
+        parameter's dtype and home."""
         p = get_platform()
         with p.no_grad():
             g = self.pending_reduce.wait()
@@ -194,9 +261,22 @@ class HSDPParam:
             if self.replicate_group is not None:
                 g = p.all_reduce(g, group=self.replicate_group).wait()
             g = g * (1.0 / (self.shard_size * self.replicate_size))
-            if self.dim:
-                g = g.transpose(0, self.dim).contiguous()
-            return self.to_home(p.to_dtype(g, self.sharded.dtype))
+            if not self.replicated:
+                g = p.narrow(g, 0, 0, self.local_length())  # the padding rows' sums are dropped
+                if self.dim:
+                    g = g.transpose(0, self.dim)
+            return self.to_home(p.to_dtype(g.contiguous(), self.sharded.dtype))
+
+
+class _Ready:
+    """A finished ``Work``: a replicated parameter's "gather" (see [Note: no empty chunks
+    on MindSpore])."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
 
 
 class WaitReduce(CustomFunction):

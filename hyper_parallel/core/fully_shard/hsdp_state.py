@@ -306,7 +306,7 @@ class HSDPState:
         p = get_platform()
         for hp in self.params:
             if hp.reduce_src is None:
-                hp.reduce_src = p.apply_function(WaitReduce, hp.sharded, hp)
+                hp.reduce_src = p.apply_function(WaitReduce, hp.grad_source(), hp)
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> Any:
         if self._release is not None:
@@ -354,7 +354,7 @@ class HSDPState:
         p = get_platform()
         for hp, name in entries:  # [Note: recomputation and gathered parameters]
             self._gathered(hp)
-            full = p.apply_function(GatherParam, hp.sharded, hp, self)
+            full = p.apply_function(GatherParam, hp.grad_source(), hp, self)
             vars(module)[name] = full
             self._recomputed[(id(module), name)] = full
         return None
@@ -399,7 +399,7 @@ class HSDPState:
             with p.no_grad():
                 g = p.to_dtype(grad, reduce_dtype)
                 hp.grad_accum = g if hp.grad_accum is None else hp.grad_accum + g
-            result = hp.to_home(p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype))
+            result = hp.to_home(p.zeros(hp.local_shape(), hp.sharded.dtype))
         else:
             if hp.grad_accum is not None:
                 with p.no_grad():
@@ -409,7 +409,7 @@ class HSDPState:
                 hp.finish_reduce()  # a gradient never collected (see _pre_forward): dropped
             hp.reduced = None
             hp.start_reduce(grad, reduce_dtype, self.context.streams()[1])
-            result = hp.to_home(p.zeros(tuple(hp.sharded.shape), hp.sharded.dtype))
+            result = hp.to_home(p.zeros(hp.local_shape(), hp.sharded.dtype))
         # This parameter's gradient is final: its gathered copies are no longer needed.
         hp.drop_unsharded()
         self._unsubstitute(hp)

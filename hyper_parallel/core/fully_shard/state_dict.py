@@ -1,19 +1,19 @@
-"""State dicts of a fully_shard model: sharded (DTensors, or one file per rank) and full.
+"""State dicts of a fully_shard / tensor-parallel model: sharded (DTensors, or one file
+per rank) and full.
+
+Every parameter fully_shard or a tensor-parallel style placed is a DTensor parameter
+(see ``hsdp_param`` and ``core/tensor_parallel/style.py``), so this rank's piece of it
+and where that piece lies in the global tensor (its box) come from the DTensor's spec
+alone: composition with tensor parallelism is the joint ``(tp, dp...)`` mesh with the
+tp placement first. A plain parameter is its own whole box.
 
 Checkpoint layout of ``save_sharded_state_dict(module, path)``: one ``rank{r}.npz`` per
-rank of the first replicate group (on HSDP the other replicas hold the same shards)
-holding each parameter's piece (a managed parameter's unpadded chunk) under its fqn,
-plus ``rank{r}.json`` with, per fqn, the **global** shape and the piece's box in it
-(``starts``, ``lengths`` per dim). Loading reads, for each parameter, only the pieces
-that overlap this rank's box, so a checkpoint saved on 4 ranks loads on 2 (or on 1,
-or into a model that is not sharded at all).
-
-Composition with tensor parallelism (fully_shard over ``mesh2d["dp"]`` after
-``parallelize_module`` over ``mesh2d["tp"]``): a parameter's "full" tensor for
-fully_shard is this rank's TP shard; the TP style records its placement and global
-shape on the module (``TP_SHARDS_ATTR``), so the box is the dp chunk inside the TP
-chunk, ``full_state_dict`` all-gathers over dp and then over tp, and
-``load_full_state_dict`` keeps the dp chunk of the TP chunk.
+rank holding the pieces this rank is the first replica of (on HSDP the other replicas
+hold the same chunks; a parameter replicated over an axis is written by the ranks at
+coordinate 0 there), under their fqns, plus ``rank{r}.json`` with, per fqn, the
+**global** shape and the piece's box in it (``starts``, ``lengths`` per dim). Loading
+reads, for each parameter, only the pieces that overlap this rank's box, so a
+checkpoint saved on 4 ranks loads on 2 (or on 1, or into a model that is not sharded).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.placement_types import Shard, chunk_bounds
+from hyper_parallel.core.dtensor.dtensor_spec import local_offset
+from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPState
-from hyper_parallel.core.tensor_parallel.style import TP_SHARDS_ATTR
 from hyper_parallel.platform import get_platform
 
 
@@ -45,36 +45,34 @@ def _managed(module: Any) -> dict[int, HSDPParam]:
     return out
 
 
-def _tp_shard(hp: HSDPParam | None, module: Any, fqn: str) -> tuple[Any, Shard, tuple[int, ...]] | None:
-    """``(tp mesh, Shard(dim), global shape)`` when a tensor-parallel style sharded the
-    parameter (recorded on its module by the style), else ``None``."""
-    if hp is not None:
-        return hp.tp
-    owner_name, _, leaf = fqn.rpartition(".")
-    owner = dict(get_platform().named_modules(module)).get(owner_name)
-    return None if owner is None else vars(owner).get(TP_SHARDS_ATTR, {}).get(leaf)
+def _plain(param: Any) -> Any:
+    """A parameter's local tensor (a DTensor parameter's piece), the tensor itself otherwise."""
+    return param._local if isinstance(param, DTensor) else param
 
 
-def _global_shape(param: Any, hp: HSDPParam | None, tp: Any) -> tuple[int, ...]:
-    if tp is not None:
-        return tuple(tp[2])
-    return tuple(int(d) for d in (param.shape if hp is None else hp.shape))
+def _global_shape(param: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in param.shape)
 
 
-def _box(param: Any, hp: HSDPParam | None, tp: Any) -> tuple[list[int], list[int]]:
-    """``(starts, lengths)``: this rank's unpadded piece in the global tensor: the dp
-    chunk (fully_shard) inside the tp chunk (tensor parallelism)."""
-    shape = _global_shape(param, hp, tp)
-    starts, lengths = [0] * len(shape), list(shape)
-    if tp is not None:
-        mesh, placement, _ = tp
-        dim = placement.dim % len(shape)
-        starts[dim], lengths[dim] = chunk_bounds(shape[dim], mesh.size(0), mesh.get_local_rank(0))
-    if hp is not None:
-        start, length = chunk_bounds(hp.shape[hp.dim], hp.shard_size, hp.shard_rank)
-        starts[hp.dim] += start
-        lengths[hp.dim] = length
-    return starts, lengths
+def _box(param: Any) -> tuple[list[int], list[int]]:
+    """``(starts, lengths)``: this rank's piece in the global tensor."""
+    shape = _global_shape(param)
+    if not isinstance(param, DTensor):
+        return [0] * len(shape), list(shape)
+    spec = param.spec
+    coordinate = spec.mesh.get_coordinate()
+    assert coordinate is not None, "a parameter's DTensor lives on a mesh that holds this rank"
+    starts = [local_offset(shape, spec.placements, spec.mesh.shape, coordinate, d) for d in range(len(shape))]
+    return starts, list(spec.local_shape())
+
+
+def _first_replica(param: Any) -> bool:
+    """Whether this rank writes ``param``'s piece: coordinate 0 on every mesh axis that
+    does not shard it (the other ranks there hold the same piece)."""
+    if not isinstance(param, DTensor):
+        return True  # every rank writes a plain parameter; loading keeps one copy of a box
+    coordinate = param.device_mesh.get_coordinate()
+    return all(c == 0 for c, pl in zip(coordinate, param.placements) if not isinstance(pl, Shard))
 
 
 def _take(array: np.ndarray, starts: list[int], lengths: list[int]) -> np.ndarray:
@@ -94,18 +92,13 @@ class Box:
 
 def local_boxes(module: Any) -> dict[str, Box]:
     """``{fqn: Box}`` for every entry of ``named_parameters(module)``: the box of this
-    rank's unpadded piece (the fully_shard chunk inside the tensor-parallel chunk; the
-    whole tensor for a parameter neither shards). The local parameter holds the piece in
-    its leading ``lengths`` entries along each dim (fully_shard pads at the end of its
-    shard dim). No communication."""
-    p = get_platform()
-    managed = _managed(module)
+    rank's piece, the DTensor parameter's local tensor (the fully_shard chunk inside the
+    tensor-parallel chunk; the whole tensor for a parameter neither shards). No
+    communication."""
     out = {}
-    for fqn, param in p.named_parameters(module):
-        hp = managed.get(id(param))
-        tp = _tp_shard(hp, module, fqn)
-        starts, lengths = _box(param, hp, tp)
-        out[fqn] = Box(_global_shape(param, hp, tp), tuple(starts), tuple(lengths))
+    for fqn, param in get_platform().named_parameters(module):
+        starts, lengths = _box(param)
+        out[fqn] = Box(_global_shape(param), tuple(starts), tuple(lengths))
     return out
 
 
@@ -126,31 +119,22 @@ def copy_overlap(dst: np.ndarray, dst_starts: tuple[int, ...] | list[int], src_s
 
 
 def sharded_state_dict(module: Any) -> dict[str, Any]:
-    """``{fqn: DTensor}`` for every managed parameter (the unpadded shard, placements
-    ``[Shard(dim)]`` or ``[Replicate(), Shard(dim)]`` over the fully_shard mesh; under
-    tensor parallelism its global shape is the TP shard's; no communication), other
-    parameters as the framework tensors they are."""
-    p = get_platform()
-    managed = _managed(module)
-    return {fqn: managed[id(param)].to_dtensor() if id(param) in managed else param
-            for fqn, param in p.named_parameters(module)}
+    """``{fqn: parameter}``: the DTensor parameters (a fully_shard parameter's unpadded
+    chunk with placements ``[Shard(dim)]`` or ``[Replicate(), Shard(dim)]``, tensor
+    parallelism's tp placement first on the joint mesh; global shapes; no
+    communication), other parameters as the framework tensors they are."""
+    return dict(get_platform().named_parameters(module))
 
 
 def full_state_dict(module: Any) -> dict[str, np.ndarray]:
     """``{fqn: full values as numpy}`` on rank 0 and ``{}`` elsewhere. Collective: one
-    **all-gather** per managed parameter over its shard axis, then, for a
-    tensor-parallel shard, one over the tp mesh (every rank must call)."""
+    **all-gather** per sharded mesh axis of each DTensor parameter (``full_tensor``;
+    every rank must call)."""
     p = get_platform()
-    managed = _managed(module)
     out = {}
-    for fqn, param in p.named_parameters(module):
-        hp = managed.get(id(param))
-        full = param if hp is None else hp.to_dtensor().full_tensor()
-        tp = _tp_shard(hp, module, fqn)
-        if tp is not None:
-            mesh, placement, shape = tp
-            full = DTensor.from_local(full, mesh, [placement], shape=shape).full_tensor()
-        out[fqn] = p.to_numpy(full)
+    with p.no_grad():
+        for fqn, param in p.named_parameters(module):
+            out[fqn] = p.to_numpy(param.full_tensor() if isinstance(param, DTensor) else param)
     return out if p.rank() == 0 else {}
 
 
@@ -175,8 +159,7 @@ def load_full_state_dict(module: Any, state_dict: dict[str, np.ndarray] | None, 
     p = get_platform()
     managed = _managed(module)
     params = list(p.named_parameters(module))  # loading replaces parameters
-    shapes = {fqn: _global_shape(param, managed.get(id(param)), _tp_shard(managed.get(id(param)), module, fqn))
-              for fqn, param in params}
+    shapes = {fqn: _global_shape(param) for fqn, param in params}
     reads = (p.rank() == 0) or not broadcast_from_rank0
     given = state_dict or {}
     bad = sorted(fqn for fqn, shape in shapes.items()
@@ -192,39 +175,32 @@ def load_full_state_dict(module: Any, state_dict: dict[str, np.ndarray] | None, 
                        f"(first: {[(f, shapes[f]) for f in bad[:3]]}); pass every name of named_parameters() "
                        "with its global shape")
     for fqn, param in params:
-        hp = managed.get(id(param))
         if broadcast_from_rank0:
             value = given[fqn] if p.rank() == 0 else np.zeros(shapes[fqn], np.float32)
             full = p.to_numpy(p.broadcast(p.to_dtype(p.from_numpy(np.ascontiguousarray(value, np.float32)),
                                                      param.dtype), src=0).wait())
         else:
             full = np.asarray(given[fqn])
-        starts, lengths = _box(param, hp, _tp_shard(hp, module, fqn))
-        _assign_local(p, module, fqn, param, hp, np.ascontiguousarray(_take(full, starts, lengths)))
+        starts, lengths = _box(param)
+        _assign_local(p, module, fqn, param, managed.get(id(param)), np.ascontiguousarray(_take(full, starts, lengths)))
 
 
 def save_sharded_state_dict(module: Any, path: str) -> None:
     """Write this rank's pieces to ``path`` (see the module docstring). No collective."""
     p = get_platform()
-    managed = _managed(module)
     arrays, meta = {}, {}
-    replica_zero = True
     for fqn, param in p.named_parameters(module):
-        hp = managed.get(id(param))
-        tp = _tp_shard(hp, module, fqn)
-        starts, lengths = _box(param, hp, tp)
-        if hp is not None and hp.mesh.ndim == 2 and hp.mesh.get_local_rank(0) != 0:
-            replica_zero = False
-        arrays[fqn] = p.to_numpy(param if hp is None else hp.local_tensor())
-        meta[fqn] = {"shape": list(_global_shape(param, hp, tp)), "starts": starts, "lengths": lengths}
-    if not replica_zero:
+        if not _first_replica(param):
+            continue
+        starts, lengths = _box(param)
+        arrays[fqn] = p.to_numpy(_plain(param))
+        meta[fqn] = {"shape": list(_global_shape(param)), "starts": starts, "lengths": lengths}
+    if not arrays:
         return
     os.makedirs(path, exist_ok=True)
     np.savez(os.path.join(path, f"rank{p.rank()}.npz"), **{_key(k): v for k, v in arrays.items()})
     with open(os.path.join(path, f"rank{p.rank()}.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f)
-
-
 def load_sharded_state_dict(module: Any, path: str) -> None:
     """Load a checkpoint of ``save_sharded_state_dict`` saved on any number of ranks and
     any layout: each parameter's piece is assembled from the saved pieces that overlap
@@ -252,16 +228,14 @@ def load_sharded_state_dict(module: Any, path: str) -> None:
     managed = _managed(module)
     files: dict[str, Any] = {}
     for fqn, param in list(p.named_parameters(module)):  # loading replaces parameters
-        hp = managed.get(id(param))
-        tp = _tp_shard(hp, module, fqn)
-        shape = _global_shape(param, hp, tp)
+        shape = _global_shape(param)
         if fqn not in pieces:
             raise KeyError(f"load_sharded_state_dict: {fqn} is not in the checkpoint at {path!r}")
         infos = list(pieces[fqn].values())
         if tuple(infos[0][0]["shape"]) != shape:
             raise ValueError(f"load_sharded_state_dict: {fqn} has shape {tuple(infos[0][0]['shape'])} in the "
                              f"checkpoint but {shape} in the model")
-        want_starts, want_lengths = _box(param, hp, tp)
+        want_starts, want_lengths = _box(param)
         local = np.zeros(want_lengths, np.float32)
         covered = 0
         for info, file in infos:
@@ -270,7 +244,7 @@ def load_sharded_state_dict(module: Any, path: str) -> None:
         if covered != local.size:
             raise ValueError(f"load_sharded_state_dict: the pieces of {fqn} at {path!r} cover {covered} of the "
                              f"{local.size} values this rank needs; the checkpoint is incomplete")
-        _assign_local(p, module, fqn, param, hp, local)
+        _assign_local(p, module, fqn, param, managed.get(id(param)), local)
 
 
 def _key(fqn: str) -> str:
@@ -278,16 +252,14 @@ def _key(fqn: str) -> str:
 
 
 def _assign_local(p: Any, module: Any, fqn: str, param: Any, hp: HSDPParam | None, local: np.ndarray) -> None:
-    """Replace ``param`` by a new parameter holding ``local`` (this rank's unpadded
-    chunk, padded here). A new object: build the optimizer after loading."""
-    if hp is not None:
-        pad = [(0, 0)] * local.ndim
-        pad[hp.dim] = (0, hp.chunk - local.shape[hp.dim])
-        local = np.pad(local, pad)
+    """Replace ``param`` by a new parameter holding ``local`` (this rank's piece; a DTensor
+    parameter of the same spec again). A new object: build the optimizer after loading."""
     with p.no_grad():
         value = p.to_dtype(p.from_numpy(np.ascontiguousarray(local)), param.dtype)
         if hp is not None:
             value = hp.to_home(value)  # host memory under CPUOffloadPolicy
+        if isinstance(param, DTensor):
+            value = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape)
     new = p.make_parameter(value, requires_grad=bool(getattr(param, "requires_grad", True)))
     if hp is None:
         p.set_parameter(module, fqn, new)

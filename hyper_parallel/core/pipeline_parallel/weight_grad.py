@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR
 from hyper_parallel.platform.base import CustomFunction, Platform, RemovableHandle
 
@@ -237,7 +238,11 @@ class LinearWeightSplit:
             total = None
             for layer in sorted(sums):
                 module = self.layers[layer][1]
-                out = p.apply_function(_LandWeightGrads, module.weight, module.bias, *sums[layer], p)
+                # a tensor-parallel layer's parameters are DTensors whose local pieces the
+                # forward used: the gradients land on the pieces, and through the
+                # differentiable ``to_local`` on the DTensor parameters
+                weight, bias = (_local_piece(t) for t in (module.weight, module.bias))
+                out = p.apply_function(_LandWeightGrads, weight, bias, *sums[layer], p)
                 total = out if total is None else total + out
             return total
 
@@ -252,3 +257,8 @@ class LinearWeightSplit:
         for handle in reversed(self._handles):
             handle.remove()
         self._handles.clear()
+
+
+def _local_piece(tensor: Any) -> Any:
+    """A DTensor parameter's differentiable local tensor; anything else as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,13 +1,23 @@
 """Tensor-parallel styles: Megatron-style column/row parallel linear layers, sequence
 parallel and input preparation, each applied to one module over a 1-D mesh.
 
-[Note: parameters hold the local shard]
-A sharded parameter stays a framework parameter whose data is this rank's shard (the
-DTensor's local tensor); ``parameter_placements()`` of each style says its placements.
-The module computes on local tensors, and the style's hooks convert activations at the
-module's edges with DTensor redistributions, so both frameworks run the module's own
-forward unchanged and their optimizers step the local shards. For element-wise
-optimizers (SGD, Adam, AdamW) that is the unsharded step, shard by shard.
+[Note: parameters are DTensors, forwards compute on local tensors]
+A style replaces each parameter it places by a framework parameter made from a DTensor
+(``Parameter(distribute_tensor(w, mesh, [placement]))``, as torch's styles do): global
+shape, the mesh and placements, this rank's piece as its local tensor. So the
+framework's tools that read parameters see the whole tensor: ``state_dict`` holds
+DTensors, ``clip_grad_norm_`` reduces the norm over the mesh, the optimizers step the
+pieces through the DTensor rules (or on the local tensors, under
+``SkipDTensorDispatch``). ``parameter_placements()`` of each style says the placements.
+
+The module's own forward runs on local tensors: for its duration the style's hooks put
+each parameter's differentiable ``to_local()`` in the module's instance ``__dict__``
+(which torch's ``Module`` and MindSpore's ``Cell`` read before their registered
+parameters; fully_shard substitutes its gathered tensors the same way, and a tensor
+already there is left alone), and convert activations at the module's edges with
+DTensor redistributions. The gradient of each local tensor becomes the parameter's
+DTensor gradient with its placements (a replicated parameter of a sequence-parallel
+module: ``Partial``, all-reduced, since each rank saw part of the sequence).
 
 Collectives (mesh of n ranks, ``x``: activations, ``W``: ``[out, in]`` linear weight):
 - ColwiseParallel: ``W``/``bias`` ``Shard(0)``; input to Replicate (all-gather when it
@@ -26,19 +36,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase, on_recompute_exit
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.distribute_module import distribute_parameter
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
 
-#: Set on a module whose parameters carry SequenceParallel's gradient hooks: the tp
-#: group their gradients are all-reduced over (fully_shard, which replaces the
-#: parameter objects, all-reduces the gathered parameter's gradient over it instead).
-SEQUENCE_PARALLEL_ATTR = "_sequence_parallel_grad_hooks"
-#: Set on a module whose parameters a style sharded: ``{name: (mesh, Shard, global shape)}``
-#: (read by fully_shard's state dicts, which rebuild the whole parameter from TP shards).
-TP_SHARDS_ATTR = "_tensor_parallel_shards"
+#: Set on a SequenceParallel module: the tp group its replicated parameters' gradients
+#: are all-reduced over (fully_shard, whose gathered tensor the module then computes with,
+#: all-reduces the gathered parameter's gradient over it).
+SEQUENCE_PARALLEL_ATTR = "_sequence_parallel_group"
 
 
 def _check_1d(mesh: DeviceMesh, style: str) -> None:
@@ -65,14 +73,59 @@ def _linear_weight(module: Any, style: str) -> Any:
     return weight
 
 
-def _shard_parameter(module: Any, name: str, placement: Shard, mesh: DeviceMesh) -> None:
-    """Replace ``module.<name>`` (if it has one) by this rank's ``placement`` shard, rank 0's
-    values broadcast first so that ranks initialised differently still agree."""
-    own = _own_parameter(module, name)
-    if own is not None:
-        shape = tuple(int(d) for d in own.shape)
+def _place_parameter(module: Any, name: str, placement: Placement, mesh: DeviceMesh) -> None:
+    """Replace ``module.<name>`` (if it has one) by a DTensor parameter of ``placement``,
+    rank 0's values broadcast first so that ranks initialised differently still agree."""
+    if _own_parameter(module, name) is not None:
         distribute_parameter(module, name, mesh, [placement])
-        vars(module).setdefault(TP_SHARDS_ATTR, {})[name] = (mesh, placement, shape)
+
+
+class _LocalParameters:
+    """The hooks that let a module's own forward compute on its DTensor parameters' local
+    tensors (see [Note: parameters are DTensors, forwards compute on local tensors]).
+
+    Args:
+        mesh: the style's mesh: the parameters placed on it are substituted.
+        grad_placements: ``{name: placements}`` of a local tensor's gradient where it is
+            not the parameter's placements (``[Partial()]`` for sequence parallel).
+    """
+
+    def __init__(self, mesh: DeviceMesh, grad_placements: dict[str, list[Placement]] | None = None) -> None:
+        self.mesh = mesh
+        self.grad_placements = grad_placements or {}
+        self.mine: dict[tuple[int, str], Any] = {}  # (id(module), name) -> the tensor put there
+
+    def put(self, module: Any, _args: Any) -> None:
+        for name, param in get_platform().named_parameters(module):
+            # only the parameters this style placed: once fully_shard manages one, it is a
+            # DTensor on the joint (tp, dp) mesh and the unit substitutes the gathered tensor
+            if "." in name or not isinstance(param, DTensor) or param.device_mesh != self.mesh:
+                continue
+            key, there = (id(module), name), vars(module).get(name)
+            # a tensor another hook put there (fully_shard's gathered one) is left alone;
+            # one of ours left behind by a forward that raised is replaced
+            if there is not None and there is not self.mine.get(key):
+                continue
+            local = param.to_local(grad_placements=self.grad_placements.get(name))
+            vars(module)[name] = self.mine[key] = local
+            if checkpoint_phase() is CheckpointPhase.RECOMPUTE:
+                # a recomputation stopped early skips ``remove``: take it away at its end
+                on_recompute_exit(lambda module=module: self.remove(module, None, None))
+
+    def remove(self, module: Any, _args: Any, _out: Any) -> None:
+        for (owner, name), local in list(self.mine.items()):
+            if owner == id(module):
+                if vars(module).get(name) is local:
+                    del vars(module)[name]
+                del self.mine[(owner, name)]
+
+    def register_pre(self, module: Any) -> None:
+        """Before the style's input hook: the substitution is in place for all of it."""
+        get_platform().register_forward_pre_hook(module, self.put)
+
+    def register_post(self, module: Any) -> None:
+        """After the style's output hook, which may still read a parameter."""
+        get_platform().register_forward_hook(module, self.remove)
 
 
 class ParallelStyle(ABC):
@@ -117,8 +170,10 @@ class ColwiseParallel(ParallelStyle):
         weight = _linear_weight(module, "ColwiseParallel")
         out_features = int(weight.shape[0])
         for name in ("weight", "bias"):
-            _shard_parameter(module, name, Shard(0), device_mesh)
+            _place_parameter(module, name, Shard(0), device_mesh)
         mesh, in_layout, out_layout = device_mesh, self.input_layout, self.output_layout
+        local = _LocalParameters(mesh)
+        local.register_pre(module)
 
         def prepare_input(_module: Any, args: tuple) -> tuple:
             x = _as_dtensor(args[0], mesh, in_layout).redistribute(mesh, [Replicate()])
@@ -132,6 +187,7 @@ class ColwiseParallel(ParallelStyle):
 
         p.register_forward_pre_hook(module, prepare_input)
         p.register_forward_hook(module, prepare_output)
+        local.register_post(module)
         return module
 
 
@@ -160,8 +216,11 @@ class RowwiseParallel(ParallelStyle):
         p = get_platform()
         weight = _linear_weight(module, "RowwiseParallel")
         in_features = int(weight.shape[1])
-        _shard_parameter(module, "weight", Shard(1), device_mesh)
+        _place_parameter(module, "weight", Shard(1), device_mesh)
+        _place_parameter(module, "bias", Replicate(), device_mesh)
         mesh, in_layout, out_layout = device_mesh, self.input_layout, self.output_layout
+        local = _LocalParameters(mesh)
+        local.register_pre(module)
 
         def prepare_input(_module: Any, args: tuple) -> tuple:
             x = args[0]
@@ -171,8 +230,8 @@ class RowwiseParallel(ParallelStyle):
             return (x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local(), *args[1:])
 
         def prepare_output(_module: Any, _args: tuple, y: Any) -> Any:
-            # The tensor the module computed with: a fully_shard unit around this module
-            # substitutes the gathered bias for the registered (dp-sharded) parameter.
+            # The tensor the module computed with (its local tensor, or the gathered one
+            # of a fully_shard unit around this module), not the registered parameter.
             bias = getattr(_module, "bias") if _own_parameter(_module, "bias") is not None else None
             partial = y - bias if bias is not None else y  # add the bias once, after the sum
             out = DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [out_layout])
@@ -186,14 +245,16 @@ class RowwiseParallel(ParallelStyle):
 
         p.register_forward_pre_hook(module, prepare_input)
         p.register_forward_hook(module, prepare_output)
+        local.register_post(module)
         return module
 
 
 class SequenceParallel(ParallelStyle):
     """Run a module (a norm, a dropout) on this rank's slice of the sequence dim.
 
-    Parameters stay replicated; because each rank sees only part of the sequence, their
-    gradients are all-reduced over the mesh by a gradient hook. Inputs arrive as local
+    Parameters become ``Replicate()`` DTensors; because each rank sees only part of the
+    sequence, the gradient of each local tensor the forward reads is a partial sum, which
+    is **all-reduced** over the mesh into the parameter's gradient. Inputs arrive as local
     sequence shards (or DTensors, redistributed to ``Shard(sequence_dim)``).
     """
 
@@ -205,12 +266,13 @@ class SequenceParallel(ParallelStyle):
         _check_1d(device_mesh, "SequenceParallel")
         p = get_platform()
         mesh, seq = device_mesh, self.sequence_dim
-        group = mesh.get_group()
-        for _, param in p.named_parameters(module):
-            p.register_tensor_hook(param, lambda grad: p.all_reduce(grad, "sum", group=group).wait())
-        # The hooks live on these parameter objects: fully_shard, which replaces
-        # parameters, reads the group here and does the all-reduce itself.
-        vars(module)[SEQUENCE_PARALLEL_ATTR] = group
+        names = [name for name, _ in p.named_parameters(module) if "." not in name]
+        for name in names:
+            _place_parameter(module, name, Replicate(), mesh)
+        # fully_shard, whose gathered tensor the forward then reads, all-reduces over it
+        vars(module)[SEQUENCE_PARALLEL_ATTR] = mesh.get_group()
+        local = _LocalParameters(mesh, {name: [Partial()] for name in names})
+        local.register_pre(module)
 
         def prepare_input(_module: Any, args: tuple) -> tuple:
             x = args[0]
@@ -223,6 +285,7 @@ class SequenceParallel(ParallelStyle):
 
         p.register_forward_pre_hook(module, prepare_input)
         p.register_forward_hook(module, prepare_output)
+        local.register_post(module)
         return module
 
 

@@ -97,6 +97,10 @@ def build_dtensor_type(base: type, ms: Any) -> type:
             return op(*args, **kwargs)
 
     class DTensor(Tensor, base):  # type: ignore[misc, valid-type]
+        # MindSpore's optimizers create their state with Parameter.clone, whose initializer
+        # rejects a zero-size shape: a parameter may not have an empty local piece.
+        empty_parameters = False
+
         def __new__(cls, local: Any, spec: Any = None) -> DTensor:
             t = Tensor._make_subclass(cls, local)
             if spec is None and isinstance(local, DTensor):

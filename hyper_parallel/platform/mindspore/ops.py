@@ -20,7 +20,7 @@ import numpy as np
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
 from hyper_parallel.platform.contract.ops import OpsSection
 from hyper_parallel.platform.mindspore import attention as kernels
-from hyper_parallel.platform.validation import check_local_op, normalize_dim
+from hyper_parallel.platform.validation import check_local_op, normalize_dim, refuse_dtensor
 
 
 def _shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -63,6 +63,7 @@ class MindSporeOps(OpsSection):
 
     def to_numpy(self, tensor: Any) -> np.ndarray:
         """``Tensor.asnumpy()`` copied (on CPU it shares the tensor's memory)."""
+        refuse_dtensor(tensor, "to_numpy")
         if tensor.dtype == self._ms.bfloat16:
             tensor = tensor.astype(self._ms.float32)
         return np.array(tensor.asnumpy(), copy=True)

@@ -23,6 +23,7 @@ from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.collectives import TorchCollectives
 from hyper_parallel.platform.torch.dtensor import build_dtensor_type
 from hyper_parallel.platform.validation import (
+    refuse_dtensor,
     check_attention_backward,
     check_group_ranks,
     check_local_op,
@@ -313,6 +314,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return torch.from_numpy(np.ascontiguousarray(array)).clone().to(self._device)
 
     def to_numpy(self, tensor: Any) -> np.ndarray:
+        refuse_dtensor(tensor, "to_numpy")
         host = tensor.detach().cpu()
         if host.dtype == torch.bfloat16:
             host = host.float()
