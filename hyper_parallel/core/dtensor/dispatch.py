@@ -386,6 +386,34 @@ def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[...,
     return _run(op, local_fn, locals_, plan, dtensors, inplace, with_local_shape, make_dtensor)
 
 
+def local_plan(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | tuple[Any, ...] | None = None,
+               inplace: int | None = None) -> OpPlan | None:
+    """The plan of ``op`` on inputs of ``specs`` when ``dispatch_local`` would run the
+    framework op as it is on the local tensors as they are: a rule exists, no input is
+    redistributed, no other local op takes its place (a vocabulary-parallel embedding).
+    ``None`` otherwise. A backend that caches it by the inputs' specs and params may then
+    run the op itself and wrap the result in ``plan.out_spec`` (checking its shape with
+    ``check_result``): what ``dispatch_local`` does for such a call, without its per-call
+    planning. No communication."""
+    if op not in OP_RULES or any(spec.mesh != specs[0].mesh for spec in specs):
+        return None
+    plan = plan_op(op, specs, params, inplace)
+    if any(tuple(target) != spec.placements for target, spec in zip(plan.targets, specs)):
+        return None
+    if op == "embedding" and Shard(0) in plan.targets[-1]:
+        return None
+    return plan
+
+
+def check_result(op: str, out: Any, plan: OpPlan) -> None:
+    """Raise where a local op's result is not the shape ``plan`` says (see ``local_plan``).
+
+    Raises:
+        RuntimeError: the local result's shape differs from ``plan.out_local_shape``.
+    """
+    _check_result(op, out, plan)
+
+
 def full_local(dt: DTensor) -> Any:
     """The whole tensor on this rank, outside autograd (all-gather / all-reduce)."""
     return redistribute_raw(dt._local, dt.spec, (Replicate(),) * dt.device_mesh.ndim)

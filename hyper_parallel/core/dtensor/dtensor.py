@@ -286,6 +286,16 @@ class DTensor:
                                         with_local_shape=with_local_shape)
 
     @staticmethod
+    def local_plan(op: str, specs: Sequence[DTensorSpec], params: Any = None, inplace: int | None = None) -> Any:
+        """The plan of an op that needs no communication: ``dispatch.local_plan``."""
+        return _dispatch.local_plan(op, specs, params, inplace)
+
+    @staticmethod
+    def check_result(op: str, out: Any, plan: Any) -> None:
+        """``dispatch.check_result``."""
+        _dispatch.check_result(op, out, plan)
+
+    @staticmethod
     def freeze_params(params: dict[str, Any] | None) -> tuple[Any, ...]:
         """``params`` frozen for ``dispatch_op`` (a backend caching its translations)."""
         return _dispatch.freeze_params(params)

@@ -17,6 +17,14 @@ reads its non-tensor arguments into the rule's params; core plans the redistribu
 and the output placements and runs the aten op on the local tensors. An aten op without
 a translation takes core's fallback (inputs to ``Replicate``, one warning per op).
 
+The translation is cached per call signature (the op, each DTensor's spec, the other
+arguments' values). Where core says the call needs no communication and no other local
+op (``base.local_plan``: every input already where the rule wants it), the cached entry
+holds the plan, and the next such call runs the aten op on the local tensors and wraps
+the result in the plan's output spec right here (the shape checked against the plan),
+without planning again: most ops of a training step (an optimizer's in-place updates,
+the element-wise ops between matmuls, their backward ops) take this path.
+
 Arguments: Python numbers and 0-dim framework tensors (torch wraps Python scalars into
 those) stay in the local call as they are; a framework tensor with dims mixed with
 DTensors raises ``RuntimeError``, as torch's DTensor does (a ``TypeError`` would turn
@@ -152,15 +160,16 @@ def _translate(name: str, overload: str, args: tuple[Any, ...], kwargs: dict[str
 
 
 def _substituting(func: Any, leaves: Sequence[Any], positions: Sequence[int],
-                  unflatten: Any = None) -> Callable[..., Any]:
+                  unflatten: Any = None, kwargs: dict[str, Any] | None = None) -> Callable[..., Any]:
     """``func`` called with ``leaves`` whose entries at ``positions`` are replaced by the
-    given local tensors (rebuilt into ``(args, kwargs)`` by ``unflatten`` when given)."""
+    given local tensors (rebuilt into ``(args, kwargs)`` by ``unflatten`` when given; else
+    ``leaves`` are the positional arguments and ``kwargs``, holding no DTensor, the rest)."""
     def call(*locals_: Any) -> Any:
         filled = list(leaves)
         for i, local in zip(positions, locals_):
             filled[i] = local
         if unflatten is None:
-            return func(*filled)
+            return func(*filled, **(kwargs or {}))
         local_args, local_kwargs = tree_unflatten(filled, unflatten)
         return func(*local_args, **local_kwargs)
 
@@ -266,6 +275,7 @@ def _foreach_result(out: Any, locals_: Sequence[Any], inplace: bool) -> Any:
 
 
 @functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=4096)  # every op's output wrapper asks for its shape's strides
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for size in reversed(shape):
@@ -401,23 +411,41 @@ def build_dtensor_type(base: type) -> type:
                                kwargs: dict[str, Any] | None = None) -> Any:
             if base.dispatch_skipped():
                 return _run_skipped(cls, func, args, kwargs or {})
-            key = None if kwargs else _flat_key(cls, func, args)
+            kwargs = kwargs or {}
+            key = _flat_key(cls, func, args, kwargs)
             entry = plans.get(key) if key is not None else None
             if entry is not None:
-                rule, params, inplace, positions = entry
-                return base.dispatch_op(rule, [args[i] for i in positions], _substituting(func, args, positions),
-                                        params, inplace)
-            return _run_op(cls, base, func, args, kwargs or {}, key, plans)
+                rule, params, inplace, positions, local, shaped = entry
+                if local is not None:
+                    # no communication and the op as it is: run it on the local tensors
+                    # and wrap the result (dispatch_local's work, planned once per key)
+                    if shaped is not None:
+                        out = shaped(args[positions[0]]._local, local_shape=local.out_local_shape)
+                    else:
+                        out = func(*[a._local if type(a) is cls else a for a in args], **kwargs)
+                    if inplace is not None:
+                        return args[inplace]
+                    if out.shape != local.out_local_shape:
+                        base.check_result(rule, out, local)  # raises, naming the op
+                    return cls(out, local.out_spec)
+                return base.dispatch_op(rule, [args[i] for i in positions],
+                                        shaped or _substituting(func, args, positions, kwargs=kwargs), params,
+                                        inplace, with_local_shape=shaped is not None)
+            return _run_op(cls, base, func, args, kwargs, key, plans)
 
-    # (func, argument specs and values) -> (rule, params, inplace, DTensor positions) of
-    # the ops that run as they are (no special local call): the translation and the
-    # frozen params are computed once per such key; bounded (cleared when full).
+    # (func, argument specs and values) -> (rule, params, inplace, DTensor positions,
+    # the plan when it needs no communication: ``base.local_plan``, the local call of a
+    # view or an expand, which takes this rank's size) of the ops that run as they are or
+    # with their size: the translation, the frozen params and such a plan are computed
+    # once per such key; bounded (cleared when full).
     plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     return DTensor
 
 
-def _flat_key(cls: type, func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """A hashable key of an op call with flat positional arguments, or None."""
+def _flat_key(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """A hashable key of an op call whose DTensors are positional arguments (the others:
+    numbers, 0-dim tensors, lists of ints such as sizes and dims; keyword arguments that
+    are no tensors nor containers, such as a dtype), or None."""
     parts: list[Any] = [func]
     for a in args:
         if isinstance(a, cls):
@@ -427,10 +455,29 @@ def _flat_key(cls: type, func: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | 
                 return None
             parts.append(_SCALAR_TENSOR)
         elif isinstance(a, (list, tuple)):
-            return None
+            if not all(type(v) is int for v in a):
+                return None
+            parts.append((type(a), tuple(a)))
         else:
             parts.append((type(a), a))
+    for name, value in kwargs.items():
+        if isinstance(value, (torch.Tensor, list, tuple, dict)):
+            return None
+        parts.append((name, type(value), value))
     return tuple(parts)
+
+
+def _remember(base: type, plans: dict[tuple[Any, ...], tuple[Any, ...]], key: tuple[Any, ...] | None, rule: str,
+              frozen: tuple[Any, ...], written: int | None, args: tuple[Any, ...], is_dtensor: Callable[[Any], bool],
+              shaped: Callable[..., Any] | None = None) -> None:
+    """Cache a translated op under ``key`` (see ``plans`` in ``build_dtensor_type``)."""
+    if key is None:
+        return
+    if len(plans) >= _PLAN_CACHE_SIZE:
+        plans.clear()
+    positions = tuple(i for i, a in enumerate(args) if is_dtensor(a))
+    local = base.local_plan(rule, [args[i]._spec for i in positions], frozen, written)
+    plans[key] = (rule, frozen, written, positions, local, shaped)
 
 
 _SCALAR_TENSOR = ("0-dim tensor",)
@@ -468,10 +515,13 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
         return base.replicated(func(args[0]._local, *args[1:], **kwargs), args[0].device_mesh)
     rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs, is_dtensor)
     dtensors, call = _local_call(func, args, kwargs, is_dtensor)
-    if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand"):
+    if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand") and not kwargs:
         # the size argument is global; the local call takes this rank's
         local_fn = _view(func) if rule == "view" else (lambda x, local_shape: func(x, list(local_shape)))
-        return base.dispatch_op(rule, dtensors, local_fn, params, with_local_shape=True)
+        frozen = base.freeze_params(params)
+        out = base.dispatch_op(rule, dtensors, local_fn, frozen, with_local_shape=True)
+        _remember(base, plans, key, rule, frozen, None, args, is_dtensor, local_fn)
+        return out
     if name == "mean":
         # the sum over the global count (an exact mean of uneven shards; a sharded
         # reduced dim gives Partial("sum"), as for functional.mean)
@@ -489,8 +539,5 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
     written = 0 if inplace and is_dtensor(args[0]) else None
     frozen = base.freeze_params(params)
     out = base.dispatch_op(rule, dtensors, call, frozen, written)
-    if key is not None:
-        if len(plans) >= _PLAN_CACHE_SIZE:
-            plans.clear()
-        plans[key] = (rule, frozen, written, tuple(i for i, a in enumerate(args) if is_dtensor(a)))
+    _remember(base, plans, key, rule, frozen, written, args, is_dtensor)
     return out
