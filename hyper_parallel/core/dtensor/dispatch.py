@@ -69,6 +69,12 @@ def dispatch_skipped() -> bool:
     return _SKIP_DEPTH.get() > 0
 
 
+def skip_depth() -> Callable[[], int]:
+    """The number of ``SkipDTensorDispatch`` contexts active in this thread, as a bound
+    ``ContextVar.get`` (non-zero: skipped): for a backend that asks on every op."""
+    return _SKIP_DEPTH.get
+
+
 def transition_cost(src: Placement, dst: Placement, numel: int) -> float:
     """A rough communication volume (elements) for moving one input from ``src`` to
     ``dst`` on one mesh axis; only the order matters (it ranks strategies)."""

@@ -315,6 +315,12 @@ class DTensor:
         return _dispatch.dispatch_skipped()
 
     @staticmethod
+    def skip_depth() -> Any:
+        """``dispatch.skip_depth``: a function returning a non-zero count inside
+        ``SkipDTensorDispatch`` (one C call, for a backend's per-op check)."""
+        return _dispatch.skip_depth()
+
+    @staticmethod
     def full_local(dt: DTensor) -> Any:
         """The whole tensor on this rank, outside autograd (all-gather / all-reduce)."""
         return _dispatch.full_local(dt)

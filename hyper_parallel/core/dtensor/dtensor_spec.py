@@ -92,3 +92,12 @@ class DTensorSpec:
         if coordinate is None:
             return tuple(0 for _ in self.shape)
         return local_shape(self.shape, self.placements, self.mesh.shape, coordinate)
+
+    def local_offsets(self) -> tuple[int, ...]:
+        """Where this rank's piece starts in the global tensor, per dim (zeros on a rank
+        outside the mesh, whose piece is empty)."""
+        coordinate = self.mesh.get_coordinate()
+        if coordinate is None:
+            return tuple(0 for _ in self.shape)
+        return tuple(local_offset(self.shape, self.placements, self.mesh.shape, coordinate, d)
+                     for d in range(len(self.shape)))

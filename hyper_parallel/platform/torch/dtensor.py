@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hyper_parallel.platform.torch import checkpoint as dcp_protocol
+
 aten = torch.ops.aten
 
 #: pointwise aten ops whose rule has the op's own name
@@ -215,7 +217,7 @@ def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs:
     single = single.rstrip("_")
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
     count = len(args[lists[0]])
-    if single in _POINTWISE and not kwargs and _foreach_fits(cls, args, lists, count):
+    if single in _POINTWISE and not kwargs and _foreach_fits(cls, args, lists):
         out = func(*[[x._local if isinstance(x, cls) else x for x in a] if i in lists else a
                      for i, a in enumerate(args)])
         if inplace:
@@ -237,28 +239,32 @@ def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs:
     return None if inplace else results
 
 
-def _foreach_fits(cls: type, args: tuple[Any, ...], lists: list[int], count: int) -> bool:
+def _foreach_fits(cls: type, args: tuple[Any, ...], lists: list[int]) -> bool:
     """Whether a pointwise foreach op can run as one call on the local tensors: every
     tensor argument is a list of DTensors, and at each index they share one spec
-    without ``Partial`` (the result then has that spec)."""
-    if any(isinstance(a, torch.Tensor) for i, a in enumerate(args) if i not in lists):
-        return False
-    seen: set[Any] = set()
-    for k in range(count):
-        spec = None
-        for i in lists:
-            x = args[i][k]
+    without ``Partial`` (the result then has that spec). Called on every optimizer
+    step: identity comparisons first."""
+    for i, a in enumerate(args):
+        if i not in lists and isinstance(a, torch.Tensor):
+            return False
+    specs = []
+    for x in args[lists[0]]:
+        if not isinstance(x, cls):
+            return False  # a plain tensor, or nothing to write
+        specs.append(x._spec)
+    for i in lists[1:]:
+        for x, spec in zip(args[i], specs):
             if isinstance(x, cls):
-                if spec is None:
-                    spec = x._spec
-                elif x._spec is not spec and x._spec != spec:
+                if x._spec is not spec and x._spec != spec:
                     return False
-            elif isinstance(x, torch.Tensor) or spec is None and i == lists[0]:
-                return False  # a plain tensor, or nothing to write
-        if spec not in seen:
+            elif isinstance(x, torch.Tensor):
+                return False
+    checked: set[int] = set()
+    for spec in specs:
+        if id(spec) not in checked:
             if any(pl.is_partial() for pl in spec.placements):
                 return False
-            seen.add(spec)
+            checked.add(id(spec))
     return True
 
 
@@ -406,16 +412,29 @@ def build_dtensor_type(base: type) -> type:
             memo[id(self)] = out
             return out
 
+        # torch.distributed.checkpoint's extension protocol: [Note: DTensors in DCP checkpoints]
+        def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+            return dcp_protocol.create_write_items(self, fqn)
+
+        def __create_chunk_list__(self) -> list[Any]:
+            return dcp_protocol.create_chunk_list(self)
+
+        def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+            return dcp_protocol.tensor_shard(self, index)
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            dcp_protocol.refuse_pickle(self)
+
         @classmethod
         def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:
-            if base.dispatch_skipped():
+            if skipped():
                 return _run_skipped(cls, func, args, kwargs or {})
             kwargs = kwargs or {}
             key = _flat_key(cls, func, args, kwargs)
             entry = plans.get(key) if key is not None else None
             if entry is not None:
-                rule, params, inplace, positions, local, shaped = entry
+                rule, params, inplace, positions, local, shaped, shape, strides = entry
                 if local is not None:
                     # no communication and the op as it is: run it on the local tensors
                     # and wrap the result (dispatch_local's work, planned once per key)
@@ -427,7 +446,13 @@ def build_dtensor_type(base: type) -> type:
                         return args[inplace]
                     if out.shape != local.out_local_shape:
                         base.check_result(rule, out, local)  # raises, naming the op
-                    return cls(out, local.out_spec)
+                    # __new__'s work, with the output's shape and strides from the entry
+                    r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=out.dtype,
+                                                            device=out.device, layout=out.layout,
+                                                            requires_grad=False)
+                    r._local = out
+                    r._spec = local.out_spec
+                    return r
                 return base.dispatch_op(rule, [args[i] for i in positions],
                                         shaped or _substituting(func, args, positions, kwargs=kwargs), params,
                                         inplace, with_local_shape=shaped is not None)
@@ -439,6 +464,7 @@ def build_dtensor_type(base: type) -> type:
     # with their size: the translation, the frozen params and such a plan are computed
     # once per such key; bounded (cleared when full).
     plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    skipped = base.skip_depth()
     return DTensor
 
 
@@ -477,7 +503,9 @@ def _remember(base: type, plans: dict[tuple[Any, ...], tuple[Any, ...]], key: tu
         plans.clear()
     positions = tuple(i for i, a in enumerate(args) if is_dtensor(a))
     local = base.local_plan(rule, [args[i]._spec for i in positions], frozen, written)
-    plans[key] = (rule, frozen, written, positions, local, shaped)
+    shape = None if local is None else tuple(local.out_spec.shape)
+    strides = None if shape is None else _contiguous_strides(shape)
+    plans[key] = (rule, frozen, written, positions, local, shaped, shape, strides)
 
 
 _SCALAR_TENSOR = ("0-dim tensor",)
