@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +53,6 @@ def run_rank(cfg: TrainConfig) -> list[dict[str, Any]]:
 
         run_scheduler()
         return []
-    # fully_shard's root unit takes the token ids, which need no gradient; torch warns once
-    # per rank that a module's full backward (pre-)hook then fires with gradients of its
-    # outputs only, which is exactly what fully_shard's pre-backward hook wants.
-    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
-                            "respect to module outputs since no inputs require gradients", category=UserWarning)
     p = hp.init(cfg.platform)
     if p.name == "mindspore-cpu" and LAUNCH_BLOCKING_VAR not in os.environ:
         # [Note: MindSpore CPU ranks launch blocking] in hyper_parallel/testing/rendezvous.py:

@@ -20,6 +20,7 @@ from hyper_parallel.platform.base import FULL, AttentionMask, Capability, Custom
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
 from hyper_parallel.platform.torch import attention as attn
+from hyper_parallel.platform.torch.backward_hooks import register_output_grad_pre_hook
 from hyper_parallel.platform.torch.collectives import TorchCollectives
 from hyper_parallel.platform.torch.dtensor import build_dtensor_type
 from hyper_parallel.platform.validation import (
@@ -273,7 +274,11 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return module.register_forward_hook(hook)
 
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
-        return module.register_full_backward_pre_hook(hook)
+        """On the output tensors' gradients, as FSDP2 hooks them (see [Note: backward
+        pre-hooks on output tensors] in ``platform/torch/backward_hooks.py``): no
+        warnings for outputs that are dataclasses or dicts, nor for inputs without
+        gradients (token ids)."""
+        return register_output_grad_pre_hook(module, hook)
 
     def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
         return tensor.register_hook(hook)
