@@ -1,15 +1,17 @@
 """``torch.distributed.checkpoint`` (DCP) on models whose parameters are this project's
-DTensors: ``dcp.save(model.state_dict())`` on one layout and world size,
-``dcp.load`` + ``load_state_dict`` on another (fully_shard over 4 ranks with uneven and
-empty chunks, HSDP 2 x 2, tp 2 x fully_shard 2, fully_shard over 2, a plain model in one
-process): every value comes back exactly. ``torch.save`` of a DTensor state dict raises
-with the supported paths (it would pickle one rank's piece). torch only: DCP is torch's.
+DTensors: ``dcp.save`` of the model's and torch AdamW's state dicts (after one step, so
+the moments exist) on one layout and world size, ``dcp.load`` + ``load_state_dict`` on
+another (fully_shard over 4 ranks with uneven and empty chunks, HSDP 2 x 2, tp 2 x
+fully_shard 2, fully_shard over 2, a plain model in one process): every parameter and
+every moment comes back exactly. ``torch.save`` of a DTensor state dict raises with the
+supported paths (it would pickle one rank's piece). torch only: DCP is torch's.
 """
 
 from __future__ import annotations
 
 import io
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,13 +44,44 @@ def _model(layout: str, values: dict):
     return model
 
 
-def save(path: str, layout: str) -> None:
+def _step(model) -> Any:
+    """torch's AdamW after one step on a fixed batch: its moments exist (DTensors like the
+    parameters) and are not zero."""
+    import torch
+
+    p = get_platform()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = np.random.default_rng(7).standard_normal((4, 3, 6)).astype(np.float32)
+    if p.world_size() > 1 and not isinstance(next(model.parameters()), DTensor):
+        raise AssertionError("a plain model on several ranks")
+    (model(p.from_numpy(x)) ** 2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return opt
+
+
+def _state(model, opt) -> dict:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def _moments(model, opt) -> dict[str, np.ndarray]:
+    p = get_platform()
+    out = {}
+    for name, param in p.named_parameters(model):
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = opt.state[param][key]
+            out[f"{key}/{name}"] = p.to_numpy(value.full_tensor() if isinstance(value, DTensor) else value)
+    return out
+
+
+def save(path: str, layout: str) -> dict[str, np.ndarray]:
     import torch
     import torch.distributed.checkpoint as dcp
 
     model = _model(layout, weights("mlp"))
-    state = model.state_dict()
-    assert all(isinstance(v, DTensor) for v in state.values()), {k: type(v) for k, v in state.items()}
+    opt = _step(model)
+    state = _state(model, opt)
+    assert all(isinstance(v, DTensor) for v in state["model"].values()), {k: type(v) for k, v in state.items()}
     try:
         torch.save(state, io.BytesIO())
     except TypeError as err:
@@ -56,25 +89,32 @@ def save(path: str, layout: str) -> None:
     else:
         raise AssertionError("torch.save of DTensors (one rank's pieces) was accepted")
     dcp.save(state, checkpoint_id=path)
+    p = get_platform()
+    values = {name: p.to_numpy(param.full_tensor()) for name, param in p.named_parameters(model)}
+    return {**values, **_moments(model, opt)}
 
 
-def load(path: str, layout: str) -> None:
+def load(path: str, layout: str, saved: dict[str, np.ndarray]) -> None:
     import torch.distributed.checkpoint as dcp
 
     p = get_platform()
     values = weights("mlp")
     model = _model(layout, {name: np.zeros_like(value) for name, value in values.items()})
-    state = model.state_dict()
+    opt = _step(model)  # the moments to load into: other values, this layout's pieces
+    state = _state(model, opt)
     dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
     for name, param in p.named_parameters(model):
         got = param.full_tensor() if isinstance(param, DTensor) else param
-        np.testing.assert_array_equal(p.to_numpy(got), values[name], err_msg=f"{layout}: {name}")
+        np.testing.assert_array_equal(p.to_numpy(got), saved[name], err_msg=f"{layout}: {name}")
+    for key, got in _moments(model, opt).items():
+        np.testing.assert_array_equal(got, saved[key], err_msg=f"{layout}: {key}")
 
 
 @pytest.mark.parametrize("saved", ["fsdp", "hsdp", "tp_fsdp"])
 def test_dcp_saves_and_reshards(run_on_ranks, tmp_path, saved: str) -> None:
     path = str(tmp_path / saved)
-    run_on_ranks(save, path, saved, world_size=4)
+    values = run_on_ranks(save, path, saved, world_size=4)[0]
     for layout, world in [("fsdp", 4), ("tp_fsdp", 4), ("fsdp", 2), ("plain", 1)]:
-        run_on_ranks(load, path, layout, world_size=world)
+        run_on_ranks(load, path, layout, values, world_size=world)
