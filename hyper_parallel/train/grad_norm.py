@@ -11,8 +11,8 @@ that tensor parallelism replicates). The squared global norm is the sum over dis
 pieces of their squared norms, so each rank adds ``|piece|^2 / holders`` (``holders``: the
 ranks holding that same box) and one **all-reduce** (sum) over the world gives it. The
 holders are counted once, when the run starts (an all-gather of a hash of each
-``(name, box)``). fully_shard's padding rows have zero gradient, so a padded local
-gradient has its piece's norm. The same arithmetic runs on both frameworks, and on one
+``(name, box)``). Each local gradient is exactly its piece (fully_shard's chunks carry
+no padding). The same arithmetic runs on both frameworks, and on one
 rank (the single-process reference) it is the plain norm.
 """
 

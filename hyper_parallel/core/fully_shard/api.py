@@ -2,8 +2,8 @@
 
 Apply bottom-up (each block, then the root), then build the optimizer (and on
 MindSpore the ``value_and_grad`` function) from the module's parameters: fully_shard
-replaces each managed parameter by a new framework parameter holding this rank's
-shard, and both torch optimizers and MindSpore's ``value_and_grad`` bind parameter
+replaces each managed parameter by a new framework parameter made from a DTensor (this
+rank's chunk as its local tensor), and both torch optimizers and MindSpore's ``value_and_grad`` bind parameter
 objects when they are built.
 """
 
@@ -95,9 +95,11 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
 
     Each parameter of ``module`` not managed by an earlier fully_shard call on a
     submodule (apply bottom-up) and not in ``ignored_params`` is replaced by a
-    framework parameter holding this rank's chunk along ``Shard(0)`` (or what
-    ``shard_placement_fn(param)`` returns), padded to ``ceil(size / N)`` rows
-    (see ``hsdp_param``); the module must hold the same values on every rank.
+    framework parameter made from a DTensor: placements ``[Shard(0)]`` (or what
+    ``shard_placement_fn(param)`` returns; ``[Replicate(), Shard(d)]`` on HSDP), the
+    global shape, this rank's unpadded chunk of ``ceil(size / N)`` rows as its local
+    tensor; after tensor parallelism, on the joint ``(tp, dp...)`` mesh (see
+    ``hsdp_param``). The module must hold the same values on every rank.
 
     Per step: forward pre-hook **all-gathers** the unit's parameters over the shard
     axis; forward post-hook drops them (``reshard_after_forward=True``), keeps them

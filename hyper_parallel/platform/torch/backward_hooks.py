@@ -57,7 +57,12 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
 def register_output_grad_pre_hook(module: torch.nn.Module, hook: Callable[..., Any]) -> RemovableHandle:
     """``hook(module, grad_output)`` before ``module``'s backward, on its output tensors
     (see [Note: backward pre-hooks on output tensors]). Removing the handle stops the hook
-    from being attached to later forwards."""
+    from being attached to later forwards.
+
+    Raises (in the backward):
+        RuntimeError: ``hook`` returns a replacement gradient for a module with several
+            output tensors (it was given only the first one's gradient).
+    """
 
     def attach(mod: torch.nn.Module, _args: Any, output: Any) -> None:
         tensors = output_tensors(output)
