@@ -234,9 +234,9 @@ def _degrees(mesh: DeviceMesh, where: str) -> dict[str, int]:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     names = mesh.mesh_dim_names
-    if not names or any(n not in MESH_AXES for n in names):
-        raise ValueError(f"{where}: the mesh's axes {names} must be named from {MESH_AXES}, e.g. "
-                         "init_device_mesh(device, (2, 2), mesh_dim_names=('dp_shard', 'tp'))")
+    if not names or any(n not in MESH_AXES and mesh.size(n) > 1 for n in names):
+        raise ValueError(f"{where}: the mesh's axes {names} must be named from {MESH_AXES} (other axes of size 1 "
+                         "are ignored), e.g. init_device_mesh(device, (2, 2), mesh_dim_names=('dp_shard', 'tp'))")
     world = get_platform().world_size()
     if mesh.size() != world:
         raise ValueError(f"{where}: the mesh holds {mesh.size()} ranks but the world has {world}; build it over "
@@ -303,7 +303,7 @@ def _attention_layers(model: Any) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling") and hasattr(m, "config")]
 
 
-def _decoder_layers(model: Any) -> list[torch.nn.Module]:
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
     """The modules whose class ``model._no_split_modules`` names, in order.
 
     Raises:
@@ -401,7 +401,8 @@ class _RootInputs:
 
 
 def parallelize(model: Any, mesh: DeviceMesh, *, cp_mode: str = "ring", load_balance: bool = True,
-                ulysses_degree: int | None = None, activation_checkpointing: bool = False) -> Any:
+                ulysses_degree: int | None = None, activation_checkpointing: bool = False,
+                cp_mesh: DeviceMesh | None = None) -> Any:
     """Parallelize an HF causal LM in place over ``mesh`` and return it; build the
     optimizer after (fully_shard replaces the parameters).
 
@@ -430,6 +431,10 @@ def parallelize(model: Any, mesh: DeviceMesh, *, cp_mode: str = "ring", load_bal
         ulysses_degree: with ``"ring"``/``"allgather"``, the ranks of an inner Ulysses
             all-to-all (hybrid; needs the ``cp`` axis to be the whole world).
         activation_checkpointing: recompute each decoder layer in the backward.
+        cp_mesh: the mesh of the attention hooks, when not ``mesh["cp"]``: the 2-D
+            ``(exchange, ulysses)`` mesh of the hybrid mode over the same ranks (as the
+            main job's ``context_parallel_mesh`` builds it); ``shard_batch`` must then cut
+            the batch over it too (ranks in row-major order, as over ``mesh["cp"]``).
 
     Returns:
         ``model``, whose forward takes the batches ``shard_batch`` makes.
@@ -451,7 +456,7 @@ def parallelize(model: Any, mesh: DeviceMesh, *, cp_mode: str = "ring", load_bal
     styles = tensor_parallel_plan(model) if deg["tp"] > 1 else {}
     if deg["tp"] > 1:
         _check_heads(model, deg["tp"])
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     attention = _attention_layers(model)
     register_attention()
     model.config._attn_implementation = ATTN_IMPLEMENTATION  # noqa: SLF001 - HF's documented switch
@@ -464,7 +469,7 @@ def parallelize(model: Any, mesh: DeviceMesh, *, cp_mode: str = "ring", load_bal
     plan = None
     if deg["cp"] > 1:
         style = _context_parallel_style(cp_mode, load_balance and cp_mode != "ulysses", ulysses_degree)
-        cp_mesh = mesh["cp"]
+        cp_mesh = mesh["cp"] if cp_mesh is None else cp_mesh
         for layer in attention:
             core = CoreAttention()
             setattr(layer, CORE_ATTR, core)

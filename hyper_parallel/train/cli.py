@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "hidden-dim"):
         mod.add_argument(f"--{flag}", type=int, default=None)
     mod.add_argument("--tie-embeddings", action="store_true", help="the output head reuses the embedding")
+    mod.add_argument("--hf-config", default=None, metavar="PATH",
+                     help="train a Hugging Face causal LM instead (torch): its config.json, or a model folder "
+                          "(its weights are loaded when the folder has them); vocab_size >= 256 (byte tokens, "
+                          "docs/train.md); replaces --model and the sizes")
     tr = t.add_argument_group("training")
     tr.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     tr.add_argument("--batch-size", type=int, default=8, help="sequences per step over all data-parallel ranks")
@@ -122,12 +126,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches,
                     ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange)
     name = args.model if not sizes else f"{args.model}+custom"
+    if args.hf_config is not None:
+        from hyper_parallel.train.hf_config import model_config, read_hf_config
+
+        if sizes or args.tie_embeddings or args.model != "small":
+            raise ValueError("--hf-config takes the model from the Hugging Face configuration: drop --model, "
+                             "--dim/--n-layers/--n-heads/--n-kv-heads/--hidden-dim and --tie-embeddings")
+        source = read_hf_config(args.hf_config)
+        model, name = model_config(source, args.seq_len), f"hf:{source.model_type}"
     return TrainConfig(platform=args.platform or _default_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        warmup_steps=args.warmup_steps, max_norm=args.max_norm, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
                        out=args.out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
-                       progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing)
+                       progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing,
+                       hf_config=args.hf_config)
 
 
 def parity_report(run: list[dict], reference: list[dict]) -> dict:

@@ -236,6 +236,9 @@ class TrainConfig:
         activation_checkpointing: recompute each decoder block's activations in the
             backward instead of keeping them (step 3 of the layout chain; with ``--pp`` in
             every stage, recomputed inside each microbatch's backward).
+        hf_config: a Hugging Face ``config.json`` or model folder: train that model
+            (``train/hf_model.py``) instead of the job's decoder; ``model`` then holds its
+            sizes (``hf_config.model_config``).
     """
 
     platform: str = "torch"
@@ -262,8 +265,11 @@ class TrainConfig:
     timeout_s: float = 1800.0
     progress: bool = True
     activation_checkpointing: bool = False
+    hf_config: str | None = None
 
     def __post_init__(self) -> None:
+        if self.hf_config is not None:
+            self._check_hf()
         if self.platform.split("-")[0] not in ("torch", "mindspore"):
             raise ValueError(f"--platform={self.platform!r} must be torch or mindspore (or a backend name such as "
                              "torch-cuda, mindspore-ascend)")
@@ -345,6 +351,19 @@ class TrainConfig:
         if self.seq_len > mod.max_seq_len:
             raise ValueError(f"--seq-len={self.seq_len} exceeds the rotary tables of --model {self.model_name} "
                              f"(max_seq_len {mod.max_seq_len})")
+
+    def _check_hf(self) -> None:
+        """``--hf-config``: a torch model (``transformers``), installed, not pipelined."""
+        import importlib.util
+
+        if self.platform.split("-")[0] != "torch":
+            raise ValueError(f"--hf-config trains a Hugging Face transformers model, a torch module: it needs "
+                             f"--platform torch (or torch-cuda, torch-npu), not {self.platform!r}")
+        if importlib.util.find_spec("transformers") is None:
+            raise ValueError("--hf-config needs the transformers package: pip install -e '.[transformers]'")
+        if self.layout.pp > 1:
+            raise ValueError(f"--hf-config with --pp={self.layout.pp}: the job cannot cut a Hugging Face model into "
+                             "pipeline stages yet; drop --pp (every other layout flag works)")
 
     def _check_hybrid(self) -> None:
         """``--cp-mode hybrid``: fill in the derived Ulysses degree (``default_ulysses_degree``)

@@ -239,6 +239,14 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
         # the stages keep the decoder's parameter names (model.build_stage), in pipe.parameters() order
         names = [name for module in pipe.modules for name, _ in p.named_parameters(module)]
         boxes = {name: box for module in pipe.modules for name, box in local_boxes(module).items()}
+    elif cfg.hf_config is not None:
+        from hyper_parallel.train.hf_model import build_hf_model
+
+        model = build_hf_model(p, cfg.hf_config, cfg.seed, mesh, layout, cp_mesh,
+                               activation_checkpointing=cfg.activation_checkpointing and not reference)
+        # the Hugging Face names (checkpoints, norms), without the wrapper's prefix
+        names, params = (list(items) for items in zip(*p.named_parameters(model.hf)))
+        boxes = local_boxes(model.hf)
     else:
         # the reference runs without activation checkpointing: it must not change the math
         model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout, cp_mesh,
