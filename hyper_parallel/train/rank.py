@@ -35,6 +35,18 @@ def launcher_rank() -> int | None:
     return None
 
 
+def launcher_world_size() -> int | None:
+    """The number of ranks the launcher starts over all machines, or ``None`` outside a
+    launcher (torchrun: ``WORLD_SIZE``; msrun / MindSpore env launch: ``MS_WORKER_NUM``)."""
+    if not in_launcher():
+        return None
+    for name in ("WORLD_SIZE", "MS_WORKER_NUM"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def in_launcher() -> bool:
     """True inside torchrun/msrun (or our own launch): the ranks already exist."""
     return launcher_rank() is not None or os.environ.get("MS_ROLE") == "MS_SCHED"
