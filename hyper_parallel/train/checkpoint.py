@@ -263,11 +263,46 @@ def check_compatible(path: Path, manifest: dict[str, Any], model: dict[str, Any]
     saved = manifest["model"]
     differ = sorted(name for name in set(saved) | set(model) if saved.get(name) != model.get(name))
     if differ:
-        raise ValueError(f"--resume: checkpoint {path} holds a model with "
-                         f"{', '.join(f'{name}={saved.get(name)!r}' for name in differ)}, but this run's model has "
+        params = parameter_differences(manifest, model)
+        shown = "; ".join(params[:SHOWN_DIFFERENCES])
+        more = f" (and {len(params) - SHOWN_DIFFERENCES} more)" if len(params) > SHOWN_DIFFERENCES else ""
+        raise ValueError(f"--resume: checkpoint {path} holds another model"
+                         + (f": {shown}{more}" if params else "") + "; it was written with "
+                         f"{', '.join(f'{name}={saved.get(name)!r}' for name in differ)}, this run has "
                          f"{', '.join(f'{name}={model.get(name)!r}' for name in differ)}; resume with the model that "
                          "wrote it (--model and the size flags) or start a new --checkpoint-dir (the layout may "
                          "differ: checkpoints are resharded)")
+
+
+#: mismatching parameters named in the message of ``check_compatible`` (the rest are counted)
+SHOWN_DIFFERENCES = 3
+
+
+def parameter_differences(manifest: dict[str, Any], model: dict[str, Any]) -> list[str]:
+    """The parameters whose global shape differs between the checkpoint (``manifest``) and
+    a decoder of the model record ``model`` (``loop.model_record``), or that only one of
+    them has, in the decoder's parameter order then the checkpoint's extra ones:
+    ``"layers.0.attention.wq.weight has shape (32, 32) in the checkpoint, (64, 64) in this
+    run"``. Empty when every shape matches (the models may still differ in a constant,
+    ``rope_theta`` say)."""
+    from hyper_parallel.train.config import ModelConfig
+    from hyper_parallel.train.model import parameter_shapes
+
+    try:
+        mine = parameter_shapes(ModelConfig(**model))
+    except (TypeError, ValueError):  # a model record this version cannot build
+        return []
+    theirs = {key.split("/", 1)[1]: tuple(entry["shape"]) for key, entry in manifest.get("tensors", {}).items()
+              if key.startswith("param/")}
+    out = []
+    for name, shape in mine.items():
+        if name not in theirs:
+            out.append(f"{name} {shape} is not in the checkpoint")
+        elif theirs[name] != shape:
+            out.append(f"{name} has shape {theirs[name]} in the checkpoint, {shape} in this run")
+    out.extend(f"{name} {theirs[name]} in the checkpoint is not in this run's model" for name in theirs
+               if name not in mine)
+    return out
 
 
 def reshard_message(path: Path, manifest: dict[str, Any], layout: dict[str, Any], world: int) -> str | None:

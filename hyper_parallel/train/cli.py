@@ -8,7 +8,11 @@ many machines::
 
     hyper-parallel train                                  # small model, 4 CPU ranks, tp 4
     hyper-parallel train --platform mindspore --tp 2 --steps 50
-    torchrun --nproc-per-node 8 -m hyper_parallel.train.cli train --tp 8 --nproc 8
+    torchrun --nproc-per-node 8 -m hyper_parallel.train.cli train --tp 8
+
+(inside a launcher the world size is the launcher's: ``WORLD_SIZE`` or ``MS_WORKER_NUM``;
+``--nproc`` is not needed there, and torchrun's own parser would take it for its
+``--nproc-per-node``.)
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import os
 import sys
 
+from hyper_parallel.train import preflight
 from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PP_SCHEDULES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
 from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
@@ -45,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch or mindspore, or a backend name (torch-cuda, mindspore-ascend); default: "
                         "$HYPER_PARALLEL_PLATFORM, else torch if installed, else mindspore")
     t.add_argument("--nproc", type=int, default=None,
-                   help="ranks on this machine (default: the product of the layout degrees, or 4)")
+                   help="ranks to start on this machine (default: the product of the layout degrees, or 4); inside "
+                        "torchrun/msrun the launcher's world size, leave it out there")
     lay = t.add_argument_group("layout (the product of the degrees is --nproc)")
     lay.add_argument("--dp-replicate", type=int, default=None, help="replicated data-parallel degree (HSDP)")
     lay.add_argument("--dp-shard", type=int, default=None, help="sharded data-parallel degree (fully_shard)")
@@ -95,15 +101,31 @@ def build_parser() -> argparse.ArgumentParser:
     out = t.add_argument_group("output")
     out.add_argument("--out", default="runs/latest", help="run folder: metrics.jsonl, loss.png, checkpoints/")
     out.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
-    out.add_argument("--checkpoint-every", type=int, default=50, help="0: only at the end")
+    out.add_argument("--checkpoint-every", type=int, default=50,
+                     help="a checkpoint every K steps and at the last step (0: at the last step only)")
     out.add_argument("--resume", action="store_true",
                      help="continue from the newest complete checkpoint (written by any layout of the same "
-                          "model: resharded)")
+                          "model: resharded); an error if there is none (without --resume a run starts at step 0)")
     out.add_argument("--check-parity", action="store_true",
                      help="also run a single-process reference and report the largest relative loss difference")
     out.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is killed")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def _world_size(nproc: int | None) -> int | None:
+    """The run's number of ranks as far as it is given: inside torchrun/msrun the launcher's
+    world size (``rank.launcher_world_size``), which ``--nproc`` may repeat but not contradict;
+    outside, ``--nproc`` (``None``: derived from the layout)."""
+    from hyper_parallel.train.rank import launcher_world_size
+
+    world = launcher_world_size()
+    if world is None:
+        return nproc
+    if nproc is not None and nproc != world:
+        raise ValueError(f"--nproc={nproc} but the launcher runs {world} ranks (WORLD_SIZE / MS_WORKER_NUM); inside "
+                         "torchrun or msrun the world size is the launcher's: leave --nproc out")
+    return world
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -117,10 +139,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     model = ModelConfig(**{**preset.__dict__, **sizes, "tie_embeddings": args.tie_embeddings,
                            "max_seq_len": max(preset.max_seq_len, args.seq_len)})
     degrees = {name: getattr(args, name) for name in LAYOUT_FLAGS if getattr(args, name) is not None}
+    nproc = _world_size(args.nproc)
     if degrees:
-        nproc = args.nproc if args.nproc is not None else Layout(**degrees).world_size
+        needed = Layout(**degrees).world_size
+        if nproc is not None and args.nproc is None and needed != nproc:  # the launcher's world
+            flags = ", ".join(f"--{name.replace('_', '-')} {degree}" for name, degree in degrees.items())
+            raise ValueError(f"the layout flags ({flags}) "
+                             f"need {needed} ranks but the launcher runs {nproc} (WORLD_SIZE / MS_WORKER_NUM); make "
+                             "the product of the degrees equal the launcher's world size")
+        nproc = nproc if nproc is not None else needed
     else:
-        nproc = args.nproc if args.nproc is not None else 4
+        nproc = nproc if nproc is not None else 4
         degrees = {DEFAULT_LAYOUT_AXIS: nproc}
     microbatches = args.microbatches if args.microbatches is not None else degrees.get("pp", 1)
     layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches,
@@ -156,21 +185,6 @@ def parity_report(run: list[dict], reference: list[dict]) -> dict:
         if diff >= worst["max_rel_diff"]:
             worst.update(max_rel_diff=diff, step=row["step"], loss=row["loss"], reference_loss=ref["loss"])
     return worst
-
-
-def _check_resume_layout(cfg: TrainConfig) -> None:
-    """A checkpoint that cannot be resumed (another model or format) fails here, before any
-    rank starts; one of another layout is resharded by the ranks."""
-    import warnings
-
-    from hyper_parallel.train import checkpoint
-    from hyper_parallel.train.loop import model_record
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the ranks warn about a skipped checkpoint themselves
-        found = checkpoint.latest_manifest(cfg.checkpoint_path)
-    if found is not None:
-        checkpoint.check_compatible(found[0], found[1], model_record(cfg))
 
 
 def run_train(cfg: TrainConfig) -> int:
@@ -212,12 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         from hyper_parallel.train.rank import in_launcher
 
         list_files(cfg.data)  # a missing --data path fails here, not on every rank
-        if cfg.resume and not in_launcher():
-            _check_resume_layout(cfg)
-
         if cfg.check_parity and in_launcher():
             raise ValueError("--check-parity starts its own single-process reference and is not available inside "
                              "torchrun/msrun; run `hyper-parallel train --check-parity ...` from a shell")
+        preflight.check_platform(cfg)
+        preflight.check_output_folders(cfg)
+        # inside a launcher each rank verifies the checkpoint as it loads it (loop.train);
+        # verifying here too would read every shard twice on every rank
+        preflight.check_resume(cfg, verify=not in_launcher())
     except ValueError as err:
         parser.exit(2, f"hyper-parallel train: error: {err}\n")
     from hyper_parallel.train.launch import LaunchError

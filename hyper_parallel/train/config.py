@@ -228,7 +228,8 @@ class TrainConfig:
         seed: seeds the initial weights (numpy) and the batch sampling.
         eval_every: validation loss every this many steps (and at the last step).
         eval_batches: batches averaged into one validation loss.
-        checkpoint_every: checkpoint every this many steps (0: only at the end).
+        checkpoint_every: checkpoint every this many steps and at the last step (0: only
+            at the last step; ``checkpoint_due``).
         checkpoint_dir: where checkpoints go (``None``: ``<out>/checkpoints``).
         resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
         out: the run folder (metrics, plot, logs).
@@ -277,8 +278,16 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
-        if self.checkpoint_every < 0 or self.warmup_steps < 0:
-            raise ValueError("--checkpoint-every and --warmup-steps must be >= 0")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every={self.checkpoint_every!r} must be an integer >= 0 (K: a checkpoint "
+                             "every K steps and at the last; 0: only at the last step)")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps={self.warmup_steps!r} must be an integer >= 0 (0: no warmup)")
+        # numpy's SeedSequence (the weights, data.global_batch) takes non-negative integers only;
+        # checked here so that no rank is started to fail on it
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"--seed={self.seed!r} must be an integer >= 0 (it seeds numpy.random.default_rng); "
+                             "use --seed 0 or another non-negative integer")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr={self.lr!r} must be a positive number")
         if not (self.max_norm >= 0 and math.isfinite(self.max_norm)):
@@ -401,6 +410,12 @@ class TrainConfig:
                 "--nproc R*S), both combined (--tp T --dp-shard S [--dp-replicate R], --nproc R*S*T), context "
                 "parallelism with any of those (--cp C, --nproc R*S*C*T) and pipeline parallelism with any of those "
                 "(--pp P, --nproc P*R*S*C*T)")
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether ``step`` (1-based) ends with a checkpoint: every ``checkpoint_every``
+        steps and always the last (``checkpoint_every == 0``: the last only), so a run
+        that finishes can be continued with a larger ``--steps`` and ``--resume``."""
+        return step == self.steps or (self.checkpoint_every > 0 and step % self.checkpoint_every == 0)
 
     @property
     def run_dir(self) -> Path:

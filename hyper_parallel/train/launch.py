@@ -8,7 +8,8 @@ environment launch msrun itself performs; the same command runs under ``msrun`` 
 
 Every process is started in its own session, so a kill reaches everything it started.
 A rank that fails, or a run past ``timeout_s``, kills the whole group; the error names the
-rank (from ``<out>/.ranks/rank_N.error``, which each rank writes on failure).
+first rank to fail and how (exit code or signal), then the others' errors as its
+consequences ([Note: the first rank to fail] in ``exits.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from hyper_parallel.testing.ports import free_port
 from hyper_parallel.train.config import TrainConfig
-from hyper_parallel.train.rank import ERROR_DIR
+from hyper_parallel.train.exits import ERROR_DIR, describe_exit, report
 
 HOST = "127.0.0.1"
 #: seconds a MindSpore scheduler may outlive its workers before it is stopped
@@ -79,17 +80,6 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
-def _failed_ranks(cfg: TrainConfig) -> str:
-    folder = cfg.run_dir / ERROR_DIR
-    if not folder.is_dir():
-        return ""
-    parts = []
-    for path in sorted(folder.glob("rank_*.error"), key=lambda f: int(f.stem.split("_")[1])):
-        last = [line for line in path.read_text().strip().splitlines() if line.strip()]
-        parts.append(f"rank {path.stem.split('_')[1]} failed: {last[-1] if last else '?'} (traceback: {path})")
-    return "\n".join(parts)
-
-
 def _commands(cfg: TrainConfig, config_path: Path) -> list[tuple[str, list[str], dict[str, str]]]:
     """``(label, argv, env)`` per process to start."""
     env = _base_env(cfg)
@@ -127,16 +117,17 @@ def launch(cfg: TrainConfig) -> None:
             failed = {label: code for label, code in codes.items() if code not in (None, 0)}
             if failed:
                 time.sleep(1.0)  # let a failing rank finish writing its error file
-                names = ", ".join(f"{label} exited with code {code}" for label, code in failed.items())
-                detail = _failed_ranks(cfg)
+                names = ", ".join(f"{label} exited with code {code}" if code > 0 else f"{label} was {describe_exit(code)}"
+                                  for label, code in failed.items())
+                detail = report(cfg.run_dir)
                 raise LaunchError(f"the run failed: {names}" + (f"\n{detail}" if detail else ""))
             if all(code == 0 for code in codes.values()):
                 return
             if time.monotonic() > deadline:
                 running = [label for label, code in codes.items() if code is None]
+                detail = report(cfg.run_dir)
                 raise LaunchError(f"the run exceeded --timeout {cfg.timeout_s:g} s; killed every process "
-                                  f"({', '.join(running)} still running)" +
-                                  (f"\n{_failed_ranks(cfg)}" if _failed_ranks(cfg) else ""))
+                                  f"({', '.join(running)} still running)" + (f"\n{detail}" if detail else ""))
             time.sleep(0.2)
     except KeyboardInterrupt:
         raise LaunchError("interrupted; killed every process of the run") from None

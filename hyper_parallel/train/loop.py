@@ -292,10 +292,15 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
     ckpt_root = cfg.checkpoint_path
     if cfg.resume:
         loaded = load_checkpoint(run, ckpt_root)
-        if loaded is not None:
-            _announce(run, loaded)
-            restore(run, loaded)
-            start = loaded.step
+        if loaded is None:
+            # the command line refuses this before any rank starts (preflight.check_resume); a
+            # rank gets here when the folder is not shared with it, or lost its checkpoints since
+            from hyper_parallel.train.preflight import no_checkpoint_message
+
+            raise ValueError(f"rank {run.rank}: {no_checkpoint_message(cfg)}")
+        _announce(run, loaded)
+        restore(run, loaded)
+        start = loaded.step
     leader = run.rank == 0 and write_outputs
     writer = MetricsWriter(cfg.run_dir, start) if leader else None
     progress = Progress(cfg.steps, start, leader and cfg.progress,
@@ -317,7 +322,7 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
             if writer is not None:
                 writer.write(row)
             progress.update(row)
-            if write_outputs and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps):
+            if write_outputs and cfg.checkpoint_due(step):
                 save_checkpoint(run, ckpt_root, step)
     finally:
         progress.close()

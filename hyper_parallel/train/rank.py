@@ -2,8 +2,10 @@
 the framework's launcher (torchrun, msrun, or ``launch.py``'s MindSpore scheduler+workers),
 or run in place by ``hyper-parallel train`` when it finds itself inside such a launcher.
 
-A rank that fails writes its traceback to ``<out>/.ranks/rank_N.error`` so the launching
-process can name it.
+A rank that fails writes its traceback to ``<out>/.ranks/rank_N.error``; started by
+``launch.py`` it also runs under a supervisor that records how it exited
+(``<out>/.ranks/rank_N.exit``), so the launching process names the first rank to fail and
+how ([Note: the first rank to fail] in ``exits.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any
 
 from hyper_parallel.testing.rendezvous import LAUNCH_BLOCKING_VAR
 from hyper_parallel.train.config import TrainConfig
+from hyper_parallel.train.exits import ERROR_DIR, supervise
+from hyper_parallel.train.exits import error_path as _error_path
 
-ERROR_DIR = ".ranks"
+__all__ = ["ERROR_DIR", "error_path", "in_launcher", "launcher_rank", "launcher_world_size", "main", "run_rank"]
 
 
 def launcher_rank() -> int | None:
@@ -35,13 +39,26 @@ def launcher_rank() -> int | None:
     return None
 
 
+def launcher_world_size() -> int | None:
+    """The number of ranks the launcher starts over all machines, or ``None`` outside a
+    launcher (torchrun: ``WORLD_SIZE``; msrun / MindSpore env launch: ``MS_WORKER_NUM``)."""
+    if not in_launcher():
+        return None
+    for name in ("WORLD_SIZE", "MS_WORKER_NUM"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 def in_launcher() -> bool:
     """True inside torchrun/msrun (or our own launch): the ranks already exist."""
     return launcher_rank() is not None or os.environ.get("MS_ROLE") == "MS_SCHED"
 
 
 def error_path(cfg: TrainConfig, rank: int) -> Path:
-    return cfg.run_dir / ERROR_DIR / f"rank_{rank}.error"
+    """Where rank ``rank`` writes its traceback when it fails."""
+    return _error_path(cfg.run_dir, rank)
 
 
 def run_rank(cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -86,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hyper_parallel.train.rank CONFIG.json", file=sys.stderr)
         return 2
     cfg = TrainConfig.from_dict(json.loads(Path(args[0]).read_text()))
+    rank = launcher_rank()
+    if rank is not None and os.environ.get("MS_ROLE") != "MS_SCHED":
+        supervise(cfg.run_dir, rank)  # returns in the child process, which runs the rank
     run_rank(cfg)
     return 0
 

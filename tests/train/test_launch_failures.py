@@ -5,13 +5,16 @@ the run's ``--timeout`` (``train/launch.py``), so this is the only prompt way a 
 run can learn of a failure; torch goes through torchrun.
 
 The failure is injected with a ``sitecustomize`` module on the ranks' ``PYTHONPATH``
-(Python imports it at start-up): in rank 1 only, it wraps ``loop._train_step`` so step 2
-raises, after step 1's collectives ran on every rank.
+(Python imports it at start-up): in one rank only, it wraps ``loop._train_step`` so step 2
+raises, or the rank SIGKILLs itself (as the out-of-memory killer would), after step 1's
+collectives ran on every rank. The report must name that rank first, and how it ended,
+however the other ranks fail after it ([Note: the first rank to fail] in train/exits.py).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +30,7 @@ SITECUSTOMIZE = '''
 import importlib.abc
 import importlib.machinery
 import os
+import signal
 import sys
 
 RANK = os.environ.get("RANK") or (os.environ.get("MS_NODE_ID") if os.environ.get("MS_ROLE") == "MS_WORKER" else None)
@@ -50,46 +54,83 @@ class _FailStepTwo(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         train_step = module._train_step
 
         def failing(run, step):
-            if step == 2:
+            if step == 2 and ACTION == "raise":
                 raise RuntimeError("injected failure at step 2")
+            if step == 2 and ACTION == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
             return train_step(run, step)
 
         module._train_step = failing
 
 
-if RANK == "1":
+if RANK == FAILING_RANK:
     sys.meta_path.insert(0, _FailStepTwo())
 '''
+
+
+def _launch_failing(tmp_path: Path, rank: int, action: str, layout: list[str]) -> tuple[int, str, float, Path]:
+    """``hyper-parallel train`` on the selected backend with rank ``rank`` failing at step 2
+    (``action``: ``"raise"`` or ``"sigkill"``): exit status, output tail, seconds, --out."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(f"FAILING_RANK = {str(rank)!r}\nACTION = {action!r}\n" + SITECUSTOMIZE)
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(inject), os.environ.get("PYTHONPATH", "")])}
+    # --timeout 600: on MindSpore the node timeout is then 600 s too, so only the launcher
+    # noticing the failed process can end the run promptly
+    args = ["train", "--platform", selected_platform(), *layout, "--model", "tiny", "--steps", "4", "--seq-len", "16",
+            "--checkpoint-every", "0", "--timeout", "600", "--out", str(out), "--no-progress", "--data", *TEST_DATA]
+    began = time.monotonic()
+    # a hung launch is killed by pytest's subprocess timeout (the launcher's own group kill
+    # is what is under test, so it cannot be the only bound)
+    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=tmp_path)
+    return done.returncode, done.stdout[-4000:] + done.stderr[-4000:], time.monotonic() - began, out
+
+
+def _no_process_left(out: Path) -> None:
+    leftover = subprocess.run(["pgrep", "-f", str(out / "config.json")], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"processes of the run are left: {leftover.stdout}"
 
 
 def test_failed_rank_is_named_and_the_run_stops(tmp_path: Path) -> None:
     """2 ranks, pp 2 (on MindSpore the node timeout is then the run's --timeout, 600 s):
     rank 1 raises at step 2 while rank 0 waits for its pipeline messages. The launch
-    exits with 1 well before --timeout; the message names rank 1 and its error (a peer
-    may fail too, of the connection rank 1 dropped), and no
+    exits with 1 well before --timeout; the message names rank 1 and its error first (a
+    peer may fail too, of the connection rank 1 dropped: a consequence), and no
     process of the run is left (every one was started in its own session and killed)."""
-    platform = selected_platform()
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(inject), os.environ.get("PYTHONPATH", "")])}
-    args = ["train", "--platform", platform, "--pp", "2", "--microbatches", "2", "--nproc", "2", "--model", "tiny",
-            "--steps", "4", "--seq-len", "16", "--batch-size", "2", "--checkpoint-every", "0", "--timeout", "600",
-            "--out", str(out), "--no-progress", "--data", *TEST_DATA]
-    began = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=tmp_path)
-    elapsed = time.monotonic() - began
-    text = done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.returncode == 1, text
+    code, text, elapsed, out = _launch_failing(
+        tmp_path, 1, "raise", ["--pp", "2", "--microbatches", "2", "--nproc", "2", "--batch-size", "2"])
+    assert code == 1, text
     # MindSpore's workers are the launcher's own processes; torch's are torchrun's children
-    assert ("rank 1 exited with code" if platform.startswith("mindspore") else "torchrun exited with code") in text, text
-    assert "rank 1 failed: RuntimeError: injected failure at step 2" in text, text
+    launcher = "rank 1 exited with code 1" if selected_platform().startswith("mindspore") else "torchrun exited with code"
+    assert launcher in text, text
+    assert "first failure: rank 1 failed: RuntimeError: injected failure at step 2 (exit code 1; traceback:" in text, text
     assert "exceeded --timeout" not in text, text
     # a liveness bound, not a speed figure: --timeout (600 s) would be the only other way out
     assert elapsed < 300, f"the failure took {elapsed:.0f} s to report"
     traceback = (out / ".ranks" / "rank_1.error").read_text()
     assert "injected failure at step 2" in traceback
-    leftover = subprocess.run(["pgrep", "-f", str(out / "config.json")], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", f"processes of the run are left: {leftover.stdout}"
+    _no_process_left(out)
+
+
+def test_killed_rank_is_named_first(tmp_path: Path) -> None:
+    """4 ranks (dp-shard 4): rank 2 is SIGKILLed at step 2 and leaves no traceback; the
+    others then fail of the dropped connections (gloo: "Connection reset by peer") or are
+    stopped by the launcher. The report names rank 2 first, with its signal, and the
+    survivors only after it, as consequences; the run ends promptly, no process left."""
+    code, text, elapsed, out = _launch_failing(tmp_path, 2, "sigkill", ["--nproc", "4", "--batch-size", "4"])
+    assert code == 1, text
+    if selected_platform().startswith("mindspore"):
+        assert "rank 2 was killed by signal 9 (SIGKILL)" in text, text
+    report = text[text.index("first failure: "):]
+    assert report.startswith("first failure: rank 2 failed: killed by signal 9 (SIGKILL) without a Python error"), text
+    later = report.split("\n", 1)[1] if "\n" in report else ""
+    # every other rank named is named after the cause, as its consequence
+    if "rank " in later.replace("rank 2's", ""):
+        assert later.startswith("then, as consequences of rank 2's failure:"), text
+    assert "exceeded --timeout" not in text, text
+    assert elapsed < 300, f"the failure took {elapsed:.0f} s to report"
+    record = (out / ".ranks" / "rank_2.exit").read_text()
+    assert f'"exit_code": -{int(signal.SIGKILL)}' in record, record
+    _no_process_left(out)

@@ -1,0 +1,132 @@
+"""Checks of a ``hyper-parallel train`` run against this machine, made by the command line
+before any rank starts (``config.py`` checks the values themselves; these need the
+environment): the backend can run here, the run folders can be written, and ``--resume``
+has a checkpoint of the same model to continue from.
+
+Each failure raises ``ValueError`` naming the flag, the value, the rule and the fix; the
+command line prints it as one line and exits with status 2. Without these checks the same
+mistakes surfaced as a traceback from every rank (an unavailable backend, an unwritable
+``--out``), or not at all (``--resume`` with no checkpoint trained from step 0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+from hyper_parallel.platform.base import BACKENDS
+from hyper_parallel.train.config import TrainConfig
+
+#: ``--platform`` framework names (without a device: the framework picks it, CPU if none).
+FRAMEWORKS = ("torch", "mindspore")
+
+
+def platform_problem(name: str) -> str | None:
+    """Why the backend ``name`` (``torch``, ``mindspore`` or a ``BACKENDS`` name) cannot run
+    on this machine, or ``None`` if it can.
+
+    CPU backends are checked by finding the framework (no import); an accelerator backend
+    is constructed once, in this process, without being selected, so the rule is the
+    backend's own (``TorchPlatform``/``MindSporePlatform`` raise ``RuntimeError`` for a
+    device they cannot use). That imports the framework here (seconds), once per launch.
+    """
+    framework, device = BACKENDS.get(name, (name, None))
+    if framework not in FRAMEWORKS:
+        return f"it is not a backend; use one of {', '.join(FRAMEWORKS + tuple(BACKENDS))}"
+    if importlib.util.find_spec(framework) is None:
+        installed = [f for f in FRAMEWORKS if importlib.util.find_spec(f) is not None]
+        return f"{framework} is not installed here (installed: {', '.join(installed) or 'none'})"
+    if device in (None, "cpu"):
+        return None
+    if (framework, device) == ("torch", "npu") and importlib.util.find_spec("torch_npu") is None:
+        # checked first: without it the constructor's message cannot say which part is missing
+        return "torch_npu is not installed here (it needs Ascend CANN)"
+    try:
+        if framework == "torch":
+            from hyper_parallel.platform.torch import TorchPlatform
+
+            TorchPlatform(device)
+        else:
+            from hyper_parallel.platform.mindspore import MindSporePlatform
+
+            MindSporePlatform(device)
+    except (RuntimeError, ImportError, OSError) as err:  # torch_npu without CANN fails to import
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def check_platform(cfg: TrainConfig) -> None:
+    """``ValueError`` if ``--platform`` cannot run here (``platform_problem``)."""
+    problem = platform_problem(cfg.platform)
+    if problem is not None:
+        cpu = "torch-cpu" if cfg.platform.startswith("torch") else "mindspore-cpu"
+        raise ValueError(f"--platform={cfg.platform!r} cannot run on this machine: {problem}; use --platform {cpu} "
+                         "here, or run on a machine with that backend installed")
+
+
+def _check_writable(flag: str, folder: Path) -> None:
+    """Create ``folder`` (with its parents) and write and remove a probe file in it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(folder) else ""
+        raise ValueError(f"{flag}={str(folder)!r} is not a folder this process can write: {err.strerror}{where}; "
+                         f"give {flag} a writable folder") from None
+
+
+def check_output_folders(cfg: TrainConfig) -> None:
+    """``ValueError`` if ``--out`` or ``--checkpoint-dir`` cannot be created and written.
+    Creates them (the launch would)."""
+    _check_writable("--out", cfg.run_dir)
+    if cfg.checkpoint_dir is not None:
+        _check_writable("--checkpoint-dir", cfg.checkpoint_path)
+
+
+def check_resume(cfg: TrainConfig, verify: bool = True) -> None:
+    """With ``--resume``: ``ValueError`` if there is no complete checkpoint to continue from
+    (starting from step 0 instead would silently discard the run being resumed), or if the
+    newest one holds another model or format (``checkpoint.check_compatible``). One of
+    another layout passes: the ranks reshard it.
+
+    ``verify=False`` (inside a launcher, where every rank verifies what it loads): only
+    whether any ``step_*`` folder exists, without reading the shards."""
+    from hyper_parallel.train import checkpoint
+    from hyper_parallel.train.loop import model_record
+
+    if not cfg.resume:
+        return
+    root = cfg.checkpoint_path
+    if not verify:
+        if not checkpoint.complete_steps(root):
+            raise ValueError(no_checkpoint_message(cfg))
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the ranks warn about a skipped checkpoint themselves
+        found = checkpoint.latest_manifest(root)
+    if found is None:
+        raise ValueError(no_checkpoint_message(cfg))
+    checkpoint.check_compatible(found[0], found[1], model_record(cfg))
+
+
+def no_checkpoint_message(cfg: TrainConfig) -> str:
+    """What ``--resume`` says when ``cfg.checkpoint_path`` holds no usable checkpoint."""
+    from hyper_parallel.train import checkpoint
+
+    root = cfg.checkpoint_path
+    where = "--checkpoint-dir" if cfg.checkpoint_dir is not None else f"the checkpoint folder of --out {cfg.out!r}"
+    steps = checkpoint.complete_steps(root)
+    if steps:
+        reasons = "; ".join(f"step_{s:08d}: {checkpoint.verify(root / f'step_{s:08d}')}" for s in steps[-3:])
+        found = f"none of its {len(steps)} checkpoints is complete ({reasons})"
+    elif root.is_dir():
+        found = "it holds no step_* checkpoint"
+    else:
+        found = "it does not exist"
+    return (f"--resume: no checkpoint to resume under {str(root)!r} ({where}): {found}; drop --resume to start "
+            "from step 0, or point --out/--checkpoint-dir at the run to continue")
