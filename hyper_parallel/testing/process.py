@@ -199,15 +199,21 @@ class ChildProcess:
             self.pidfd = None
 
 
-def describe_exit(code: int) -> str:
-    """``"exited with code 3"``, ``"was killed by signal 9 (SIGKILL)"``."""
+def exit_status(code: int) -> str:
+    """``"exit code 3"``, or ``"killed by signal 9 (SIGKILL)"`` for a negative ``code``
+    (``subprocess``'s and ``os.waitstatus_to_exitcode``'s convention)."""
     if code >= 0:
-        return f"exited with code {code}"
+        return f"exit code {code}"
     try:
         name = signal.Signals(-code).name
     except ValueError:
         name = "unknown signal"
-    return f"was killed by signal {-code} ({name})"
+    return f"killed by signal {-code} ({name})"
+
+
+def describe_exit(code: int) -> str:
+    """``"exited with code 3"``, ``"was killed by signal 9 (SIGKILL)"``."""
+    return f"exited with code {code}" if code >= 0 else f"was {exit_status(code)}"
 
 
 def _open_pidfd(pid: int) -> int | None:

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hyper_parallel.testing.process import exit_status
+
 #: the folder under ``--out`` with each failed rank's ``rank_N.error`` and ``rank_N.exit``
 ERROR_DIR = ".ranks"
 
@@ -47,16 +49,8 @@ def error_path(run_dir: Path, rank: int) -> Path:
     return run_dir / ERROR_DIR / f"rank_{rank}.error"
 
 
-def describe_exit(code: int) -> str:
-    """``"exit code 1"``, or ``"killed by signal 9 (SIGKILL)"`` for a negative ``code``
-    (``subprocess``'s and ``os.waitstatus_to_exitcode``'s convention)."""
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = "unknown signal"
-    return f"killed by signal {-code} ({name})"
+#: ``"exit code 1"`` / ``"killed by signal 9 (SIGKILL)"`` (the harness's wording, one helper)
+describe_exit = exit_status
 
 
 def _die_with_parent() -> None:
