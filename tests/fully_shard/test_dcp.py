@@ -27,7 +27,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "").st
 
 
 def _model(layout: str, values: dict):
-    """The MLP of ``values`` (fc1 ``[7, 6]``, fc2 ``[6, 7]`` and biases) under ``layout``."""
+    """The MLP of ``values`` (fc1 ``[7, 6]``, fc2 ``[6, 7]`` and biases) under ``layout``:
+    ``fsdp`` / ``hsdp`` (2 x n/2) / ``tp`` (fc1 colwise, fc2 rowwise over n) / ``tp_fsdp``
+    (tp 2 x fully_shard n/2) / ``plain``."""
     p = get_platform()
     model = build(p, "mlp", values)
     n = p.world_size()
@@ -35,6 +37,9 @@ def _model(layout: str, values: dict):
         mesh = init_device_mesh(p.device_type, (n,) if layout == "fsdp" else (2, n // 2))
         fully_shard(model.fc1, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif layout == "tp":
+        mesh = init_device_mesh(p.device_type, (n,), mesh_dim_names=("tp",))
+        parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     elif layout == "tp_fsdp":
         mesh = init_device_mesh(p.device_type, (2, n // 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})

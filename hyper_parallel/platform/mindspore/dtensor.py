@@ -23,6 +23,24 @@ What ``__fallback__`` does not reach (checked on MindSpore 2.10 CPU): indexing
 directly: the element-wise step on the shard, correct for AdamW), and gradients:
 ``value_and_grad`` returns plain local tensors, so ``ops.clip_by_global_norm`` on them
 computes a norm of this rank's pieces only.
+
+[Note: MindSpore checkpoints of DTensor parameters]
+Checked on MindSpore 2.10 CPU, for a Cell under fully_shard or tensor parallelism:
+``cell.parameters_dict()`` holds the ``ParameterDTensor`` parameters (global shapes,
+this rank's piece inside; ``asnumpy()`` and ``Tensor(param)`` give the piece, of the
+local shape). ``mindspore.save_checkpoint`` of the Cell, of that dict or of a list of
+the parameters first calls ``init_data`` on each parameter (``Cell.init_parameters_data``,
+or directly), then reads the data through ``Tensor(param.data)`` / ``get_bytes()``, which
+is the piece: MindSpore's own ``Tensor.init_data`` happened to fail there with an
+unrelated ``TypeError`` (no initializer), and nothing reached by a subclass could make
+MindSpore write the whole parameter (its merge of parallel slices needs its own
+auto-parallel layouts). So ``init_data`` refuses, naming the supported paths:
+``save_sharded_state_dict`` / ``full_state_dict`` (``core/fully_shard/state_dict.py``);
+a ``full_state_dict`` is a dict of numpy arrays, which ``mindspore.save_checkpoint``
+writes as full tensors. ``mindspore.load_checkpoint`` + ``load_param_into_net`` of a full
+checkpoint into a sharded Cell is refused by MindSpore itself (it compares the local
+shape with the checkpoint's); a replicated parameter (local shape = global) loads
+correctly. Load full values with ``load_full_state_dict``.
 """
 
 from __future__ import annotations
@@ -142,6 +160,20 @@ def build_dtensor_type(base: type, ms: Any) -> type:
             return base.__repr__(self)
 
         __str__ = __repr__
+
+        def init_data(self, *args: Any, **kwargs: Any) -> Any:
+            """Refuse: see [Note: MindSpore checkpoints of DTensor parameters].
+
+            Raises:
+                TypeError: always, naming the supported ways to save.
+            """
+            raise TypeError(
+                f"mindspore.save_checkpoint (or Cell.init_parameters_data) of a hyper_parallel DTensor parameter "
+                f"(global shape {tuple(self._spec.shape)}, placements {list(self._spec.placements)}): this rank "
+                "holds one piece, which MindSpore would read as the whole parameter. Save with "
+                "hyper_parallel.core.fully_shard.save_sharded_state_dict(cell, path) (each rank's pieces with their "
+                "boxes; loads into any layout), or full_state_dict(cell) (full numpy arrays on rank 0, which "
+                "mindspore.save_checkpoint(dict, path) accepts; load them back with load_full_state_dict)")
 
         def __fallback__(self, op: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
             kwargs = dict(kwargs or {})

@@ -16,6 +16,24 @@ it raises, as torch's does.
 
 ``torch.save`` / ``pickle`` of a DTensor raise a ``TypeError`` that names these paths:
 a pickled DTensor would hold one rank's piece and a process group.
+
+[Note: DTensors and torch's state-dict functions]
+``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` and the rest,
+torch 2.13) recognises torch's own ``DTensor`` by ``isinstance``: with
+``full_state_dict=True`` it gathers those (``redistribute`` to ``Replicate``) and passes
+every other tensor through, so this project's DTensors come back as they are: DTensors
+of the global shape, not gathered, on rank 0 only with ``cpu_offload``. torch calls no
+method on them there, so that path can neither be made to gather nor refuse; what a
+caller then does with them as plain values refuses instead (``numpy()``, ``tolist()``,
+pickling, a copy into a plain tensor: ``refuse_plain_read``), naming
+``hyper_parallel.platform.torch.state_dict``, whose functions of the same names gather.
+On loading a full state dict torch hands plain full tensors to
+``module.load_state_dict``, which calls ``param.copy_(full)``: a ``copy_`` into a DTensor
+from a plain tensor of the DTensor's global shape copies this rank's piece of it
+(``copy_from_full``), so ``set_model_state_dict(full_state_dict=True)`` (and
+``broadcast_from_rank0``) load correctly through torch's own code. Its optimizer
+counterpart cannot: ``Optimizer.load_state_dict`` replaces the moments by the plain full
+tensors (no copy), and the next step refuses them (mixed plain and DTensor operands).
 """
 
 from __future__ import annotations
@@ -76,6 +94,52 @@ def tensor_shard(dt: Any, index: MetadataIndex) -> torch.Tensor:
     return dt._local
 
 
+SUPPORTED = ("torch.distributed.checkpoint.save / load of model.state_dict() (each rank writes its piece, "
+             "loading reshards), or hyper_parallel.platform.torch.state_dict.get_model_state_dict / "
+             "get_optimizer_state_dict with StateDictOptions(full_state_dict=True) for plain full tensors")
+
+
+def refuse_plain_read(dt: Any, what: str) -> None:
+    """What ``numpy()``, ``tolist()`` and a copy into a plain tensor do with a DTensor:
+    raise (see [Note: DTensors and torch's state-dict functions]).
+
+    Raises:
+        RuntimeError: always (the type torch raises for these calls on a tensor subclass).
+    """
+    raise RuntimeError(f"{what} of a hyper_parallel DTensor (global shape {tuple(dt._spec.shape)}, placements "
+                       f"{list(dt._spec.placements)}): it holds only this rank's piece. Call dt.full_tensor() on "
+                       "every rank for the whole value (torch.distributed.checkpoint.state_dict's "
+                       "get_model_state_dict(full_state_dict=True) does not gather this DTensor class). "
+                       f"For checkpoints: {SUPPORTED}")
+
+
+def copy_from_full(dt: Any, src: torch.Tensor, non_blocking: bool = False) -> Any:
+    """``dt.copy_(src)`` for a plain ``src``: ``src`` is the whole value, which every rank
+    holds (what ``module.load_state_dict`` of a full state dict passes), and this rank
+    copies its piece of it into its local tensor. No communication. Returns ``dt``.
+
+    Raises:
+        RuntimeError: ``src`` is not of ``dt``'s global shape (a plain tensor is never
+            taken as this rank's piece: wrap a piece with ``DTensor.from_local``), ``src``
+            requires grad (this copy is not differentiable), or ``dt`` has a ``Partial``
+            placement (a pending sum has no piece to copy).
+    """
+    spec = dt._spec
+    if tuple(src.shape) != tuple(spec.shape):
+        raise RuntimeError(f"copy_ into a DTensor of global shape {tuple(spec.shape)} from a torch.Tensor of shape "
+                           f"{tuple(src.shape)}: a plain tensor is taken as the whole value, so it must have the "
+                           "global shape; wrap a piece with DTensor.from_local(piece, mesh, placements) instead")
+    if src.requires_grad:
+        raise RuntimeError("copy_ into a DTensor from a plain tensor that requires grad is not differentiable; "
+                           "pass src.detach(), or wrap src with DTensor.from_local / distribute_tensor")
+    if any(pl.is_partial() for pl in spec.placements):
+        raise RuntimeError(f"copy_ of a whole value into a DTensor with placements {list(spec.placements)}: a "
+                           "Partial DTensor holds pending sums, not pieces; redistribute it first")
+    box = tuple(slice(o, o + n) for o, n in zip(spec.local_offsets(), spec.local_shape()))
+    dt._local.copy_(src[box], non_blocking=non_blocking)
+    return dt
+
+
 def refuse_pickle(dt: Any) -> None:
     """What ``__reduce_ex__`` does: raise.
 
@@ -84,5 +148,4 @@ def refuse_pickle(dt: Any) -> None:
     """
     raise TypeError(f"a hyper_parallel DTensor (global shape {tuple(dt._spec.shape)}, placements "
                     f"{list(dt._spec.placements)}) cannot be pickled or torch.save'd: it holds one rank's piece. "
-                    "Save a state dict with torch.distributed.checkpoint.save (each rank writes its piece, and "
-                    "loading reshards), or save dt.full_tensor() / dt.to_local() explicitly")
+                    f"Save a state dict with {SUPPORTED}; or save dt.full_tensor() / dt.to_local() explicitly")

@@ -196,9 +196,15 @@ def _local_call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 def _check_mixed(func: Any, leaves: Sequence[Any], is_dtensor: Callable[[Any], bool]) -> None:
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and not is_dtensor(leaf) and leaf.dim() > 0:
+            name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else ""
+            # an optimizer's in-place update is where torch's set_optimizer_state_dict(
+            # full_state_dict=True) surfaces: [Note: DTensors and torch's state-dict functions]
+            hint = ("; an optimizer state loaded from a full state dict by torch's set_optimizer_state_dict is "
+                    "such a tensor: load it with hyper_parallel.platform.torch.state_dict.set_optimizer_state_dict"
+                    if name.startswith("_foreach_") or name.endswith("_") else "")
             raise RuntimeError(f"{func}: got a torch.Tensor of shape {tuple(leaf.shape)} together with DTensors; "
                                "wrap it as a DTensor first, e.g. DTensor.from_local(t, mesh, [Replicate()] * "
-                               "mesh.ndim) for a tensor every rank holds whole")
+                               f"mesh.ndim) for a tensor every rank holds whole{hint}")
 
 
 def _unwrap_all(args: Any, is_dtensor: Callable[[Any], bool]) -> Any:
@@ -351,6 +357,8 @@ def build_dtensor_type(base: type) -> type:
     """The torch DTensor class over core's ``base`` (see [Note: torch DTensor dispatch])."""
 
     explicit = {torch.matmul: "matmul", torch.Tensor.matmul: "matmul", torch.Tensor.__matmul__: "matmul"}
+    # reads of a DTensor as plain values: [Note: DTensors and torch's state-dict functions]
+    plain_reads = {torch.Tensor.numpy: "numpy()", torch.Tensor.tolist: "tolist()"}
 
     class DTensor(torch.Tensor, base):  # type: ignore[misc, valid-type]
         # autograd records ops on the wrappers; their aten ops run below it
@@ -370,6 +378,9 @@ def build_dtensor_type(base: type) -> type:
                 routed = _attention(cls, base, args, kwargs or {})
                 if routed is not None:
                     return routed
+            if func in plain_reads:
+                # torch would raise an unhelpful error (no storage); name the supported paths
+                dcp_protocol.refuse_plain_read(args[0], plain_reads[func])
             if func is F.cross_entropy and not base.dispatch_skipped():
                 routed = _cross_entropy(cls, base, args, kwargs or {})
                 if routed is not None:
@@ -541,6 +552,13 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
         # x.new_zeros(size) and the like: a new tensor every rank makes whole
         # (torch's DTensor makes it replicated too)
         return base.replicated(func(args[0]._local, *args[1:], **kwargs), args[0].device_mesh)
+    if name == "copy_" and len(args) >= 2 and isinstance(args[1], torch.Tensor) and args[1].dim() > 0:
+        # a plain operand of a copy: [Note: DTensors and torch's state-dict functions]
+        if is_dtensor(args[0]) and not is_dtensor(args[1]):
+            non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            return dcp_protocol.copy_from_full(args[0], args[1], non_blocking)
+        if not is_dtensor(args[0]):
+            dcp_protocol.refuse_plain_read(args[1], "copy_ into a plain torch.Tensor")
     rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs, is_dtensor)
     dtensors, call = _local_call(func, args, kwargs, is_dtensor)
     if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand") and not kwargs:
