@@ -224,8 +224,10 @@ def register_attention() -> None:
 
 
 # -- parallelize ------------------------------------------------------------------------
-def _degrees(mesh: DeviceMesh, where: str) -> dict[str, int]:
+def _degrees(mesh: DeviceMesh, where: str, pipelined: bool = False) -> dict[str, int]:
     """``{axis: size}`` for every axis of ``MESH_AXES`` (1 where the mesh has none).
+    ``pipelined``: a ``pp`` axis of any size is allowed (the main job's pipeline stages,
+    each parallelized over the other axes of its pipeline coordinate).
 
     Raises:
         ValueError: an unnamed mesh, an axis name outside ``MESH_AXES``, or a mesh that
@@ -234,7 +236,7 @@ def _degrees(mesh: DeviceMesh, where: str) -> dict[str, int]:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{where}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     names = mesh.mesh_dim_names
-    if not names or any(n not in MESH_AXES and mesh.size(n) > 1 for n in names):
+    if not names or any(n not in MESH_AXES and mesh.size(n) > 1 and not (pipelined and n == "pp") for n in names):
         raise ValueError(f"{where}: the mesh's axes {names} must be named from {MESH_AXES} (other axes of size 1 "
                          "are ignored), e.g. init_device_mesh(device, (2, 2), mesh_dim_names=('dp_shard', 'tp'))")
     world = get_platform().world_size()
@@ -249,11 +251,13 @@ def _text_config(model: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def tensor_parallel_plan(model: Any) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(model: Any, prefixed: bool = True) -> dict[str, ParallelStyle]:
     """The model's own TP plan as ``{module_fqn_pattern: our style}``: the config's
     ``base_model_tp_plan`` under the base model's prefix, and the head's entries of the
     class's ``_tp_plan`` (``lm_head``) unless the head is tied to the embedding (a tied
-    head stays replicated over ``tp``, so the two stay one parameter).
+    head stays replicated over ``tp``, so the two stay one parameter). ``prefixed=False``:
+    the base entries without the prefix (for a module that holds the base model's layers
+    as ``layers``, as the main job's pipeline stages do).
 
     Raises:
         ValueError: the model has no plan, or an entry whose style has no counterpart
@@ -263,7 +267,7 @@ def tensor_parallel_plan(model: Any) -> dict[str, ParallelStyle]:
     if not base:
         raise ValueError(f"parallelize: {type(model).__name__}'s config has no base_model_tp_plan; tensor "
                          "parallelism needs one (drop the 'tp' axis, or set config.base_model_tp_plan)")
-    prefix = getattr(model, "base_model_prefix", "")
+    prefix = getattr(model, "base_model_prefix", "") if prefixed else ""
     plan = {f"{prefix}.{k}" if prefix and getattr(model, prefix, None) is not None else k: v for k, v in base.items()}
     tied = bool(getattr(_text_config(model), "tie_word_embeddings", False))
     for key, style in (getattr(type(model), "_tp_plan", None) or {}).items():
@@ -290,7 +294,8 @@ def _check_heads(model: Any, tp: int) -> None:
                          f"num_key_value_heads={kv_heads} (whole heads per rank); choose a tp that divides both")
 
 
-def _context_parallel_style(cp_mode: str, load_balance: bool, ulysses_degree: int | None) -> ContextParallel:
+def make_context_parallel(cp_mode: str, load_balance: bool, ulysses_degree: int | None) -> ContextParallel:
+    """The attention layers' ``ContextParallel`` for ``parallelize``'s arguments (BSHD)."""
     if cp_mode == "ulysses":
         return ContextParallel(ulysses_degree=None)
     # hybrid when 1 < ulysses_degree < cp: all-to-all over ulysses_degree ranks, K/V exchanged over the rest
@@ -303,14 +308,15 @@ def _attention_layers(model: Any) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "scaling") and hasattr(m, "config")]
 
 
-def decoder_layers(model: Any) -> list[torch.nn.Module]:
-    """The modules whose class ``model._no_split_modules`` names, in order.
+def decoder_layers(model: Any, within: Any = None) -> list[torch.nn.Module]:
+    """The modules of ``within`` (default ``model``) whose class ``model._no_split_modules``
+    names, in order.
 
     Raises:
         ValueError: the model names none, or none is found.
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in (model if within is None else within).modules() if type(m).__name__ in names]
     if not layers:
         raise ValueError(f"parallelize: {type(model).__name__}._no_split_modules={sorted(names)} names no module of "
                          "the model; fully_shard and activation checkpointing need the decoder-layer class there")
@@ -456,25 +462,61 @@ def parallelize(model: Any, mesh: DeviceMesh, *, cp_mode: str = "ring", load_bal
     styles = tensor_parallel_plan(model) if deg["tp"] > 1 else {}
     if deg["tp"] > 1:
         _check_heads(model, deg["tp"])
-    layers = decoder_layers(model)
-    attention = _attention_layers(model)
+    use_attention(model)
+    cp_style = None
+    if deg["cp"] > 1:
+        cp_style = make_context_parallel(cp_mode, load_balance and cp_mode != "ulysses", ulysses_degree)
+    plan = apply_layout(model, model, mesh, tp_plan=styles, cp_style=cp_style, cp_mesh=cp_mesh,
+                        activation_checkpointing=activation_checkpointing)
+    # prepend: the checks run before fully_shard's root all-gather
+    model.register_forward_pre_hook(_RootInputs(plan), with_kwargs=True, prepend=True)
+    return model
+
+
+def use_attention(model: Any) -> None:
+    """Switch ``model`` (and its sub-configs: a text config inside a multimodal one) to
+    ``attn_implementation="hyper_parallel"`` (``register_attention`` first)."""
     register_attention()
     model.config._attn_implementation = ATTN_IMPLEMENTATION  # noqa: SLF001 - HF's documented switch
-    for sub in model.modules():  # sub-configs (a text config inside a multimodal one) switch too
+    for sub in model.modules():
         config = getattr(sub, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             config._attn_implementation = ATTN_IMPLEMENTATION  # noqa: SLF001
-    if styles:
-        parallelize_module(model, mesh["tp"], styles)
+
+
+def apply_layout(module: Any, model: Any, mesh: DeviceMesh, *, tp_plan: dict[str, ParallelStyle],
+                 cp_style: ContextParallel | None, cp_mesh: DeviceMesh | None,
+                 activation_checkpointing: bool) -> Plan | None:
+    """Steps 1-4 of ``parallelize`` on ``module``: the whole ``model``, or a pipeline stage
+    module holding some of its layers (the main job's ``--pp``), whose names the plan's
+    patterns are matched against (entries that match nothing in it are skipped).
+
+    Args:
+        tp_plan: ``{pattern: style}`` over ``module``'s names (``{}``: no tensor parallelism).
+        cp_style: the attention layers' ``ContextParallel`` (``None``: no context parallelism).
+        cp_mesh: its mesh (default ``mesh["cp"]``).
+
+    Returns:
+        The context-parallel plan (``None`` without ``cp_style``).
+
+    Collectives: the TP parameters' broadcasts; group creation for the fully_shard mesh.
+    """
+    import fnmatch
+
+    deg = _degrees(mesh, "parallelize", pipelined=module is not model)
+    names = [name for name, _ in module.named_modules() if name]
+    present = {k: v for k, v in tp_plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+    if present:
+        parallelize_module(module, mesh["tp"], present)
     plan = None
-    if deg["cp"] > 1:
-        style = _context_parallel_style(cp_mode, load_balance and cp_mode != "ulysses", ulysses_degree)
+    if cp_style is not None:
         cp_mesh = mesh["cp"] if cp_mesh is None else cp_mesh
-        for layer in attention:
+        for layer in _attention_layers(module):
             core = CoreAttention()
             setattr(layer, CORE_ATTR, core)
-            style.apply(core, cp_mesh)
-            core.plan = plan = style.resolve(cp_mesh)
+            cp_style.apply(core, cp_mesh)
+            core.plan = plan = cp_style.resolve(cp_mesh)
+    layers = decoder_layers(model, within=module)
     if activation_checkpointing:
         for layer in layers:
             checkpoint_wrapper(layer)
@@ -482,10 +524,8 @@ def parallelize(model: Any, mesh: DeviceMesh, *, cp_mode: str = "ring", load_bal
         fsdp_mesh = _fully_shard_mesh(mesh, deg)
         for layer in layers:
             fully_shard(layer, mesh=fsdp_mesh)
-        fully_shard(model, mesh=fsdp_mesh)
-    # prepend: the checks run before fully_shard's root all-gather
-    model.register_forward_pre_hook(_RootInputs(plan), with_kwargs=True, prepend=True)
-    return model
+        fully_shard(module, mesh=fsdp_mesh)
+    return plan
 
 
 # -- batches ----------------------------------------------------------------------------

@@ -155,14 +155,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches,
                     ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange)
     name = args.model if not sizes else f"{args.model}+custom"
-    if args.hf_config is not None:
-        from hyper_parallel.train.hf_config import model_config, read_hf_config
-
-        if sizes or args.tie_embeddings or args.model != "small":
-            raise ValueError("--hf-config takes the model from the Hugging Face configuration: drop --model, "
-                             "--dim/--n-layers/--n-heads/--n-kv-heads/--hidden-dim and --tie-embeddings")
-        source = read_hf_config(args.hf_config)
-        model, name = model_config(source, args.seq_len), f"hf:{source.model_type}"
+    if args.hf_config is not None and (sizes or args.tie_embeddings or args.model != "small"):
+        raise ValueError("--hf-config takes the model from the Hugging Face configuration (TrainConfig derives its "
+                         "sizes): drop --model, --dim/--n-layers/--n-heads/--n-kv-heads/--hidden-dim and "
+                         "--tie-embeddings")
     return TrainConfig(platform=args.platform or _default_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        warmup_steps=args.warmup_steps, max_norm=args.max_norm, seed=args.seed, eval_every=args.eval_every,

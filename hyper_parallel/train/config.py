@@ -362,17 +362,23 @@ class TrainConfig:
                              f"(max_seq_len {mod.max_seq_len})")
 
     def _check_hf(self) -> None:
-        """``--hf-config``: a torch model (``transformers``), installed, not pipelined."""
+        """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes
+        the sizes of its configuration (``hf_config.model_config``), which the layout is
+        checked against."""
         import importlib.util
+
+        from hyper_parallel.train.hf_config import model_config, read_hf_config
+
+        source = read_hf_config(self.hf_config)
+        # frozen dataclass: the derived sizes are recorded once, here, before any rank starts
+        object.__setattr__(self, "model", model_config(source, self.seq_len))
+        object.__setattr__(self, "model_name", f"hf:{source.model_type}")
 
         if self.platform.split("-")[0] != "torch":
             raise ValueError(f"--hf-config trains a Hugging Face transformers model, a torch module: it needs "
                              f"--platform torch (or torch-cuda, torch-npu), not {self.platform!r}")
         if importlib.util.find_spec("transformers") is None:
             raise ValueError("--hf-config needs the transformers package: pip install -e '.[transformers]'")
-        if self.layout.pp > 1:
-            raise ValueError(f"--hf-config with --pp={self.layout.pp}: the job cannot cut a Hugging Face model into "
-                             "pipeline stages yet; drop --pp (every other layout flag works)")
 
     def _check_hybrid(self) -> None:
         """``--cp-mode hybrid``: fill in the derived Ulysses degree (``default_ulysses_degree``)

@@ -234,7 +234,13 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     cp_mesh = context_parallel_mesh(mesh, layout)
     if layout.pp > 1:
         assert mesh is not None
-        pipe = build_pipeline(p, cfg, build_model(p, cfg.model, cfg.seed), mesh, cp_mesh)
+        if cfg.hf_config is not None:
+            from hyper_parallel.train.hf_model import load_hf_model
+
+            whole = load_hf_model(cfg.hf_config, cfg.seed)
+        else:
+            whole = build_model(p, cfg.model, cfg.seed)
+        pipe = build_pipeline(p, cfg, whole, mesh, cp_mesh)
         model, params = pipe.modules, pipe.parameters()
         # the stages keep the decoder's parameter names (model.build_stage), in pipe.parameters() order
         names = [name for module in pipe.modules for name, _ in p.named_parameters(module)]

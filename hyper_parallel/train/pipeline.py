@@ -154,23 +154,29 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     ranges = stage_layers(cfg.model.n_layers, num_stages)
     placement = "v" if layout.pp_schedule == "zbv" else "loop"  # [Note: zero-bubble schedules in train]
     indices = [s for s in range(num_stages) if _PLACEMENTS[placement](size)(s) == rank]
-    modules = [build_stage(p, cfg.model, model, ranges[s], s == 0, s == num_stages - 1) for s in indices]
     if layout.cp > 1 and cp_mesh is None:
         raise ValueError("build_pipeline: cp > 1 needs cp_mesh, the mesh the loader shards the sequences over "
                          "(context_parallel_mesh(mesh, layout))")
-    # the chain of parallelize.py (TP -> CP -> activation checkpointing -> fully_shard), on
-    # every stage module
-    for module in modules:
-        if layout.tp > 1:
-            apply_tensor_parallel(module, mesh["tp"])
-        if layout.cp > 1:
-            apply_context_parallel(module, cp_mesh, layout)
-        if cfg.activation_checkpointing:  # [Note: activation checkpointing in pipeline stages]
-            apply_activation_checkpointing(module)
-    if layout.dp * layout.cp > 1:
-        dp_mesh = fully_shard_mesh(mesh, layout)
+    if cfg.hf_config is not None:  # a Hugging Face model (--hf-config): its own stages and plan
+        from hyper_parallel.train.hf_model import build_hf_stages
+
+        modules = build_hf_stages(model, ranges, indices, num_stages, mesh, layout, cp_mesh,
+                                  cfg.activation_checkpointing)
+    else:
+        modules = [build_stage(p, cfg.model, model, ranges[s], s == 0, s == num_stages - 1) for s in indices]
+        # the chain of parallelize.py (TP -> CP -> activation checkpointing -> fully_shard), on
+        # every stage module
         for module in modules:
-            apply_fully_shard(module, dp_mesh)
+            if layout.tp > 1:
+                apply_tensor_parallel(module, mesh["tp"])
+            if layout.cp > 1:
+                apply_context_parallel(module, cp_mesh, layout)
+            if cfg.activation_checkpointing:  # [Note: activation checkpointing in pipeline stages]
+                apply_activation_checkpointing(module)
+        if layout.dp * layout.cp > 1:
+            dp_mesh = fully_shard_mesh(mesh, layout)
+            for module in modules:
+                apply_fully_shard(module, dp_mesh)
     stages = [PipelineStage(module, s, num_stages, group=group, placement=placement)
               for module, s in zip(modules, indices)]
 

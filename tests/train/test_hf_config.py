@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "").st
                                 reason="--hf-config trains a transformers model, a torch module")
 RTOL = 2e-5
 LAYOUTS = [dict(dp_shard=4), dict(dp_shard=2, tp=2), dict(dp_shard=2, cp=2, cp_mode="ring"),
-           dict(cp=2, tp=2, cp_mode="ulysses"), dict(cp=4, cp_mode="hybrid")]
+           dict(cp=2, tp=2, cp_mode="ulysses"), dict(cp=4, cp_mode="hybrid"),
+           dict(pp=2, dp_shard=2, microbatches=2), dict(pp=2, tp=2, microbatches=2, pp_schedule="zbh1"),
+           dict(pp=2, cp=2, cp_mode="ring", microbatches=2, pp_schedule="interleaved-1f1b")]
 
 
 def _write_config(folder: Path, arch: str, weights: bool) -> str:
@@ -33,8 +35,8 @@ def _write_config(folder: Path, arch: str, weights: bool) -> str:
     import transformers
 
     config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch](
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64)
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=64)
     folder.mkdir(parents=True, exist_ok=True)
     if weights:
         torch.manual_seed(123)
@@ -53,10 +55,10 @@ def check_hf_layouts(out: str, hf_config: str, layouts: list[dict]) -> list[list
     for degrees in layouts:
         layout = Layout(**degrees)
         cfg = tiny_config(f"{out}/{layout.describe()}", nproc=n, layout=layout, steps=3, eval_every=3,
-                          hf_config=hf_config, model_name="hf")
+                          hf_config=hf_config)
         curves.append(losses(train(cfg)).tolist())
     if get_platform().rank() == 0:
-        ref = tiny_config(f"{out}/reference", hf_config=hf_config, steps=3, eval_every=3, model_name="hf")
+        ref = tiny_config(f"{out}/reference", hf_config=hf_config, steps=3, eval_every=3)
         curves.append(losses(train(ref, reference=True)).tolist())
     return curves
 
@@ -70,6 +72,26 @@ def test_hf_model_trains_in_every_layout(run_on_ranks, tmp_path: Path) -> None:
         np.testing.assert_allclose(curve, reference, rtol=RTOL, err_msg=str(degrees))
 
 
+def check_hf_resume(out: str, hf_config: str) -> tuple[list[float], list[float]]:
+    """3 steps in dp_shard 4, against 2 steps in tp 2 x dp_shard 2 resumed for the third
+    in pp 2 x dp_shard 2 (the checkpoint holds the HF names in both: resharded)."""
+    from hyper_parallel.train.loop import train
+
+    whole = tiny_config(f"{out}/whole", nproc=4, layout=Layout(dp_shard=4), steps=3, eval_every=3,
+                        hf_config=hf_config)
+    first = tiny_config(f"{out}/cut", nproc=4, layout=Layout(dp_shard=2, tp=2), steps=2, eval_every=2,
+                        hf_config=hf_config)
+    second = first.replace(layout=Layout(pp=2, dp_shard=2, microbatches=2), steps=3, eval_every=3, resume=True)
+    return losses(train(whole)).tolist(), losses(train(first)).tolist() + losses(train(second)).tolist()
+
+
+def test_hf_checkpoint_resumes_in_another_layout(run_on_ranks, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    hf_config = _write_config(tmp_path / "llama", "llama", weights=False)
+    whole, resumed = run_on_ranks(check_hf_resume, str(tmp_path), hf_config, world_size=4, timeout_s=600)[0]
+    np.testing.assert_allclose(resumed, whole, rtol=RTOL)
+
+
 def test_hf_weights_are_loaded(run_on_ranks, tmp_path: Path) -> None:
     """A folder with weights: ``from_pretrained`` (the first loss is the saved model's on the
     first batch, whatever the seed), tp 2 x fsdp 2 against the reference."""
@@ -79,21 +101,20 @@ def test_hf_weights_are_loaded(run_on_ranks, tmp_path: Path) -> None:
                            timeout_s=600)
     curve, reference = results[0]
     np.testing.assert_allclose(curve, reference, rtol=RTOL)
-    seeded = tiny_config(str(tmp_path / "seed1"), hf_config=folder, steps=1, eval_every=1, model_name="hf", seed=1)
+    seeded = tiny_config(str(tmp_path / "seed1"), hf_config=folder, steps=1, eval_every=1, seed=1)
     from hyper_parallel.train.loop import setup
 
     # the weights come from the folder, not from the seed
     run = setup(seeded, reference=True)
     assert float(run.model.hf.model.embed_tokens.weight[0, 0].detach()) == pytest.approx(
-        float(setup(tiny_config(str(tmp_path / "seed2"), hf_config=folder, model_name="hf", seed=2),
+        float(setup(tiny_config(str(tmp_path / "seed2"), hf_config=folder, seed=2),
                     reference=True).model.hf.model.embed_tokens.weight[0, 0].detach()))
 
 
 @pytest.mark.parametrize("flags, needle", [
     (["--platform", "mindspore"], "--hf-config trains a Hugging Face transformers model"),
-    (["--pp", "2", "--dp-shard", "2"], "--hf-config with --pp=2"),
     (["--model", "tiny"], "--hf-config takes the model from the Hugging Face configuration"),
-    (["--tp", "3"], "--tp=3 must divide the query heads (4)"),
+    (["--tp", "3"], "--tp=3 must divide the query heads (8)"),
 ])
 def test_bad_hf_flags(tmp_path: Path, flags: list[str], needle: str) -> None:
     pytest.importorskip("transformers")
