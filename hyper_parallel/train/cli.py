@@ -110,7 +110,28 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also run a single-process reference and report the largest relative loss difference")
     out.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is killed")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e = commands.add_parser("export", help="write a checkpoint as a Hugging Face model folder (one process)",
+                            description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("checkpoint", help="a checkpoint folder (step_XXXXXXXX) or the folder holding them "
+                                      "(<out>/checkpoints: the newest complete one is exported)")
+    e.add_argument("--format", default="hf", help="hf: config.json, model.safetensors and a byte-level tokenizer, "
+                                                  "for transformers' from_pretrained (the job's decoder as "
+                                                  "LlamaForCausalLM, an --hf-config run as its own model)")
+    e.add_argument("--out", required=True, help="the folder to write (created; must be new or empty)")
+    e.add_argument("--force", action="store_true",
+                   help="write into a folder that is not empty, replacing the exported files there")
     return parser
+
+
+EXPORT_DESCRIPTION = """\
+Write a checkpoint of `hyper-parallel train` as a consolidated Hugging Face model folder, in one
+process (no ranks, no torch: a MindSpore run exports too), whatever layout wrote it:
+
+    hyper-parallel export runs/latest/checkpoints --format hf --out exported/
+
+Then `transformers.AutoModelForCausalLM.from_pretrained("exported/")` and
+`AutoTokenizer.from_pretrained("exported/")` (token ids are the text's UTF-8 bytes).
+"""
 
 
 def _world_size(nproc: int | None) -> int | None:
@@ -212,9 +233,26 @@ def run_train(cfg: TrainConfig) -> int:
     return 0
 
 
+def run_export(args: argparse.Namespace) -> None:
+    """``hyper-parallel export`` (``ValueError`` for a bad checkpoint, format or ``--out``)."""
+    from hyper_parallel.train.export import FORMATS, export_hf
+
+    if args.format not in FORMATS:
+        raise ValueError(f"--format={args.format!r} is not an export format; use one of {', '.join(FORMATS)}")
+    path = export_hf(args.checkpoint, args.out, force=args.force)
+    print(f"exported {path} as a Hugging Face model to {args.out} (config.json, model.safetensors, byte-level "
+          "tokenizer)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "export":
+        try:
+            run_export(args)
+        except ValueError as err:
+            parser.exit(2, f"hyper-parallel export: error: {err}\n")
+        return 0
     try:
         cfg = config_from_args(args)
         cfg.refuse_unlanded()

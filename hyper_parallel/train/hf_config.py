@@ -30,12 +30,15 @@ class HFSource:
     Attributes:
         config_file: the ``config.json``.
         weights_dir: the folder to ``from_pretrained`` (``None``: random init on the seed).
-        values: the configuration's JSON.
+        values: the configuration's JSON (its ``text_config`` where it has one).
+        document: the whole ``config.json`` as read: what checkpoints record
+            (``recorded_config``) and ``hyper-parallel export`` writes back.
     """
 
     config_file: Path
     weights_dir: Path | None
     values: dict[str, Any]
+    document: dict[str, Any]
 
     @property
     def model_type(self) -> str:
@@ -59,6 +62,7 @@ def read_hf_config(path: str) -> HFSource:
         values = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"--hf-config={path!r}: {config_file} is not readable JSON ({err})") from err
+    document = values
     values = values.get("text_config", values) if isinstance(values, dict) else values
     need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [key for key in need if not isinstance(values, dict) or key not in values]
@@ -69,7 +73,21 @@ def read_hf_config(path: str) -> HFSource:
         raise ValueError(f"--hf-config={path!r}: vocab_size={values['vocab_size']} is smaller than the job's "
                          f"{VOCAB_SIZE} byte tokens; use a model with vocab_size >= {VOCAB_SIZE}")
     weights = config_file.parent if any((config_file.parent / f).is_file() for f in WEIGHT_FILES) else None
-    return HFSource(config_file, weights, values)
+    return HFSource(config_file, weights, values, document)
+
+
+#: ``config.json`` keys that describe the file, not the model: left out of the checkpoint's
+#: record, so that a config saved again (by another ``transformers``, from another folder)
+#: still resumes.
+UNRECORDED_KEYS = ("transformers_version", "_name_or_path")
+
+
+def recorded_config(source: HFSource) -> dict[str, Any]:
+    """The HF configuration a checkpoint of an ``--hf-config`` run records in its manifest's
+    model record (``loop.model_record``, key ``hf_config``): the ``config.json`` as read,
+    without ``UNRECORDED_KEYS``. ``--resume`` needs the same one (another configuration is
+    another model); ``hyper-parallel export`` writes it as the exported ``config.json``."""
+    return {key: value for key, value in source.document.items() if key not in UNRECORDED_KEYS}
 
 
 def model_config(source: HFSource, seq_len: int) -> ModelConfig:

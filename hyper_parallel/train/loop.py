@@ -211,8 +211,16 @@ def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
 
 
 def model_record(cfg: TrainConfig) -> dict[str, Any]:
-    """The model a checkpoint holds: every field of ``ModelConfig`` (a resume needs the same)."""
-    return dataclasses.asdict(cfg.model)
+    """The model a checkpoint holds: every field of ``ModelConfig`` (a resume needs the same)
+    and, for an ``--hf-config`` run, the HF configuration under ``hf_config``
+    (``hf_config.recorded_config``: plain JSON, read again here, no ``transformers``), from
+    which ``hyper-parallel export`` writes the exported model's ``config.json``."""
+    record = dataclasses.asdict(cfg.model)
+    if cfg.hf_config is not None:
+        from hyper_parallel.train.hf_config import read_hf_config, recorded_config
+
+        record["hf_config"] = recorded_config(read_hf_config(cfg.hf_config))
+    return record
 
 
 def data_record(cfg: TrainConfig) -> dict[str, Any]:

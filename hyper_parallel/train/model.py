@@ -21,7 +21,9 @@ Parameter names (both frameworks)::
 
 The forward takes ``tokens`` ``[batch, seq]`` int, ``positions`` ``[batch, seq]`` int (the
 position of each token in its document, which indexes the rotary tables) and ``targets``
-``[batch, seq]`` int, and returns the mean next-byte cross-entropy, a float32 scalar in nats.
+``[batch, seq]`` int, and returns the mean next-byte cross-entropy, a float32 scalar in nats;
+``logits(tokens, positions)`` returns the logits ``[batch, seq, vocab]`` (the forward's, before
+the loss: what ``hyper-parallel export`` checks against Hugging Face's Llama).
 Attention runs through ``scaled_dot_product_attention``: the platform's fused kernels, forward and backward.
 Modules reshape by ``-1`` heads so tensor parallelism (which leaves ``heads / tp`` heads on
 each rank) needs no change here.
@@ -192,7 +194,8 @@ def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table
             self.register_buffer("rope_cos", torch.from_numpy(cos_table), persistent=False)
             self.register_buffer("rope_sin", torch.from_numpy(sin_table), persistent=False)
 
-        def forward(self, tokens: Any, positions: Any, targets: Any) -> Any:
+        def logits(self, tokens: Any, positions: Any) -> Any:
+            """``[batch, seq, vocab]`` float32 next-byte logits of int ``tokens`` at ``positions``."""
             b, s = tokens.shape
             cos = self.rope_cos[positions].reshape(b, s, 1, -1)
             sin = self.rope_sin[positions].reshape(b, s, 1, -1)
@@ -201,7 +204,10 @@ def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table
                 h = layer(h, cos, sin)
             h = self.norm(h)
             head = self.tok_embeddings.weight if cfg.tie_embeddings else self.output.weight
-            return cross_entropy(p, h @ head.t(), targets)
+            return h @ head.t()
+
+        def forward(self, tokens: Any, positions: Any, targets: Any) -> Any:
+            return cross_entropy(p, self.logits(tokens, positions), targets)
 
     return Decoder()
 
@@ -274,7 +280,8 @@ def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_t
             self.rope_cos = ms.Tensor(cos_table)
             self.rope_sin = ms.Tensor(sin_table)
 
-        def construct(self, tokens: Any, positions: Any, targets: Any) -> Any:
+        def logits(self, tokens: Any, positions: Any) -> Any:
+            """``[batch, seq, vocab]`` float32 next-byte logits of int ``tokens`` at ``positions``."""
             b, s = tokens.shape
             cos = self.rope_cos[positions].reshape(b, s, 1, -1)
             sin = self.rope_sin[positions].reshape(b, s, 1, -1)
@@ -283,7 +290,10 @@ def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_t
                 h = layer(h, cos, sin)
             h = self.norm(h)
             head = self.tok_embeddings.weight if cfg.tie_embeddings else self.output.weight
-            return cross_entropy(p, mint.matmul(h, head.T), targets)
+            return mint.matmul(h, head.T)
+
+        def construct(self, tokens: Any, positions: Any, targets: Any) -> Any:
+            return cross_entropy(p, self.logits(tokens, positions), targets)
 
     return Decoder()
 
