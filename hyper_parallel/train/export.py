@@ -237,6 +237,11 @@ def hf_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict
     params = whole_parameters(path, manifest)
     if "hf_config" in record:
         return record["hf_config"], params
+    if any(name.startswith(("model.", "lm_head.")) for name in params):
+        raise ValueError(f"checkpoint {str(path)!r} holds a Hugging Face model's parameters (an --hf-config run) but "
+                         "its manifest does not record the HF configuration it was trained from (written before "
+                         "checkpoints recorded it, which they do since hyper-parallel export); export a checkpoint "
+                         "of a run of this version")
     try:
         cfg = ModelConfig(**record)
     except (TypeError, ValueError) as err:
@@ -250,8 +255,9 @@ def hf_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict
                  for name, shape in expected.items() if name in params and params[name].shape != shape]
     problems += [f"{name} is not a parameter of the recorded model" for name in params if name not in expected]
     if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ValueError(f"checkpoint {str(path)!r} does not hold the decoder its manifest records: "
-                         f"{'; '.join(problems[:3])}" + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""))
+                         f"{'; '.join(problems[:3])}{more}")
     return llama_config(cfg), {hf_name(name): params[name] for name in expected}
 
 

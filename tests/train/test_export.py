@@ -251,15 +251,18 @@ def test_names_and_config() -> None:
         assert loaded.rope_parameters["rope_theta"] == 500000.0 and loaded.rms_norm_eps == 1e-6
 
 
-def _save_tiny_checkpoint(root: Path, step: int = 2) -> Path:
-    """A one-rank checkpoint of the ``tiny`` decoder (zeros) through the checkpoint's API."""
+def _save_tiny_checkpoint(root: Path, step: int = 2, names: dict[str, str] | None = None) -> Path:
+    """A one-rank checkpoint of the ``tiny`` decoder (zeros) through the checkpoint's API;
+    ``names``: stored under these names instead (an HF model's, without its config)."""
     from hyper_parallel.core.fully_shard import Box
     from hyper_parallel.train import checkpoint
     from hyper_parallel.train.config import PRESETS
     from hyper_parallel.train.model import parameter_shapes
 
     cfg = PRESETS["tiny"]
-    pieces = {f"param/{name}": checkpoint.Piece(Box(shape, (0,) * len(shape), shape), np.zeros(shape, np.float32))
+    rename = names or {}
+    pieces = {f"param/{rename.get(name, name)}": checkpoint.Piece(Box(shape, (0,) * len(shape), shape),
+                                                                  np.zeros(shape, np.float32))
               for name, shape in parameter_shapes(cfg).items()}
     meta = {"layout": {"degrees": {"tp": 1}}, "model": dataclasses.asdict(cfg)}
     return checkpoint.save(None, root, step, pieces, meta, world=1, rank=0)
@@ -297,6 +300,8 @@ REFUSALS = [
      ["none of the 1 checkpoints under '{tmp}/cut' is complete", "step_00000003: it has no manifest.json"]),
     ("corrupted", ["{tmp}/bad/step_00000002", "--out", "{tmp}/out"],
      ["checkpoint '{tmp}/bad/step_00000002' is unusable"]),
+    ("hf-without-config", ["{tmp}/old_hf", "--out", "{tmp}/out"],
+     ["holds a Hugging Face model's parameters", "does not record the HF configuration"]),
     ("format", ["{tmp}/good", "--format", "gguf", "--out", "{tmp}/out"],
      ["--format='gguf' is not an export format; use one of hf"]),
     ("out-not-empty", ["{tmp}/good", "--out", "{tmp}/full"], ["--out '{tmp}/full' exists and is not empty", "--force"]),
@@ -311,6 +316,8 @@ def bad_inputs(tmp_path: Path) -> Path:
     (tmp_path / "cut" / "step_00000003").mkdir(parents=True)
     _save_tiny_checkpoint(tmp_path / "good")
     _corrupt_a_shard(_save_tiny_checkpoint(tmp_path / "bad"))
+    # an --hf-config run's checkpoint from before the manifest recorded the HF configuration
+    _save_tiny_checkpoint(tmp_path / "old_hf", names={"tok_embeddings.weight": "model.embed_tokens.weight"})
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("keep me")
     return tmp_path
