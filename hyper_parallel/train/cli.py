@@ -1,4 +1,5 @@
-"""``hyper-parallel train``: the command line of the main job.
+"""``hyper-parallel train``: the command line of the main job (and ``hyper-parallel export``,
+a checkpoint as a Hugging Face model folder: ``train/export.py``).
 
 Outside a launcher it validates the configuration (every error before any rank starts),
 starts the ranks through the framework's launcher (``launch.py``) and, with

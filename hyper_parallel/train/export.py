@@ -289,10 +289,14 @@ def export_hf(given: str | os.PathLike[str], out: str | os.PathLike[str], force:
 
     Raises:
         ValueError: the checkpoint cannot be found, verified or read as a model
-            (``find_checkpoint``, ``hf_state``), or ``out`` cannot take it (``check_out``).
+            (``find_checkpoint``, ``hf_state``), ``out`` cannot take it (``check_out``), or
+            ``safetensors`` is not installed.
     """
-    from safetensors.numpy import save_file
-
+    try:
+        from safetensors.numpy import save_file
+    except ImportError as err:
+        raise ValueError(f"--format hf writes model.safetensors and needs the safetensors package ({err}); "
+                         "pip install safetensors") from err
     out = Path(out)
     check_out(out, force)
     path, manifest = find_checkpoint(given)

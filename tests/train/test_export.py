@@ -346,3 +346,35 @@ def test_force_and_newest(bad_inputs: Path) -> None:
     done = export(str(bad_inputs / "good"), "--out", str(bad_inputs / "newest"))
     assert done.returncode == 0, done.stderr
     assert "step_00000002" in done.stdout and "step_00000009 is unusable" in done.stderr, done.stdout + done.stderr
+
+
+def test_hf_config_is_recorded_for_resume(tmp_path: Path) -> None:
+    """The manifest's model record of an ``--hf-config`` run holds its configuration: a
+    resume with another configuration is refused (another model, even where the sizes
+    agree), one saved again by another ``transformers`` (``transformers_version``,
+    ``_name_or_path``) resumes."""
+    pytest.importorskip("transformers")
+    from hyper_parallel.core.fully_shard import Box
+    from hyper_parallel.train import checkpoint, preflight
+    from hyper_parallel.train.config import Layout, TrainConfig
+    from hyper_parallel.train.loop import layout_record, model_record
+    from tests.train.test_hf_config import _write_config
+
+    written = json.loads(Path(_write_config(tmp_path / "a", "llama", weights=False)).read_text())
+
+    def run(name: str, **changes: object) -> TrainConfig:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**written, **changes}))
+        return TrainConfig(platform="torch", nproc=1, layout=Layout(), hf_config=str(tmp_path / name / "config.json"),
+                           checkpoint_dir=str(tmp_path / "ckpt"), resume=True, out=str(tmp_path / "run"))
+
+    first = run("first")
+    assert model_record(first)["hf_config"]["rope_parameters"] == written["rope_parameters"]
+    piece = checkpoint.Piece(Box((32,), (0,), (32,)), np.ones(32, np.float32))
+    meta = {"layout": layout_record(first, first.layout), "model": model_record(first)}
+    checkpoint.save(None, tmp_path / "ckpt", 2, {"param/model.norm.weight": piece}, meta, world=1, rank=0)
+    preflight.check_resume(run("again", transformers_version="9.9.9", _name_or_path="elsewhere"))
+    # the sizes (ModelConfig's fields) agree: only the recorded configuration tells them apart
+    with pytest.raises(ValueError, match="holds another model; it was written with hf_config=.*'silu'.*"
+                                         "this run has hf_config=.*'gelu'"):
+        preflight.check_resume(run("other", hidden_act="gelu"))
