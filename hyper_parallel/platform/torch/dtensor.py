@@ -40,8 +40,9 @@ index by index through the rule of the op's single-tensor form.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -212,20 +213,37 @@ def _unwrap_all(args: Any, is_dtensor: Callable[[Any], bool]) -> Any:
     return tree_unflatten([leaf._local if is_dtensor(leaf) else leaf for leaf in flat], spec)
 
 
-def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+class _ForeachOp(NamedTuple):
+    """What ``__torch_dispatch__`` needs of a ``_foreach_*`` op, read once per op."""
+
+    single: str  # the single-tensor op's name, without a trailing "_" ("mul" for _foreach_mul_)
+    inplace: bool  # writes its first list
+    pointwise: bool  # the single-tensor op is in _POINTWISE (one call may cover every index)
+
+
+def _foreach_op(func: Any) -> _ForeachOp | None:
+    """``func`` read as a ``_foreach_*`` op; ``None`` for any other op."""
+    name = func.overloadpacket.__name__
+    if not name.startswith("_foreach_"):
+        return None
+    single = name[len("_foreach_"):]
+    return _ForeachOp(single.rstrip("_"), single.endswith("_"), single.rstrip("_") in _POINTWISE)
+
+
+def _run_foreach(cls: type, func: Any, op: _ForeachOp, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 fits: dict[tuple[Any, ...], tuple[Any, bool]]) -> Any:
     """A ``_foreach_*`` op: one call on the local tensors when every index's DTensors
-    share a spec without ``Partial`` and the op is pointwise, else index by index."""
+    share a spec without ``Partial`` and the op is pointwise, else index by index
+    (``fits``: see ``_foreach_locals``)."""
     def is_dtensor(x: Any) -> bool:
         return isinstance(x, cls)
 
-    single = name[len("_foreach_"):]
-    inplace = single.endswith("_")
-    single = single.rstrip("_")
+    single, inplace = op.single, op.inplace
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
     count = len(args[lists[0]])
-    if single in _POINTWISE and not kwargs and _foreach_fits(cls, args, lists):
-        out = func(*[[x._local if isinstance(x, cls) else x for x in a] if i in lists else a
-                     for i, a in enumerate(args)])
+    local_args = _foreach_locals(cls, args, lists, fits) if op.pointwise and not kwargs else None
+    if local_args is not None:
+        out = func(*local_args)
         if inplace:
             return out
         return [cls(local, args[lists[0]][k]._spec) for k, local in enumerate(out)]
@@ -245,33 +263,47 @@ def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs:
     return None if inplace else results
 
 
-def _foreach_fits(cls: type, args: tuple[Any, ...], lists: list[int]) -> bool:
-    """Whether a pointwise foreach op can run as one call on the local tensors: every
-    tensor argument is a list of DTensors, and at each index they share one spec
-    without ``Partial`` (the result then has that spec). Called on every optimizer
-    step: identity comparisons first."""
+def _foreach_locals(cls: type, args: tuple[Any, ...], lists: list[int],
+                   fits: dict[tuple[Any, ...], tuple[Any, bool]]) -> list[Any] | None:
+    """The arguments of a pointwise foreach op with each list's DTensors replaced by
+    their local tensors, when the op can run as one call on them: every tensor argument
+    is a list of DTensors, and at each index they share one spec without ``Partial``
+    (the result then has that spec). ``None`` otherwise (the op then runs index by
+    index).
+
+    Called on every optimizer step with the same parameter, gradient and state lists,
+    whose specs are equal but mostly distinct objects (each parameter's, each state's),
+    so comparing them by value each time would cost more than the op: the verdict is
+    kept in ``fits`` per tuple of the lists' spec ids; the entry holds the specs, so
+    the ids stay theirs while it exists. Bounded (cleared when full). The lists are
+    read with C-level ``map`` calls: a list holds DTensors of this exact class, or no
+    tensor at all (a ``ScalarList``); anything else runs index by index."""
     for i, a in enumerate(args):
         if i not in lists and isinstance(a, torch.Tensor):
-            return False
-    specs = []
-    for x in args[lists[0]]:
-        if not isinstance(x, cls):
-            return False  # a plain tensor, or nothing to write
-        specs.append(x._spec)
-    for i in lists[1:]:
-        for x, spec in zip(args[i], specs):
-            if isinstance(x, cls):
-                if x._spec is not spec and x._spec != spec:
-                    return False
-            elif isinstance(x, torch.Tensor):
-                return False
-    checked: set[int] = set()
-    for spec in specs:
-        if id(spec) not in checked:
-            if any(pl.is_partial() for pl in spec.placements):
-                return False
-            checked.add(id(spec))
-    return True
+            return None
+    local_args = list(args)
+    spec_lists = []
+    for i in lists:
+        a = args[i]
+        types = set(map(type, a))
+        if len(types) == 1 and cls in types:
+            spec_lists.append(tuple(map(_get_spec, a)))
+            local_args[i] = list(map(_get_local, a))
+        elif i == lists[0] or any(issubclass(t, torch.Tensor) for t in types):
+            # the first list holds something other than DTensors of this class (a plain
+            # tensor, nothing to write, a subclass); or a plain tensor in another list
+            return None
+    key = tuple(tuple(map(id, specs)) for specs in spec_lists)
+    hit = fits.get(key)
+    if hit is None:
+        if len(fits) >= _PLAN_CACHE_SIZE:
+            fits.clear()
+        first = spec_lists[0]
+        # zip stops at the shorter list; aten raises for lists of different lengths
+        verdict = (not any(pl.is_partial() for spec in set(first) for pl in spec.placements)
+                   and all(spec is f or spec == f for specs in spec_lists[1:] for spec, f in zip(specs, first)))
+        hit = fits[key] = (spec_lists, verdict)
+    return local_args if hit[1] else None
 
 
 def _single_args(single: str, per_index: tuple[Any, ...], lists: list[int]) -> tuple[Any, ...]:
@@ -286,7 +318,6 @@ def _foreach_result(out: Any, locals_: Sequence[Any], inplace: bool) -> Any:
     return locals_[0] if inplace else out[0]
 
 
-@functools.lru_cache(maxsize=4096)
 @functools.lru_cache(maxsize=4096)  # every op's output wrapper asks for its shape's strides
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
@@ -443,6 +474,15 @@ def build_dtensor_type(base: type) -> type:
                 return _run_skipped(cls, func, args, kwargs or {})
             kwargs = kwargs or {}
             key = _flat_key(cls, func, args, kwargs)
+            if key is None and args and type(args[0]) is list:
+                # a list of tensors first: a _foreach_* op (an optimizer's step) goes
+                # straight to its path, with what it needs of the op read once; cat and
+                # stack go on to _run_op
+                op = foreach_ops.get(func, _NOT_READ)
+                if op is _NOT_READ:
+                    op = foreach_ops[func] = _foreach_op(func)
+                if op is not None:
+                    return _run_foreach(cls, func, op, args, kwargs, foreach_fits)
             entry = plans.get(key) if key is not None else None
             if entry is not None:
                 rule, params, inplace, positions, local, shaped, shape, strides = entry
@@ -475,6 +515,11 @@ def build_dtensor_type(base: type) -> type:
     # with their size: the translation, the frozen params and such a plan are computed
     # once per such key; bounded (cleared when full).
     plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    # aten ops whose first argument was a list -> their _ForeachOp (None: not a foreach
+    # op); one entry per op overload, so unbounded
+    foreach_ops: dict[Any, _ForeachOp | None] = {}
+    # the ids of a foreach call's specs, list by list -> (the specs, verdict): see _foreach_locals
+    foreach_fits: dict[tuple[Any, ...], tuple[Any, bool]] = {}
     skipped = base.skip_depth()
     return DTensor
 
@@ -520,6 +565,9 @@ def _remember(base: type, plans: dict[tuple[Any, ...], tuple[Any, ...]], key: tu
 
 
 _SCALAR_TENSOR = ("0-dim tensor",)
+_NOT_READ = object()  # a foreach_ops lookup of an op not read yet
+_get_spec = operator.attrgetter("_spec")
+_get_local = operator.attrgetter("_local")
 _PLAN_CACHE_SIZE = 4096
 
 
@@ -545,7 +593,8 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
     name = func.overloadpacket.__name__
     inplace = name.endswith("_") and not name.endswith("__")
     if name.startswith("_foreach_"):
-        return _run_foreach(cls, func, name, args, kwargs)
+        # a foreach op whose first list came as a tuple (__torch_dispatch__ routes lists)
+        return _run_foreach(cls, func, _foreach_op(func), args, kwargs, {})
     if name in ("_local_scalar_dense", "equal", "is_same_size"):
         return func(*[base.full_local(a) if is_dtensor(a) else a for a in args], **kwargs)
     if name.startswith("new_") and is_dtensor(args[0]):
