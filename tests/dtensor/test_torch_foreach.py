@@ -70,3 +70,30 @@ def check_foreach() -> None:
 
 def test_foreach_ops_on_dtensor_lists(run_on_ranks) -> None:
     run_on_ranks(check_foreach, world_size=4, timeout_s=120)
+
+
+def check_attributes() -> None:
+    """The attributes read without the ``__torch_function__`` round trip ([Note: attribute
+    reads of a torch DTensor]) read, write and fail as a tensor's do."""
+    import torch
+
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (p.world_size(),))
+    param = torch.nn.Parameter(distribute_tensor(torch.randn(7, 3, dtype=torch.float64), mesh, [Shard(0)]))
+    assert (param.grad, param.is_sparse, param.device.type, param.dtype) == (None, False, "cpu", torch.float64)
+    assert param.shape == torch.Size([7, 3]) and param.requires_grad
+    grad = distribute_tensor(torch.ones(7, 3, dtype=torch.float64), mesh, [Shard(0)])
+    param.grad = grad
+    assert param.grad is grad
+    del param.grad
+    assert param.grad is None
+    with pytest.raises(RuntimeError, match="assign a gradient of size"):
+        param.grad = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(AttributeError, match="not writable"):
+        param.device = torch.device("cpu")
+    with pytest.warns(UserWarning, match="not a leaf"):
+        assert (param * 2).grad is None
+
+
+def test_attribute_reads(run_on_ranks) -> None:
+    run_on_ranks(check_attributes, world_size=2, timeout_s=120)

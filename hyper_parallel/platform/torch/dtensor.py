@@ -9,7 +9,9 @@ except three composites run whole above autograd through core's explicit dispatc
 because their decompositions lose a sharding: a batched matmul (its reshape merges
 batch and head dims), ``F.scaled_dot_product_attention`` (the fused aten op has no
 rule) and ``F.cross_entropy`` (vocabulary parallel; ``ignore_index`` and torch's
-reductions). Otherwise autograd records the op on the DTensors, composite ops
+reductions); those and ``numpy()`` / ``tolist()`` are found by one dict lookup, and the
+attributes torch reads most skip it ([Note: attribute reads of a torch DTensor]).
+Otherwise autograd records the op on the DTensors, composite ops
 (``F.linear``, ``reshape``) decompose, and each aten op then arrives at
 ``__torch_dispatch__`` below autograd, forward and backward alike. There ``_translate`` names the op as
 ``OP_RULES`` does (``aten.mm`` -> ``"matmul"``, ``aten._softmax`` -> ``"softmax"``) and
@@ -34,7 +36,13 @@ into Python's generic "unsupported operand" inside a binary operator): wrap it w
 ``_foreach_*`` ops (the optimizers' and ``clip_grad_norm_``'s multi-tensor paths) run
 as one aten call on the local tensors when, at every list index, the DTensors share one
 spec without ``Partial`` (an optimizer's parameter, gradient and states); otherwise
-index by index through the rule of the op's single-tensor form.
+index by index through the rule of the op's single-tensor form. They go to that path
+straight from ``__torch_dispatch__``, and the verdict is kept per tuple of spec objects
+(``_foreach_locals``).
+
+Cost: torch 2.13's own DTensor dispatches in C++; a Python ``__torch_dispatch__`` costs
+a few microseconds per op more in torch's C++ before and after it, and the Python
+``__torch_function__`` about one per call (see ``benchmarks/results/dtensor_dispatch.md``).
 """
 
 from __future__ import annotations
@@ -327,11 +335,30 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _attention(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _batched_matmul(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.matmul`` / ``@`` of two DTensors of 3 dims or more: run whole under the
+    matmul rule (batch dims shard), as the explicit ``dtensor_functional.matmul`` does,
+    because the decomposition reshapes to merge the batch and head dims, which cannot
+    keep a head sharding; ``None`` for other calls (they decompose)."""
+    if (not kwargs and len(args) == 2 and all(isinstance(a, cls) for a in args)
+            and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
+        return base.dispatch_explicit("matmul", args, torch.matmul)
+    return None
+
+
+def _refuse_plain_read(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``numpy()`` / ``tolist()`` of a DTensor: torch would raise an unhelpful error (no
+    storage); raise naming the supported paths."""
+    dcp_protocol.refuse_plain_read(args[0], f"{func.__name__}()")
+
+
+def _attention(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.scaled_dot_product_attention`` on DTensor q/k/v without a mask tensor or
     dropout: the fused op on the local tensors under the ``attention`` rule (batch or
     heads sharded), above autograd, as a whole; ``None`` for other calls (they
     decompose or reach the fused aten op, which takes the fallback)."""
+    if base.dispatch_skipped():
+        return None
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -344,13 +371,15 @@ def _attention(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, A
                                   lambda ql, kl, vl: F.scaled_dot_product_attention(ql, kl, vl, **options))
 
 
-def _cross_entropy(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _cross_entropy(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.cross_entropy`` of ``[N, C]`` DTensor logits against a ``[N]`` DTensor target
     (no class weights, no label smoothing) whole, above autograd, through core's
     ``cross_entropy`` dispatch: vocabulary parallel when the classes are sharded (see
     [Note: vocabulary-parallel cross-entropy]), else per-row losses under the
     ``cross_entropy`` rule, reduced as torch reduces (``ignore_index`` honoured); ``None``
     for other calls (they decompose into ``log_softmax`` and ``nll_loss``)."""
+    if base.dispatch_skipped():
+        return None
     names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -387,9 +416,15 @@ def _view(func: Any) -> Callable[..., Any]:
 def build_dtensor_type(base: type) -> type:
     """The torch DTensor class over core's ``base`` (see [Note: torch DTensor dispatch])."""
 
-    explicit = {torch.matmul: "matmul", torch.Tensor.matmul: "matmul", torch.Tensor.__matmul__: "matmul"}
-    # reads of a DTensor as plain values: [Note: DTensors and torch's state-dict functions]
-    plain_reads = {torch.Tensor.numpy: "numpy()", torch.Tensor.tolist: "tolist()"}
+    # The torch functions __torch_function__ does not pass straight on, each to its
+    # handler: one dict lookup per call for the others (most calls, and every attribute
+    # read not in _PLAIN_ATTRIBUTES).
+    special: dict[Any, Callable[..., Any]] = {
+        torch.matmul: _batched_matmul, torch.Tensor.matmul: _batched_matmul, torch.Tensor.__matmul__: _batched_matmul,
+        F.scaled_dot_product_attention: _attention, F.cross_entropy: _cross_entropy,
+        # reads of a DTensor as plain values: [Note: DTensors and torch's state-dict functions]
+        torch.Tensor.numpy: _refuse_plain_read, torch.Tensor.tolist: _refuse_plain_read,
+    }
 
     class DTensor(torch.Tensor, base):  # type: ignore[misc, valid-type]
         # autograd records ops on the wrappers; their aten ops run below it
@@ -398,22 +433,9 @@ def build_dtensor_type(base: type) -> type:
         @classmethod
         def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:
-            # A batched matmul decomposes into a reshape that merges the batch and head
-            # dims, which cannot keep a head sharding: it runs whole under the matmul
-            # rule (batch dims shard), as the explicit dtensor_functional.matmul does.
-            op = explicit.get(func)
-            if (op is not None and not kwargs and len(args) == 2 and all(isinstance(a, cls) for a in args)
-                    and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
-                return base.dispatch_explicit(op, args, torch.matmul)
-            if func is F.scaled_dot_product_attention and not base.dispatch_skipped():
-                routed = _attention(cls, base, args, kwargs or {})
-                if routed is not None:
-                    return routed
-            if func in plain_reads:
-                # torch would raise an unhelpful error (no storage); name the supported paths
-                dcp_protocol.refuse_plain_read(args[0], plain_reads[func])
-            if func is F.cross_entropy and not base.dispatch_skipped():
-                routed = _cross_entropy(cls, base, args, kwargs or {})
+            handler = special.get(func)
+            if handler is not None:
+                routed = handler(cls, base, func, args, kwargs or {})
                 if routed is not None:
                     return routed
             # everything else straight on (what torch's DTensor has as __torch_function__)
@@ -514,6 +536,8 @@ def build_dtensor_type(base: type) -> type:
     # view or an expand, which takes this rank's size) of the ops that run as they are or
     # with their size: the translation, the frozen params and such a plan are computed
     # once per such key; bounded (cleared when full).
+    for name in _PLAIN_ATTRIBUTES:
+        setattr(DTensor, name, _plain_attribute(name))
     plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     # aten ops whose first argument was a list -> their _ForeachOp (None: not a foreach
     # op); one entry per op overload, so unbounded
@@ -524,13 +548,58 @@ def build_dtensor_type(base: type) -> type:
     return DTensor
 
 
+# [Note: attribute reads of a torch DTensor]
+# A class with a Python ``__torch_function__`` receives every read of a tensor attribute
+# (``p.grad``, ``p.device``) there too, and passes it on: about 1 us per read for the C
+# call into Python and back, against 0.15 us on a plain tensor or torch's DTensor (whose
+# ``__torch_function__`` is torch's disabled one, which torch skips). torch's optimizers
+# read several per parameter per step (AdamW(foreach=True): ``grad`` 3 times,
+# ``is_sparse``, ``device``). For the attributes below the class has a property doing
+# what passing on does, without the round trip: the tensor's own attribute (get, set,
+# delete) with ``__torch_function__`` of subclasses disabled (torch function modes
+# still see it, as before). Values, errors and warnings are the tensor's own.
+_PLAIN_ATTRIBUTES = ("grad", "is_sparse", "device", "dtype", "shape", "requires_grad")
+
+
+def _plain_attribute(name: str) -> property:
+    """A property reading, writing and deleting ``torch.Tensor``'s attribute ``name``
+    without the ``__torch_function__`` round trip (see [Note: attribute reads of a
+    torch DTensor])."""
+    attribute = vars(torch._C.TensorBase)[name]  # a C getset descriptor
+    no_subclass_function = torch._C.DisableTorchFunctionSubclass
+
+    def get(self: torch.Tensor) -> Any:
+        with no_subclass_function():
+            return attribute.__get__(self, type(self))
+
+    def set_(self: torch.Tensor, value: Any) -> None:
+        with no_subclass_function():
+            attribute.__set__(self, value)
+
+    def delete(self: torch.Tensor) -> None:
+        with no_subclass_function():
+            attribute.__delete__(self)
+
+    return property(get, set_, delete, attribute.__doc__)
+
+
 def _flat_key(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """A hashable key of an op call whose DTensors are positional arguments (the others:
     numbers, 0-dim tensors, lists of ints such as sizes and dims; keyword arguments that
-    are no tensors nor containers, such as a dtype), or None."""
+    are no tensors nor containers, such as a dtype), or None.
+
+    Built on every intercepted op: the common arguments (this class's DTensors, Python
+    numbers) are told by their exact type before any ``isinstance`` (which costs more
+    against tensor classes). A value's type is kept beside it: ``1``, ``1.0`` and
+    ``True`` hash alike."""
     parts: list[Any] = [func]
     for a in args:
-        if isinstance(a, cls):
+        kind = type(a)
+        if kind is cls:
+            parts.append(a._spec)
+        elif kind is int or kind is float or kind is bool:
+            parts.append((kind, a))
+        elif isinstance(a, cls):
             parts.append(a._spec)
         elif isinstance(a, torch.Tensor):
             if a.dim() != 0:
@@ -539,9 +608,9 @@ def _flat_key(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         elif isinstance(a, (list, tuple)):
             if not all(type(v) is int for v in a):
                 return None
-            parts.append((type(a), tuple(a)))
+            parts.append((kind, tuple(a)))
         else:
-            parts.append((type(a), a))
+            parts.append((kind, a))
     for name, value in kwargs.items():
         if isinstance(value, (torch.Tensor, list, tuple, dict)):
             return None
