@@ -7,8 +7,11 @@ MindSpore its ``mint`` ops on DTensors beside the same ops on plain tensors.
 fit the rule), so the time is the dispatch itself plus the local kernel, which the
 "local" column shows alone. Each measurement times ``--calls`` back-to-back calls and
 divides; the median over ``--iters`` repetitions on rank 0 is reported (microseconds per
-call). ratio = hyper_parallel / torch DTensor (torch) or hyper_parallel / plain op on
-the local piece (MindSpore).
+call). On torch the two DTensors alternate within each repetition (ours first in even
+repetitions, torch's first in odd ones), and ratio = the median over repetitions of
+hyper_parallel / torch DTensor in that repetition, so load that comes and goes on a
+shared machine reaches both sides of a ratio alike. MindSpore: ratio = hyper_parallel /
+plain op on the local piece (medians).
 
 | op | shapes and placements |
 |---|---|
@@ -18,7 +21,7 @@ the local piece (MindSpore).
 | linear fwd+bwd | the linear, ``.sum().backward()`` |
 | AdamW step | ``torch.optim.AdamW(foreach=True).step()`` on 4 ``[64, 64]`` ``Shard(0)`` parameters with gradients |
 
-    python benchmarks/dtensor_dispatch.py [--calls 200] [--iters 7] [--no-mindspore]
+    python benchmarks/dtensor_dispatch.py [--calls 200] [--iters 21] [--no-mindspore]
 """
 
 from __future__ import annotations
@@ -49,6 +52,24 @@ def _per_call_us(fn: Callable[[], object], calls: int, iters: int) -> float:
     return statistics.median(samples)
 
 
+def _interleaved_us(fns: tuple[Callable[[], object], Callable[[], object]], calls: int,
+                    iters: int) -> tuple[float, float, float]:
+    """Medians of microseconds per call of two functions timed alternately (``calls``
+    calls each per repetition, the order swapped every repetition), and the median of
+    their per-repetition ratio (first / second)."""
+    for fn in fns:
+        fn()
+    samples: tuple[list[float], list[float]] = ([], [])
+    for rep in range(iters):
+        for index in ((0, 1) if rep % 2 == 0 else (1, 0)):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fns[index]()
+            samples[index].append((time.perf_counter() - start) / calls * 1e6)
+    ratios = [a / b for a, b in zip(*samples)]
+    return statistics.median(samples[0]), statistics.median(samples[1]), statistics.median(ratios)
+
+
 def bench_torch(calls: int, iters: int) -> list[dict]:
     """Runs on every rank (torch-cpu): microseconds per call for each op and implementation."""
     import torch
@@ -64,7 +85,7 @@ def bench_torch(calls: int, iters: int) -> list[dict]:
     meshes = {"hyper_parallel": (hp, hp.init_device_mesh(p.device_type, (n,))), "torch": (tdt, torch_mesh("cpu", (n,)))}
     torch.manual_seed(0)
     x, w, a, b = (torch.randn(16, 64), torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64))
-    rows = []
+    fns: dict[str, dict[str, Callable[[], object]]] = {}
     for impl, (module, mesh) in meshes.items():
         def dist(t: torch.Tensor, placement: object, module=module, mesh=mesh) -> object:
             return module.distribute_tensor(t, mesh, [placement])
@@ -80,11 +101,14 @@ def bench_torch(calls: int, iters: int) -> list[dict]:
         def fwd_bwd(xd=xd, wg=wg) -> None:
             F.linear(xd, wg).sum().backward()
 
-        fns = {"linear": lambda xd=xd, wd=wd: F.linear(xd, wd), "add": lambda ad=ad, bd=bd: ad + bd,
-               "softmax": lambda ad=ad: torch.softmax(ad, -1), "linear fwd+bwd": fwd_bwd,
-               "AdamW step": optimizer.step}
-        for op in OPS:
-            rows.append({"op": op, "impl": impl, "us": _per_call_us(fns[op], calls, iters)})
+        fns[impl] = {"linear": lambda xd=xd, wd=wd: F.linear(xd, wd), "add": lambda ad=ad, bd=bd: ad + bd,
+                     "softmax": lambda ad=ad: torch.softmax(ad, -1), "linear fwd+bwd": fwd_bwd,
+                     "AdamW step": optimizer.step}
+    rows = []
+    for op in OPS:
+        ours, theirs, ratio = _interleaved_us((fns["hyper_parallel"][op], fns["torch"][op]), calls, iters)
+        rows.append({"op": op, "impl": "hyper_parallel", "us": ours, "ratio": ratio})
+        rows.append({"op": op, "impl": "torch", "us": theirs})
     # the local kernels alone (rank 0's pieces), for scale
     xl, wl, al, bl = x, w[: 64 // n], a[: 64 // n], b[: 64 // n]
     wgl = torch.nn.Parameter(wl.clone())
@@ -134,16 +158,20 @@ def bench_mindspore(calls: int, iters: int) -> list[dict]:
 def summarize(rows: list[dict], framework: str) -> list[dict]:
     by_op: dict[str, dict] = {}
     for row in rows:
-        by_op.setdefault(row["op"], {"framework": framework, "op": row["op"]})[f"{row['impl']}_us"] = row["us"]
+        entry = by_op.setdefault(row["op"], {"framework": framework, "op": row["op"]})
+        entry[f"{row['impl']}_us"] = row["us"]
+        if "ratio" in row:
+            entry["ratio"] = row["ratio"]  # the median of per-repetition ratios (torch)
     reference = "torch_us" if framework == "torch" else "plain_us"
     for entry in by_op.values():
-        entry["ratio"] = entry["hyper_parallel_us"] / entry[reference]
+        entry.setdefault("ratio", entry["hyper_parallel_us"] / entry[reference])
     return list(by_op.values())
 
 
 def markdown(results: list[dict], world: int) -> str:
     lines = [f"# DTensor dispatch overhead per op ({world} ranks, CPU, float32, one thread)", "",
-             "Microseconds per call, median of repetitions on rank 0. torch: ratio = hyper_parallel / "
+             "Microseconds per call, median of repetitions on rank 0. torch: the two DTensors alternate "
+             "within each repetition, ratio = median over repetitions of hyper_parallel / "
              "torch.distributed.tensor; local = the local kernel alone. MindSpore: mint ops on DTensors "
              "(intercepted by __fallback__) / the same op on plain tensors of the local size.", "",
              "| framework | op | hyper_parallel µs | reference µs | local µs | ratio |", "|---|---|---:|---:|---:|---:|"]
@@ -158,7 +186,7 @@ def markdown(results: list[dict], world: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=21)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--no-mindspore", action="store_true")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dtensor_dispatch")

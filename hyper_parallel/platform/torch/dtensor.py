@@ -9,7 +9,9 @@ except three composites run whole above autograd through core's explicit dispatc
 because their decompositions lose a sharding: a batched matmul (its reshape merges
 batch and head dims), ``F.scaled_dot_product_attention`` (the fused aten op has no
 rule) and ``F.cross_entropy`` (vocabulary parallel; ``ignore_index`` and torch's
-reductions). Otherwise autograd records the op on the DTensors, composite ops
+reductions); those and ``numpy()`` / ``tolist()`` are found by one dict lookup, and the
+attributes torch reads most skip it ([Note: attribute reads of a torch DTensor]).
+Otherwise autograd records the op on the DTensors, composite ops
 (``F.linear``, ``reshape``) decompose, and each aten op then arrives at
 ``__torch_dispatch__`` below autograd, forward and backward alike. There ``_translate`` names the op as
 ``OP_RULES`` does (``aten.mm`` -> ``"matmul"``, ``aten._softmax`` -> ``"softmax"``) and
@@ -34,14 +36,21 @@ into Python's generic "unsupported operand" inside a binary operator): wrap it w
 ``_foreach_*`` ops (the optimizers' and ``clip_grad_norm_``'s multi-tensor paths) run
 as one aten call on the local tensors when, at every list index, the DTensors share one
 spec without ``Partial`` (an optimizer's parameter, gradient and states); otherwise
-index by index through the rule of the op's single-tensor form.
+index by index through the rule of the op's single-tensor form. They go to that path
+straight from ``__torch_dispatch__``, and the verdict is kept per tuple of spec objects
+(``_foreach_locals``).
+
+Cost: torch 2.13's own DTensor dispatches in C++; a Python ``__torch_dispatch__`` costs
+a few microseconds per op more in torch's C++ before and after it, and the Python
+``__torch_function__`` about one per call (see ``benchmarks/results/dtensor_dispatch.md``).
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -212,20 +221,37 @@ def _unwrap_all(args: Any, is_dtensor: Callable[[Any], bool]) -> Any:
     return tree_unflatten([leaf._local if is_dtensor(leaf) else leaf for leaf in flat], spec)
 
 
-def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+class _ForeachOp(NamedTuple):
+    """What ``__torch_dispatch__`` needs of a ``_foreach_*`` op, read once per op."""
+
+    single: str  # the single-tensor op's name, without a trailing "_" ("mul" for _foreach_mul_)
+    inplace: bool  # writes its first list
+    pointwise: bool  # the single-tensor op is in _POINTWISE (one call may cover every index)
+
+
+def _foreach_op(func: Any) -> _ForeachOp | None:
+    """``func`` read as a ``_foreach_*`` op; ``None`` for any other op."""
+    name = func.overloadpacket.__name__
+    if not name.startswith("_foreach_"):
+        return None
+    single = name[len("_foreach_"):]
+    return _ForeachOp(single.rstrip("_"), single.endswith("_"), single.rstrip("_") in _POINTWISE)
+
+
+def _run_foreach(cls: type, func: Any, op: _ForeachOp, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 fits: dict[tuple[Any, ...], tuple[Any, bool]]) -> Any:
     """A ``_foreach_*`` op: one call on the local tensors when every index's DTensors
-    share a spec without ``Partial`` and the op is pointwise, else index by index."""
+    share a spec without ``Partial`` and the op is pointwise, else index by index
+    (``fits``: see ``_foreach_locals``)."""
     def is_dtensor(x: Any) -> bool:
         return isinstance(x, cls)
 
-    single = name[len("_foreach_"):]
-    inplace = single.endswith("_")
-    single = single.rstrip("_")
+    single, inplace = op.single, op.inplace
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
     count = len(args[lists[0]])
-    if single in _POINTWISE and not kwargs and _foreach_fits(cls, args, lists):
-        out = func(*[[x._local if isinstance(x, cls) else x for x in a] if i in lists else a
-                     for i, a in enumerate(args)])
+    local_args = _foreach_locals(cls, args, lists, fits) if op.pointwise and not kwargs else None
+    if local_args is not None:
+        out = func(*local_args)
         if inplace:
             return out
         return [cls(local, args[lists[0]][k]._spec) for k, local in enumerate(out)]
@@ -245,33 +271,47 @@ def _run_foreach(cls: type, func: Any, name: str, args: tuple[Any, ...], kwargs:
     return None if inplace else results
 
 
-def _foreach_fits(cls: type, args: tuple[Any, ...], lists: list[int]) -> bool:
-    """Whether a pointwise foreach op can run as one call on the local tensors: every
-    tensor argument is a list of DTensors, and at each index they share one spec
-    without ``Partial`` (the result then has that spec). Called on every optimizer
-    step: identity comparisons first."""
+def _foreach_locals(cls: type, args: tuple[Any, ...], lists: list[int],
+                   fits: dict[tuple[Any, ...], tuple[Any, bool]]) -> list[Any] | None:
+    """The arguments of a pointwise foreach op with each list's DTensors replaced by
+    their local tensors, when the op can run as one call on them: every tensor argument
+    is a list of DTensors, and at each index they share one spec without ``Partial``
+    (the result then has that spec). ``None`` otherwise (the op then runs index by
+    index).
+
+    Called on every optimizer step with the same parameter, gradient and state lists,
+    whose specs are equal but mostly distinct objects (each parameter's, each state's),
+    so comparing them by value each time would cost more than the op: the verdict is
+    kept in ``fits`` per tuple of the lists' spec ids; the entry holds the specs, so
+    the ids stay theirs while it exists. Bounded (cleared when full). The lists are
+    read with C-level ``map`` calls: a list holds DTensors of this exact class, or no
+    tensor at all (a ``ScalarList``); anything else runs index by index."""
     for i, a in enumerate(args):
         if i not in lists and isinstance(a, torch.Tensor):
-            return False
-    specs = []
-    for x in args[lists[0]]:
-        if not isinstance(x, cls):
-            return False  # a plain tensor, or nothing to write
-        specs.append(x._spec)
-    for i in lists[1:]:
-        for x, spec in zip(args[i], specs):
-            if isinstance(x, cls):
-                if x._spec is not spec and x._spec != spec:
-                    return False
-            elif isinstance(x, torch.Tensor):
-                return False
-    checked: set[int] = set()
-    for spec in specs:
-        if id(spec) not in checked:
-            if any(pl.is_partial() for pl in spec.placements):
-                return False
-            checked.add(id(spec))
-    return True
+            return None
+    local_args = list(args)
+    spec_lists = []
+    for i in lists:
+        a = args[i]
+        types = set(map(type, a))
+        if len(types) == 1 and cls in types:
+            spec_lists.append(tuple(map(_get_spec, a)))
+            local_args[i] = list(map(_get_local, a))
+        elif i == lists[0] or any(issubclass(t, torch.Tensor) for t in types):
+            # the first list holds something other than DTensors of this class (a plain
+            # tensor, nothing to write, a subclass); or a plain tensor in another list
+            return None
+    key = tuple(tuple(map(id, specs)) for specs in spec_lists)
+    hit = fits.get(key)
+    if hit is None:
+        if len(fits) >= _PLAN_CACHE_SIZE:
+            fits.clear()
+        first = spec_lists[0]
+        # zip stops at the shorter list; aten raises for lists of different lengths
+        verdict = (not any(pl.is_partial() for spec in set(first) for pl in spec.placements)
+                   and all(spec is f or spec == f for specs in spec_lists[1:] for spec, f in zip(specs, first)))
+        hit = fits[key] = (spec_lists, verdict)
+    return local_args if hit[1] else None
 
 
 def _single_args(single: str, per_index: tuple[Any, ...], lists: list[int]) -> tuple[Any, ...]:
@@ -286,7 +326,6 @@ def _foreach_result(out: Any, locals_: Sequence[Any], inplace: bool) -> Any:
     return locals_[0] if inplace else out[0]
 
 
-@functools.lru_cache(maxsize=4096)
 @functools.lru_cache(maxsize=4096)  # every op's output wrapper asks for its shape's strides
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
@@ -296,11 +335,30 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _attention(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _batched_matmul(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.matmul`` / ``@`` of two DTensors of 3 dims or more: run whole under the
+    matmul rule (batch dims shard), as the explicit ``dtensor_functional.matmul`` does,
+    because the decomposition reshapes to merge the batch and head dims, which cannot
+    keep a head sharding; ``None`` for other calls (they decompose)."""
+    if (not kwargs and len(args) == 2 and all(isinstance(a, cls) for a in args)
+            and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
+        return base.dispatch_explicit("matmul", args, torch.matmul)
+    return None
+
+
+def _refuse_plain_read(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``numpy()`` / ``tolist()`` of a DTensor: torch would raise an unhelpful error (no
+    storage); raise naming the supported paths."""
+    dcp_protocol.refuse_plain_read(args[0], f"{func.__name__}()")
+
+
+def _attention(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.scaled_dot_product_attention`` on DTensor q/k/v without a mask tensor or
     dropout: the fused op on the local tensors under the ``attention`` rule (batch or
     heads sharded), above autograd, as a whole; ``None`` for other calls (they
     decompose or reach the fused aten op, which takes the fallback)."""
+    if base.dispatch_skipped():
+        return None
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -313,13 +371,15 @@ def _attention(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, A
                                   lambda ql, kl, vl: F.scaled_dot_product_attention(ql, kl, vl, **options))
 
 
-def _cross_entropy(cls: type, base: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _cross_entropy(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``F.cross_entropy`` of ``[N, C]`` DTensor logits against a ``[N]`` DTensor target
     (no class weights, no label smoothing) whole, above autograd, through core's
     ``cross_entropy`` dispatch: vocabulary parallel when the classes are sharded (see
     [Note: vocabulary-parallel cross-entropy]), else per-row losses under the
     ``cross_entropy`` rule, reduced as torch reduces (``ignore_index`` honoured); ``None``
     for other calls (they decompose into ``log_softmax`` and ``nll_loss``)."""
+    if base.dispatch_skipped():
+        return None
     names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
     bound = dict(zip(names, args))
     bound.update(kwargs)
@@ -356,9 +416,15 @@ def _view(func: Any) -> Callable[..., Any]:
 def build_dtensor_type(base: type) -> type:
     """The torch DTensor class over core's ``base`` (see [Note: torch DTensor dispatch])."""
 
-    explicit = {torch.matmul: "matmul", torch.Tensor.matmul: "matmul", torch.Tensor.__matmul__: "matmul"}
-    # reads of a DTensor as plain values: [Note: DTensors and torch's state-dict functions]
-    plain_reads = {torch.Tensor.numpy: "numpy()", torch.Tensor.tolist: "tolist()"}
+    # The torch functions __torch_function__ does not pass straight on, each to its
+    # handler: one dict lookup per call for the others (most calls, and every attribute
+    # read not in _PLAIN_ATTRIBUTES).
+    special: dict[Any, Callable[..., Any]] = {
+        torch.matmul: _batched_matmul, torch.Tensor.matmul: _batched_matmul, torch.Tensor.__matmul__: _batched_matmul,
+        F.scaled_dot_product_attention: _attention, F.cross_entropy: _cross_entropy,
+        # reads of a DTensor as plain values: [Note: DTensors and torch's state-dict functions]
+        torch.Tensor.numpy: _refuse_plain_read, torch.Tensor.tolist: _refuse_plain_read,
+    }
 
     class DTensor(torch.Tensor, base):  # type: ignore[misc, valid-type]
         # autograd records ops on the wrappers; their aten ops run below it
@@ -367,22 +433,9 @@ def build_dtensor_type(base: type) -> type:
         @classmethod
         def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                                kwargs: dict[str, Any] | None = None) -> Any:
-            # A batched matmul decomposes into a reshape that merges the batch and head
-            # dims, which cannot keep a head sharding: it runs whole under the matmul
-            # rule (batch dims shard), as the explicit dtensor_functional.matmul does.
-            op = explicit.get(func)
-            if (op is not None and not kwargs and len(args) == 2 and all(isinstance(a, cls) for a in args)
-                    and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
-                return base.dispatch_explicit(op, args, torch.matmul)
-            if func is F.scaled_dot_product_attention and not base.dispatch_skipped():
-                routed = _attention(cls, base, args, kwargs or {})
-                if routed is not None:
-                    return routed
-            if func in plain_reads:
-                # torch would raise an unhelpful error (no storage); name the supported paths
-                dcp_protocol.refuse_plain_read(args[0], plain_reads[func])
-            if func is F.cross_entropy and not base.dispatch_skipped():
-                routed = _cross_entropy(cls, base, args, kwargs or {})
+            handler = special.get(func)
+            if handler is not None:
+                routed = handler(cls, base, func, args, kwargs or {})
                 if routed is not None:
                     return routed
             # everything else straight on (what torch's DTensor has as __torch_function__)
@@ -443,6 +496,15 @@ def build_dtensor_type(base: type) -> type:
                 return _run_skipped(cls, func, args, kwargs or {})
             kwargs = kwargs or {}
             key = _flat_key(cls, func, args, kwargs)
+            if key is None and args and type(args[0]) is list:
+                # a list of tensors first: a _foreach_* op (an optimizer's step) goes
+                # straight to its path, with what it needs of the op read once; cat and
+                # stack go on to _run_op
+                op = foreach_ops.get(func, _NOT_READ)
+                if op is _NOT_READ:
+                    op = foreach_ops[func] = _foreach_op(func)
+                if op is not None:
+                    return _run_foreach(cls, func, op, args, kwargs, foreach_fits)
             entry = plans.get(key) if key is not None else None
             if entry is not None:
                 rule, params, inplace, positions, local, shaped, shape, strides = entry
@@ -474,18 +536,70 @@ def build_dtensor_type(base: type) -> type:
     # view or an expand, which takes this rank's size) of the ops that run as they are or
     # with their size: the translation, the frozen params and such a plan are computed
     # once per such key; bounded (cleared when full).
+    for name in _PLAIN_ATTRIBUTES:
+        setattr(DTensor, name, _plain_attribute(name))
     plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    # aten ops whose first argument was a list -> their _ForeachOp (None: not a foreach
+    # op); one entry per op overload, so unbounded
+    foreach_ops: dict[Any, _ForeachOp | None] = {}
+    # the ids of a foreach call's specs, list by list -> (the specs, verdict): see _foreach_locals
+    foreach_fits: dict[tuple[Any, ...], tuple[Any, bool]] = {}
     skipped = base.skip_depth()
     return DTensor
+
+
+# [Note: attribute reads of a torch DTensor]
+# A class with a Python ``__torch_function__`` receives every read of a tensor attribute
+# (``p.grad``, ``p.device``) there too, and passes it on: about 1 us per read for the C
+# call into Python and back, against 0.15 us on a plain tensor or torch's DTensor (whose
+# ``__torch_function__`` is torch's disabled one, which torch skips). torch's optimizers
+# read several per parameter per step (AdamW(foreach=True): ``grad`` 3 times,
+# ``is_sparse``, ``device``). For the attributes below the class has a property doing
+# what passing on does, without the round trip: the tensor's own attribute (get, set,
+# delete) with ``__torch_function__`` of subclasses disabled (torch function modes
+# still see it, as before). Values, errors and warnings are the tensor's own.
+_PLAIN_ATTRIBUTES = ("grad", "is_sparse", "device", "dtype", "shape", "requires_grad")
+
+
+def _plain_attribute(name: str) -> property:
+    """A property reading, writing and deleting ``torch.Tensor``'s attribute ``name``
+    without the ``__torch_function__`` round trip (see [Note: attribute reads of a
+    torch DTensor])."""
+    attribute = vars(torch._C.TensorBase)[name]  # a C getset descriptor
+    no_subclass_function = torch._C.DisableTorchFunctionSubclass
+
+    def get(self: torch.Tensor) -> Any:
+        with no_subclass_function():
+            return attribute.__get__(self, type(self))
+
+    def set_(self: torch.Tensor, value: Any) -> None:
+        with no_subclass_function():
+            attribute.__set__(self, value)
+
+    def delete(self: torch.Tensor) -> None:
+        with no_subclass_function():
+            attribute.__delete__(self)
+
+    return property(get, set_, delete, attribute.__doc__)
 
 
 def _flat_key(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """A hashable key of an op call whose DTensors are positional arguments (the others:
     numbers, 0-dim tensors, lists of ints such as sizes and dims; keyword arguments that
-    are no tensors nor containers, such as a dtype), or None."""
+    are no tensors nor containers, such as a dtype), or None.
+
+    Built on every intercepted op: the common arguments (this class's DTensors, Python
+    numbers) are told by their exact type before any ``isinstance`` (which costs more
+    against tensor classes). A value's type is kept beside it: ``1``, ``1.0`` and
+    ``True`` hash alike."""
     parts: list[Any] = [func]
     for a in args:
-        if isinstance(a, cls):
+        kind = type(a)
+        if kind is cls:
+            parts.append(a._spec)
+        elif kind is int or kind is float or kind is bool:
+            parts.append((kind, a))
+        elif isinstance(a, cls):
             parts.append(a._spec)
         elif isinstance(a, torch.Tensor):
             if a.dim() != 0:
@@ -494,9 +608,9 @@ def _flat_key(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
         elif isinstance(a, (list, tuple)):
             if not all(type(v) is int for v in a):
                 return None
-            parts.append((type(a), tuple(a)))
+            parts.append((kind, tuple(a)))
         else:
-            parts.append((type(a), a))
+            parts.append((kind, a))
     for name, value in kwargs.items():
         if isinstance(value, (torch.Tensor, list, tuple, dict)):
             return None
@@ -520,6 +634,9 @@ def _remember(base: type, plans: dict[tuple[Any, ...], tuple[Any, ...]], key: tu
 
 
 _SCALAR_TENSOR = ("0-dim tensor",)
+_NOT_READ = object()  # a foreach_ops lookup of an op not read yet
+_get_spec = operator.attrgetter("_spec")
+_get_local = operator.attrgetter("_local")
 _PLAN_CACHE_SIZE = 4096
 
 
@@ -545,7 +662,8 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
     name = func.overloadpacket.__name__
     inplace = name.endswith("_") and not name.endswith("__")
     if name.startswith("_foreach_"):
-        return _run_foreach(cls, func, name, args, kwargs)
+        # a foreach op whose first list came as a tuple (__torch_dispatch__ routes lists)
+        return _run_foreach(cls, func, _foreach_op(func), args, kwargs, {})
     if name in ("_local_scalar_dense", "equal", "is_same_size"):
         return func(*[base.full_local(a) if is_dtensor(a) else a for a in args], **kwargs)
     if name.startswith("new_") and is_dtensor(args[0]):
