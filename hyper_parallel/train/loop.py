@@ -183,10 +183,12 @@ def save_checkpoint(run: _Run, root: Path, step: int) -> Path:
 
 
 def load_checkpoint(run: _Run, root: Path) -> checkpoint.Loaded | None:
-    """This rank's pieces of the newest complete checkpoint under ``root`` (any layout;
-    ``None`` if there is none). No communication."""
+    """This rank's pieces of the newest complete checkpoint under ``root`` (any layout,
+    either framework, either format; ``None`` if there is none). Collective: one
+    all-reduce per checkpoint examined (``checkpoint``'s [Note: shared verification])."""
     boxes = {f"{kind}/{name}": run.boxes[name] for name in run.names for kind in CHECKPOINT_KINDS}
-    return checkpoint.load_latest(root, boxes, layout_record(run.cfg, run.layout), model_record(run.cfg), run.world)
+    return checkpoint.load_latest(run.p, root, boxes, layout_record(run.cfg, run.layout), model_record(run.cfg),
+                                  run.world, run.rank)
 
 
 def restore(run: _Run, loaded: checkpoint.Loaded) -> None:

@@ -18,7 +18,7 @@ from hyper_parallel.testing.rendezvous import selected_platform
 from hyper_parallel.train.cli import main
 from hyper_parallel.train.metrics import read_metrics
 from tests.train._ranks import TEST_DATA
-from tests.train._reshard_ranks import check_reshard_chains
+from tests.train._reshard_ranks import check_format_2_resume, check_reshard_chains
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,5 +99,14 @@ def test_first_format_checkpoint_is_refused(tmp_path: Path, capsys) -> None:
               "--out", str(tmp_path / "run")])
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
-    assert "step_00000002 has format 1" in message and "reads format 2" in message, message
+    assert "step_00000002 has format 1" in message and "reads formats 2, 3" in message, message
     assert "start a new --checkpoint-dir" in message, message
+
+
+def test_format_2_checkpoint_resumes(run_on_ranks, tmp_path: Path) -> None:
+    """Runs stay resumable across the format change: a ``.npz`` checkpoint (format 2)
+    resumes in its own layout bit-identically and resharded into another
+    (``check_format_2_resume``)."""
+    results = run_on_ranks(check_format_2_resume, str(tmp_path), world_size=2, timeout_s=400)
+    np.testing.assert_array_equal(results[1], results[0])
+
