@@ -200,3 +200,26 @@ def check_format_2_resume(out: str) -> list[float]:
             np.testing.assert_array_equal(old_values[key], value, err_msg=key)
     return [*curves[0].tolist(), *curves[1].tolist()]
 
+
+def framework_leg(out: str, degrees: dict, resume: bool) -> dict:
+    """One leg of a cross-framework resume: ``tiny`` for 4 steps in layout ``degrees``
+    (a checkpoint every 2 steps) on this rank's framework. ``resume``: continue from the
+    checkpoint that the test copied into ``<out>/checkpoints`` (written by the other
+    framework), after writing what was loaded back to ``<out>/round-trip`` (the state this
+    framework holds, to compare with the other framework's checkpoint). Returns the
+    losses, the step resumed from and the reshard message."""
+    p = get_platform()
+    n = p.world_size()
+    cfg = tiny_config(out, nproc=n, layout=Layout(**degrees), steps=4, checkpoint_every=2, eval_every=4,
+                      resume=resume)
+    run = setup(cfg)
+    start, message = 0, None
+    if resume:
+        loaded = load_checkpoint(run, cfg.checkpoint_path)
+        assert loaded is not None and loaded.resharded, loaded
+        start = loaded.step
+        message = checkpoint.reshard_message(loaded.path, loaded.manifest, layout_record(cfg, cfg.layout), n)
+        restore(run, loaded)
+        save_checkpoint(run, Path(out) / "round-trip", start)
+    rows = train(cfg, run=run)
+    return {"losses": losses(rows).tolist(), "start": start, "message": message, "framework": p.framework}
