@@ -268,7 +268,7 @@ def save(p: Platform | None, root: Path, step: int, pieces: dict[str, Piece], me
     write_pending(pending)
     _barrier(p, world)
     if rank == 0:
-        commit(pending, timeout_s=0.0)  # after the barrier every mark is there
+        commit(pending)  # after the barrier every mark is there (a shared filesystem may show it late)
     _barrier(p, world)
     return pending.final
 

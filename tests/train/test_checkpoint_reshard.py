@@ -66,13 +66,15 @@ def test_pipeline_resume_through_the_launcher(tmp_path: Path) -> None:
     the same layout, step 3's loss is bit-identical to the uninterrupted run's; resumed
     from step 1 as one stage over dp-shard 2, the curve matches within 2e-5 relative (the
     gradients are the same sums in another order: microbatches accumulated on a stage vs
-    one reduce-scatter over two data-parallel ranks; see the layouts' parity tests).
+    one reduce-scatter over two data-parallel ranks; see the layouts' parity tests). The
+    first run writes its checkpoints with --async-checkpoint.
 
     Through the launcher, on both backends (test_resume_in_another_layout resumes
     pipelines across more layouts through the harness)."""
     out = tmp_path / "pp2"
     pp = ["--pp", "2", "--microbatches", "2", "--pp-schedule", "1f1b"]
-    _launch(tmp_path, out, pp)
+    # written in the background (the same files as a synchronous save: test_async_checkpoint.py)
+    _launch(tmp_path, out, [*pp, "--async-checkpoint"])
     full = _losses(out)
     ckpt = out / "checkpoints"
     assert sorted(path.name for path in ckpt.iterdir()) == [f"step_{s:08d}" for s in (1, 2, 3)]
