@@ -1,19 +1,19 @@
 #!/usr/bin/env python3
 """The training stall per checkpoint of ``hyper-parallel train``: a synchronous save
 (``checkpoint.save``: snapshot, write, fsync, digest, commit, all on the training thread)
-against ``--async-checkpoint`` (``AsyncCheckpointer.save``: snapshot and the two barriers on
-the training thread, the files written by a background thread while training continues),
-of the same state, through the job's own functions (``loop.setup``, ``loop._train_step``,
-``loop.save_checkpoint``).
+against ``--async-checkpoint`` (``AsyncCheckpointer.save``: the snapshot, rank 0's folder and
+one all-reduce on the training thread, the files written by a background thread while
+training continues), of the same state, through the job's own functions (``loop.setup``,
+``loop._train_step``, ``loop.save_checkpoint``).
 
 2 ranks on gloo (torch-cpu), dp-shard 2, decoders of ``--models`` (default: dim 512 and 1024,
 4 layers: 12.8 M and 50 M parameters, their float32 values and AdamW's two moments, half per
-rank: 77 MB and 291 MB per rank). Each mode: ``--saves`` checkpoints, ``--steps-between`` training steps before each.
-Reported, as the slowest rank per save and the median over saves: the synchronous save's
-time, the asynchronous save's stall (what the training thread waits), their ratio (target
-<= 0.10), the time the background write took, and the median training step while a
-background write runs against the step with none (the writer shares the CPU). Writes JSON
-and a markdown table.
+rank: 74 and 291 MiB per rank). Each mode: ``--saves`` checkpoints, ``--steps-between``
+training steps before each. Reported, as the slowest rank per save and the median over
+saves: the synchronous save's time, the asynchronous save's stall (what the training thread
+waits), their ratio (target <= 0.10), the time the background write took, and the median
+training step while a background write runs against the step with none (the writer shares
+the CPU). Writes JSON and a markdown table.
 
     python benchmarks/checkpoint.py [--saves 5] [--steps-between 3] [--models 512x4x1536,1024x4x3072]
 """
@@ -76,7 +76,8 @@ def _bench_model(dim: int, n_layers: int, hidden_dim: int, saves: int, steps_bet
         if writer is not None:
             writer.wait()
             write_s = writer.write_seconds
-            protocol_s = writer.stalls  # the wait for the previous save and the two barriers; the rest: the host copy
+            # joining the previous writer, the folder, the one all-reduce (the rest of a save: the host copy)
+            protocol_s = writer.stalls
         found = checkpoint.latest_manifest(Path(f"{root}/{mode}"))
         if found is None or found[1]["step"] != step:
             raise RuntimeError(f"{mode}: the last checkpoint (step {step}) is not the newest complete one: {found}")
@@ -108,7 +109,7 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         rows.append({"what": f"dim {dim}, {n_layers} layers, hidden {hidden_dim}",
                      "state_mb_per_rank": ranks[0]["state_bytes_per_rank"] / 2**20,
                      "sync_save_s": sync, "async_stall_s": stall, "stall_fraction": stall / sync,
-                     "async_barriers_s": statistics.median(slowest("async", "protocol_s")),
+                     "async_protocol_s": statistics.median(slowest("async", "protocol_s")),
                      "background_write_s": statistics.median(slowest("async", "write_s")),
                      "step_s": statistics.median(slowest("sync", "step_s")),
                      "step_during_write_s": statistics.median(busy) if busy else None})
@@ -120,17 +121,21 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"# Checkpoint stall: synchronous vs --async-checkpoint ({meta['world_size']} ranks, gloo, CPU, "
         f"dp-shard {meta['world_size']}, {meta['saves']} saves of each kind, {meta['steps_between']} steps between)",
         "",
-        "Median over saves of the slowest rank. stall fraction = async stall / sync save (target <= 0.10). "
+        "Median over saves of the slowest rank. sync save: the host copy, the file's write, fsync and SHA-256, "
+        "the commit and the barriers, on the training thread. async stall: what the training thread waits "
+        "with --async-checkpoint: the host copy of the state plus the protocol (joining the previous writer, "
+        "rank 0's folder, one all-reduce). stall fraction = async stall / sync save (target <= 0.10). "
         "Step during write: a training step while a background write runs (it shares the CPU).",
         "",
-        "| model | state MB / rank | sync save s | async stall s | of which barriers s | stall fraction | "
+        "| model | state MiB / rank | sync save s | async stall s | of which protocol s | stall fraction | "
         "background write s | step s | step during write s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in results:
         during = f"{e['step_during_write_s']:.3f}" if e["step_during_write_s"] is not None else "-"
         lines.append(f"| {e['what']} | {e['state_mb_per_rank']:.1f} | {e['sync_save_s']:.3f} | "
-                     f"{e['async_stall_s']:.3f} | {e['async_barriers_s']:.3f} | {e['stall_fraction']:.3f} | {e['background_write_s']:.3f} | "
+                     f"{e['async_stall_s']:.3f} | {e['async_protocol_s']:.3f} | {e['stall_fraction']:.3f} | "
+                     f"{e['background_write_s']:.3f} | "
                      f"{e['step_s']:.3f} | {during} |")
     return "\n".join(lines) + "\n"
 

@@ -12,11 +12,12 @@ Layout on disk::
     <checkpoint_dir>/step_00000050/rank_00000.safetensors          the pieces rank 0 owns
     <checkpoint_dir>/step_00000050/rank_00001.safetensors ...
 
-1. Rank 0 makes a fresh ``.step_00000050.tmp`` folder; barrier.
+1. Rank 0 makes a fresh ``.step_00000050.tmp`` folder; barrier. The only collective of
+   the steps up to 4, on the calling (training) thread, also for an asynchronous save
+   (``checkpoint_async``); the ranks coordinate the rest through the folder.
 2. Every rank writes ``rank_N.index.json``: the key, global shape, dtype and box of each
-   piece it holds; barrier. Each rank then keeps the pieces it owns (below). These two
-   barriers are the only collectives of a save, and they run on the calling (training)
-   thread, also for an asynchronous save (``checkpoint_async``).
+   piece it holds; it waits until the lower ranks' index files are there and keeps the
+   pieces it owns (below).
 3. Every rank writes its ``.safetensors`` there, fsyncs it, and then writes
    ``rank_N.done.json`` (its size and SHA-256) through a renamed temporary file: the mark
    that its shard is complete. A rank whose write fails writes ``rank_N.failed`` instead.
@@ -54,8 +55,8 @@ A piece is one rank's part of one tensor: ``"<kind>/<fqn>"`` (``param/layers.0.a
 tensor-parallel chunk, without fully_shard's padding, under the decoder's parameter names
 (pipeline stages keep them). Ranks that hold the same box (replicas: ``--dp-replicate``,
 and the tensor-parallel ranks of a parameter tensor parallelism does not shard) write it
-once: the lowest such rank owns it, which every rank decides from the index files of
-step 2. The index lists, for each key, its global shape, dtype and its pieces (file, box).
+once: the lowest such rank owns it, which every rank decides from the lower ranks' index
+files of step 2. The index lists, for each key, its global shape, dtype and its pieces (file, box).
 
 Loading in any layout: for each key and this rank's box, the pieces that overlap it are
 read (``copy_overlap``; ``safe_open(...).get_tensor`` reads one tensor of a file at a time,
@@ -72,6 +73,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,9 +142,9 @@ class Loaded:
 
 @dataclass(frozen=True)
 class PendingSave:
-    """A save after step 2 of [Note: atomic checkpoints]: what this rank still writes
-    (``owned``: host copies, ``{key: array}``) and where. ``write_pending`` and, on rank 0,
-    ``commit`` finish it without collectives, on any thread."""
+    """A save after step 1 of [Note: atomic checkpoints]: what this rank writes
+    (``pieces``: host copies) and where. ``write_pending`` and, on rank 0, ``commit``
+    finish it without collectives, on any thread."""
 
     root: Path
     tmp: Path
@@ -150,7 +152,7 @@ class PendingSave:
     rank: int
     world: int
     meta: dict[str, Any]
-    owned: dict[str, np.ndarray]
+    pieces: dict[str, Piece]
 
     @property
     def final(self) -> Path:
@@ -167,43 +169,73 @@ def _same_piece(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def begin_save(p: Platform | None, root: Path, step: int, pieces: dict[str, Piece], meta: dict[str, Any],
-               world: int, rank: int) -> PendingSave:
-    """Steps 1 and 2 of [Note: atomic checkpoints]: the temporary folder, then which of
-    ``pieces`` (``{"<kind>/<fqn>": Piece}``, host arrays) this rank owns. Collective over
-    the ``world`` ranks: two barriers on the calling thread (``p`` may be ``None`` when
-    ``world == 1``), no data exchange. The returned ``owned`` arrays are ``pieces``' own
-    (the caller passes copies it will not change while the save is pending)."""
+               world: int, rank: int, agree: Callable[[], None] | None = None) -> PendingSave:
+    """Step 1 of [Note: atomic checkpoints]: the temporary folder. Collective over the
+    ``world`` ranks, on the calling thread: one barrier (``p`` may be ``None`` when
+    ``world == 1``), or ``agree``, a collective of the caller's that every rank calls here
+    (``checkpoint_async`` reports the previous save's outcome with it), no data exchange.
+    ``pieces`` (``{"<kind>/<fqn>": Piece}``, host arrays) are kept, not copied: the caller
+    passes copies it does not change while the save is pending."""
     tmp = root / f".step_{step:08d}.tmp"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    _barrier(p, world)
-    held = {key: _box_record(piece.box, piece.value) for key, piece in sorted(pieces.items())
-            if piece.value.size}  # an uneven shard past the end holds nothing
-    write_json_atomic(tmp / _index_name(rank), held)
-    _barrier(p, world)
-    # the lowest rank holding a box owns it: drop what a lower rank holds already
-    owned = dict(held)
-    for other in range(rank):
-        theirs = json.loads((tmp / _index_name(other)).read_text())
-        for key, record in theirs.items():
-            if key in owned and _same_piece(owned[key], record):
-                del owned[key]
-    return PendingSave(root, tmp, step, rank, world, meta, {key: pieces[key].value for key in owned})
+    if agree is not None:
+        agree()
+    else:
+        _barrier(p, world)
+    return PendingSave(root, tmp, step, rank, world, meta, pieces)
 
 
-def write_pending(pending: PendingSave) -> None:
-    """Step 3: write this rank's safetensors file and its mark. File I/O only (no
-    collective), so it may run on a background thread. On failure it writes the failed
-    mark (rank 0's ``commit`` stops waiting) and re-raises."""
+def _wait_for(pending: PendingSave, name: Callable[[int], str], ranks: range, what: str,
+              timeout_s: float) -> None:
+    """Poll ``pending.tmp`` until ``name(r)`` exists for every rank ``r`` of ``ranks``.
+
+    Raises:
+        RuntimeError: one of them wrote its failed mark instead, or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    waiting = list(ranks)
+    while waiting:
+        for r in list(waiting):
+            if (pending.tmp / _failed_name(r)).exists():
+                raise RuntimeError(f"checkpoint of step {pending.step}: rank {r} failed to write its shard "
+                                   f"({(pending.tmp / _failed_name(r)).read_text().strip()}); {pending.tmp} stays "
+                                   "incomplete and the previous checkpoint is the newest complete one")
+            if (pending.tmp / name(r)).exists():
+                waiting.remove(r)
+        if waiting:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"checkpoint of step {pending.step}: ranks {waiting} did not write {what} within "
+                                   f"{timeout_s:.0f} s; {pending.tmp} stays incomplete")
+            time.sleep(0.005)
+
+
+def write_pending(pending: PendingSave, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
+    """Steps 2 and 3: this rank's index file, which pieces it owns (from the lower ranks'
+    index files, waited for on the filesystem), its safetensors file and its mark. File
+    I/O only (no collective), so it may run on a background thread. On failure it writes
+    the failed mark (the other ranks stop waiting) and re-raises."""
+    tmp, rank = pending.tmp, pending.rank
     try:
-        size, sha = write_shard(pending.tmp / shard_name(pending.rank), pending.owned,
-                                {"step": str(pending.step), "rank": str(pending.rank)})
-        write_json_atomic(pending.tmp / _done_name(pending.rank), {"bytes": size, "sha256": sha})
+        held = {key: _box_record(piece.box, piece.value) for key, piece in sorted(pending.pieces.items())
+                if piece.value.size}  # an uneven shard past the end holds nothing
+        # transient (rank 0 folds it into the index): renamed into place for readers, not fsynced
+        write_json_atomic(tmp / _index_name(rank), held, durable=False)
+        _wait_for(pending, _index_name, range(rank), "their index files", timeout_s)
+        # the lowest rank holding a box owns it: drop what a lower rank holds already
+        owned = dict(held)
+        for other in range(rank):
+            for key, record in json.loads((tmp / _index_name(other)).read_text()).items():
+                if key in owned and _same_piece(owned[key], record):
+                    del owned[key]
+        size, sha = write_shard(tmp / shard_name(rank), {key: pending.pieces[key].value for key in owned},
+                                {"step": str(pending.step), "rank": str(rank)})
+        write_json_atomic(tmp / _done_name(rank), {"bytes": size, "sha256": sha}, durable=False)
     except BaseException as err:
         try:
-            (pending.tmp / _failed_name(pending.rank)).write_text(f"{type(err).__name__}: {err}\n")
+            (tmp / _failed_name(rank)).write_text(f"{type(err).__name__}: {err}\n")
         except OSError:
             pass  # the folder is gone too: rank 0 times out, the save stays incomplete either way
         raise
@@ -220,21 +252,7 @@ def commit(pending: PendingSave, timeout_s: float = COMMIT_TIMEOUT_S) -> Path:
             previous checkpoint stays the newest complete one.
     """
     tmp, world = pending.tmp, pending.world
-    deadline = time.monotonic() + timeout_s
-    waiting = list(range(world))
-    while waiting:
-        for r in list(waiting):
-            if (tmp / _failed_name(r)).exists():
-                raise RuntimeError(f"checkpoint of step {pending.step}: rank {r} failed to write its shard "
-                                   f"({(tmp / _failed_name(r)).read_text().strip()}); {tmp} stays incomplete and "
-                                   "the previous checkpoint is the newest complete one")
-            if (tmp / _done_name(r)).exists():
-                waiting.remove(r)
-        if waiting:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"checkpoint of step {pending.step}: ranks {waiting} did not finish their shards "
-                                   f"within {timeout_s:.0f} s; {tmp} stays incomplete")
-            time.sleep(0.01)
+    _wait_for(pending, _done_name, range(world), "their shards", timeout_s)
     held = [(shard_name(r), json.loads((tmp / _index_name(r)).read_text())) for r in range(world)]
     files = {shard_name(r): json.loads((tmp / _done_name(r)).read_text()) for r in range(world)}
     index = build_index(pending.meta, pending.step, world, held, files)

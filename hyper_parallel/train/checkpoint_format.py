@@ -72,14 +72,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Write ``value`` as JSON to ``path`` through a temporary file renamed into place
-    (fsynced first), so a reader never sees it half-written."""
+def write_json_atomic(path: Path, value: Any, durable: bool = True) -> None:
+    """Write ``value`` as JSON to ``path`` through a temporary file renamed into place, so
+    a reader never sees it half-written. ``durable``: fsync it first (a file that must
+    survive a crash; the transient marks of a save need not)."""
     part = path.with_name(path.name + ".part")
     with part.open("w") as f:
         json.dump(value, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(part, path)
 
 
