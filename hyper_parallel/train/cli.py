@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--resume", action="store_true",
                      help="continue from the newest complete checkpoint (written by any layout of the same "
                           "model: resharded); an error if there is none (without --resume a run starts at step 0)")
+    out.add_argument("--async-checkpoint", action="store_true",
+                     help="write checkpoints in the background while training continues (the state is copied to "
+                          "host memory at the step; the next checkpoint, and the end of the run, wait for it)")
     out.add_argument("--check-parity", action="store_true",
                      help="also run a single-process reference and report the largest relative loss difference")
     out.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is killed")
@@ -185,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        warmup_steps=args.warmup_steps, max_norm=args.max_norm, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                       async_checkpoint=args.async_checkpoint,
                        out=args.out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
                        progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing,
                        hf_config=args.hf_config)

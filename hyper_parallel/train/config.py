@@ -232,6 +232,9 @@ class TrainConfig:
             at the last step; ``checkpoint_due``).
         checkpoint_dir: where checkpoints go (``None``: ``<out>/checkpoints``).
         resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
+        async_checkpoint: write checkpoints in the background while training continues
+            (``checkpoint_async``: the state is copied to host memory at the step, at most
+            one save in flight, the last one complete before the run returns).
         out: the run folder (metrics, plot, logs).
         data: files or folders of text (empty: the running interpreter's standard library).
         activation_checkpointing: recompute each decoder block's activations in the
@@ -260,6 +263,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     checkpoint_dir: str | None = None
     resume: bool = False
+    async_checkpoint: bool = False
     out: str = "runs/latest"
     data: tuple[str, ...] = ()
     check_parity: bool = False

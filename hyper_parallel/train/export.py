@@ -184,12 +184,12 @@ def find_checkpoint(given: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]
     if not path.is_dir():
         raise ValueError(f"checkpoint {str(path)!r} is a file, not a folder; give a checkpoint folder "
                          "(step_XXXXXXXX) or the folder holding them")
-    if path.name.startswith("step_") or (path / checkpoint.MANIFEST).is_file():
+    if path.name.startswith("step_") or checkpoint.manifest_file(path) is not None:
         problem = checkpoint.verify(path)
         if problem is not None:
             raise ValueError(f"checkpoint {str(path)!r} is unusable: {problem}; export another step_* folder "
                              "or give the checkpoint root (the newest complete one is taken)")
-        manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+        manifest = checkpoint.read_manifest(path)
     else:
         steps = checkpoint.complete_steps(path)
         if not steps:
@@ -205,9 +205,9 @@ def find_checkpoint(given: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]
         for warning in skipped:
             warnings.warn(str(warning.message), RuntimeWarning, stacklevel=2)
         path, manifest = found
-    if manifest.get("format") != checkpoint.FORMAT:
+    if manifest.get("format") not in checkpoint.READABLE_FORMATS:
         raise ValueError(f"checkpoint {str(path)!r} has format {manifest.get('format', 1)}, this version "
-                         f"reads format {checkpoint.FORMAT}; export it with the version that wrote it")
+                         f"reads formats {checkpoint.READABLE_FORMATS}; export it with the version that wrote it")
     return path, manifest
 
 

@@ -30,6 +30,7 @@ from hyper_parallel.core.dtensor import DeviceMesh
 from hyper_parallel.core.fully_shard import Box, local_boxes
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train import checkpoint
+from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, MetricsWriter, Progress, plot_losses
@@ -173,20 +174,28 @@ def checkpoint_pieces(run: _Run, state: dict[str, np.ndarray]) -> dict[str, chec
     return pieces
 
 
-def save_checkpoint(run: _Run, root: Path, step: int) -> Path:
+def save_checkpoint(run: _Run, root: Path, step: int, saver: AsyncCheckpointer | None = None) -> Path:
     """Write the checkpoint of ``step`` under ``root`` (collective: barriers), with the
-    layout, the model, the data stream and the optimizer step in its manifest."""
+    layout, the model, the data stream and the optimizer step in its index; returns its
+    folder. ``saver``: start it in the background instead (``checkpoint_async``; the
+    state is copied to host memory here, the folder appears once the write completes)."""
     state = run.optimizer.state_arrays()
     meta = {"layout": layout_record(run.cfg, run.layout), "model": model_record(run.cfg),
             "data": data_record(run.cfg), "optimizer_step": int(state["step"])}
-    return checkpoint.save(run.p, root, step, checkpoint_pieces(run, state), meta, run.world, run.rank)
+    pieces = checkpoint_pieces(run, state)  # host copies: training goes on without touching them
+    if saver is not None:
+        saver.save(root, step, pieces, meta)
+        return root / f"step_{step:08d}"
+    return checkpoint.save(run.p, root, step, pieces, meta, run.world, run.rank)
 
 
 def load_checkpoint(run: _Run, root: Path) -> checkpoint.Loaded | None:
-    """This rank's pieces of the newest complete checkpoint under ``root`` (any layout;
-    ``None`` if there is none). No communication."""
+    """This rank's pieces of the newest complete checkpoint under ``root`` (any layout,
+    either framework, either format; ``None`` if there is none). Collective: one
+    all-reduce per checkpoint examined (``checkpoint``'s [Note: shared verification])."""
     boxes = {f"{kind}/{name}": run.boxes[name] for name in run.names for kind in CHECKPOINT_KINDS}
-    return checkpoint.load_latest(root, boxes, layout_record(run.cfg, run.layout), model_record(run.cfg), run.world)
+    return checkpoint.load_latest(run.p, root, boxes, layout_record(run.cfg, run.layout), model_record(run.cfg),
+                                  run.world, run.rank)
 
 
 def restore(run: _Run, loaded: checkpoint.Loaded) -> None:
@@ -295,7 +304,8 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
     list on every rank).
 
     Rank 0 writes ``<out>/metrics.jsonl``, shows the progress bar (``cfg.progress``) and
-    plots ``<out>/loss.png`` when ``write_outputs``; every rank writes its checkpoint shard.
+    plots ``<out>/loss.png`` when ``write_outputs``; every rank writes its checkpoint shard
+    (in the background with ``cfg.async_checkpoint``; the last one is complete on return).
     With ``cfg.resume`` the run continues from the newest complete checkpoint, bit-identical
     to a run that was never interrupted (see ``data``'s note on deterministic batches).
     ``run``: what ``setup(cfg, reference)`` returned, if the caller already built it.
@@ -320,6 +330,8 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
     progress = Progress(cfg.steps, start, leader and cfg.progress,
                         f"{p.name} {run.layout.describe()} {cfg.model_name}")
     rows: list[dict[str, Any]] = []
+    # [Note: asynchronous save] in checkpoint_async: barriers on this thread, files in the background
+    saver = AsyncCheckpointer(p, run.world, run.rank) if cfg.async_checkpoint and write_outputs else None
     tokens_per_step = cfg.batch_size * cfg.seq_len
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -337,7 +349,9 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
                 writer.write(row)
             progress.update(row)
             if write_outputs and cfg.checkpoint_due(step):
-                save_checkpoint(run, ckpt_root, step)
+                save_checkpoint(run, ckpt_root, step, saver)
+        if saver is not None:
+            saver.wait()  # the last checkpoint is complete before the run returns
     finally:
         progress.close()
         if writer is not None:

@@ -181,10 +181,10 @@ def check_resume(out: str) -> None:
     # step 4's checkpoint exists again; cut one shard off mid-write, and leave a crashed save behind
     p.barrier().wait() if n > 1 else None
     if r == 0:
-        shard = ckpt / "step_00000004" / f"rank_{n - 1:05d}.npz"
+        shard = ckpt / "step_00000004" / f"rank_{n - 1:05d}.safetensors"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         (ckpt / ".step_00000009.tmp").mkdir()
-        (ckpt / ".step_00000009.tmp" / "rank_00000.npz").write_bytes(b"partial")
+        (ckpt / ".step_00000009.tmp" / "rank_00000.safetensors").write_bytes(b"partial")
     p.barrier().wait() if n > 1 else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

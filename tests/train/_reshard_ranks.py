@@ -3,9 +3,9 @@ the harness requires)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
+from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +13,7 @@ import numpy as np
 from hyper_parallel.core.fully_shard import Box
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train import checkpoint
+from hyper_parallel.train.checkpoint_format import digest
 from hyper_parallel.train.config import PRESETS, Layout, ModelConfig
 from hyper_parallel.train.loop import layout_record, load_checkpoint, restore, save_checkpoint, setup, train
 from tests.train._ranks import PIPELINE_MODEL, losses, tiny_config
@@ -32,7 +33,7 @@ EVERY = 1
 def full_tensors(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """The manifest of the checkpoint at ``path`` and every tensor it holds, whole (each
     assembled from its pieces by ``read_pieces`` with the global box)."""
-    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    manifest = checkpoint.read_manifest(path)
     boxes = {key: Box(tuple(entry["shape"]), (0,) * len(entry["shape"]), tuple(entry["shape"]))
              for key, entry in manifest["tensors"].items()}
     return manifest, checkpoint.read_pieces(path, manifest, boxes)
@@ -140,3 +141,85 @@ def check_reshard_chains(out: str, chains: list[tuple[str, list[dict]]]) -> list
         np.testing.assert_allclose(resumed, ref[EVERY * last:], rtol=2e-5, atol=0,
                                    err_msg=f"single process resumed at step {EVERY * last} from {chain[last - 1]}")
     return results
+
+
+def check_format_2_resume(out: str) -> list[float]:
+    """A checkpoint of format 2 (``manifest.json`` and ``.npz`` shards, written by the
+    writer of before the safetensors format: ``_legacy_checkpoint``) resumes: in the same
+    layout (dp-shard over the world) bit-identically to the uninterrupted run, and resharded
+    into tp over the world within the layouts' parity (2e-5 relative, as
+    ``check_reshard_chains``); its tensors read back equal to the format-3 checkpoint of the
+    same state, and the resumed run's new checkpoints (format 3) are preferred over it."""
+    from tests.train import _legacy_checkpoint
+    from hyper_parallel.train.loop import checkpoint_pieces, data_record, model_record
+
+    p = get_platform()
+    n, r = p.world_size(), p.rank()
+    cfg = tiny_config(f"{out}/full", nproc=n, layout=Layout(dp_shard=n), steps=4, checkpoint_every=2, eval_every=4)
+    full = losses(train(cfg))
+    # the state of step 2, loaded from the new checkpoint and written in the old format
+    legacy = Path(f"{out}/legacy")
+    (cfg.checkpoint_path / "step_00000004").rename(cfg.checkpoint_path / "moved") if r == 0 else None
+    p.barrier().wait()
+    run = setup(cfg)
+    hashed: list[str] = []
+
+    def counted(path: Path) -> str:
+        hashed.append(path.name)
+        return digest(path)
+
+    with mock.patch.object(checkpoint, "digest", counted):
+        loaded = load_checkpoint(run, cfg.checkpoint_path)
+    assert loaded is not None and loaded.step == 2 and loaded.manifest["format"] == 3, loaded
+    # [Note: shared verification]: each rank hashed its share of the files, no other
+    assert hashed == [f"rank_{i:05d}.safetensors" for i in range(r, n, n)], hashed
+    restore(run, loaded)
+    state = run.optimizer.state_arrays()
+    meta = {"layout": layout_record(cfg, cfg.layout), "model": model_record(cfg), "data": data_record(cfg),
+            "optimizer_step": int(state["step"])}
+    _legacy_checkpoint.save(p, legacy, 2, checkpoint_pieces(run, state), meta, n, r)
+    assert sorted(x.name for x in (legacy / "step_00000002").iterdir()) == sorted(
+        ["manifest.json", *(f"rank_{i:05d}.npz" for i in range(n)), *(f"rank_{i:05d}.npz.sha256" for i in range(n))])
+    curves = []
+    for i, layout in enumerate([Layout(dp_shard=n), Layout(tp=n)]):
+        folder = Path(f"{out}/resume{i}/checkpoints")
+        if r == 0:
+            shutil.copytree(legacy, folder)
+        p.barrier().wait()
+        rows = train(cfg.replace(out=f"{out}/resume{i}", layout=layout, resume=True, checkpoint_dir=str(folder)))
+        curves.append(losses(rows))
+        newest = checkpoint.latest_manifest(folder)
+        assert newest is not None and newest[1]["format"] == 3 and newest[1]["step"] == 4, newest
+    np.testing.assert_array_equal(curves[0], full[2:], err_msg="format 2, same layout")
+    np.testing.assert_allclose(curves[1], full[2:], rtol=2e-5, atol=0, err_msg="format 2 resharded into tp")
+    if r == 0:
+        old, old_values = full_tensors(legacy / "step_00000002")
+        new, new_values = full_tensors(cfg.checkpoint_path / "step_00000002")
+        assert old["format"] == 2 and new["format"] == 3 and sorted(old_values) == sorted(new_values)
+        for key, value in new_values.items():
+            np.testing.assert_array_equal(old_values[key], value, err_msg=key)
+    return [*curves[0].tolist(), *curves[1].tolist()]
+
+
+def framework_leg(out: str, degrees: dict, resume: bool) -> dict:
+    """One leg of a cross-framework resume: ``tiny`` for 4 steps in layout ``degrees``
+    (a checkpoint every 2 steps) on this rank's framework. ``resume``: continue from the
+    checkpoint that the test copied into ``<out>/checkpoints`` (written by the other
+    framework), after writing what was loaded back to ``<out>/round-trip`` (the state this
+    framework holds, to compare with the other framework's checkpoint). Returns the
+    losses, the step resumed from and the reshard message."""
+    p = get_platform()
+    n = p.world_size()
+    cfg = tiny_config(out, nproc=n, layout=Layout(**degrees), steps=4, checkpoint_every=2, eval_every=4,
+                      resume=resume)
+    run = setup(cfg)
+    start, message = 0, None
+    if resume:
+        loaded = load_checkpoint(run, cfg.checkpoint_path)
+        assert loaded is not None and loaded.resharded, loaded
+        start = loaded.step
+        message = checkpoint.reshard_message(loaded.path, loaded.manifest, layout_record(cfg, cfg.layout), n)
+        restore(run, loaded)
+        save_checkpoint(run, Path(out) / "round-trip", start)
+    rows = train(cfg, run=run)
+    return {"losses": losses(rows).tolist(), "start": start, "message": message, "framework": p.framework}

@@ -24,6 +24,7 @@ import pytest
 
 from hyper_parallel.testing.ports import free_port
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
+from hyper_parallel.train import checkpoint
 from hyper_parallel.train.cli import build_parser, config_from_args
 from tests.train._ranks import TEST_DATA, reference_losses
 
@@ -83,8 +84,8 @@ def test_two_nodes_through_torchrun(run_on_ranks, tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     assert all(len(row["peak_memory_bytes"]) == 4 for row in rows)  # one entry per rank of both nodes
-    manifest = json.loads((out / "checkpoints" / "step_00000002" / "manifest.json").read_text())
-    assert manifest["world_size"] == 4 and sorted(manifest["shards"]) == [f"rank_{r:05d}.npz" for r in range(4)]
+    manifest = checkpoint.read_manifest(out / "checkpoints" / "step_00000002")
+    assert manifest["world_size"] == 4 and sorted(manifest["shards"]) == [f"rank_{r:05d}.safetensors" for r in range(4)]
     # the ranks' config, as the launcher-less command line would build it for 4 ranks
     cfg = config_from_args(build_parser().parse_args([*job[2:], "--nproc", "4"]))
     ref = run_on_ranks(reference_losses, cfg.to_dict(), world_size=1, timeout_s=300)[0]

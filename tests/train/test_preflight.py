@@ -85,13 +85,13 @@ def test_unavailable_platform_is_one_line(tmp_path: Path) -> None:
 def test_resume_with_only_a_cut_off_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A checkpoint that fails verification does not count: --resume names it and why."""
     _save_tiny_checkpoint(tmp_path)
-    (tmp_path / "step_00000002" / "manifest.json").unlink()
+    (tmp_path / "step_00000002" / "model.safetensors.index.json").unlink()
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--model", "tiny", "--nproc", "1", "--resume", "--checkpoint-dir", str(tmp_path),
               "--out", str(tmp_path / "run")])
     assert exit_info.value.code == 2
     message = capsys.readouterr().err
-    assert "none of its 1 checkpoints is complete (step_00000002: it has no manifest.json" in message, message
+    assert "none of its 1 checkpoints is complete (step_00000002: it has no model.safetensors.index.json" in message, message
 
 
 def test_resume_with_another_model_names_parameters_and_shapes(tmp_path: Path,

@@ -23,6 +23,7 @@ import pytest
 
 from hyper_parallel.testing import run_on_ranks as run_on_fresh_ranks
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
+from hyper_parallel.train import checkpoint
 from hyper_parallel.train.cli import build_parser, config_from_args, main, parity_report
 from tests.train._parity_ranks import CROSS_FRAMEWORK_RTOL, run_losses
 from tests.train._ranks import (TEST_DATA, check_data_parallel_parity, check_dp_shard_parity_and_resume,
@@ -223,8 +224,9 @@ def test_command_line_run(run_on_ranks, tmp_path: Path, flags: list[str], ranks:
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = sorted(path.name for path in (out / "checkpoints").iterdir())
     assert saved == [f"step_{every:08d}", f"step_{steps:08d}"], saved
-    manifest = json.loads((out / "checkpoints" / f"step_{steps:08d}" / "manifest.json").read_text())
-    assert manifest["world_size"] == ranks and sorted(manifest["shards"]) == [f"rank_{r:05d}.npz" for r in range(ranks)]
+    manifest = checkpoint.read_manifest(out / "checkpoints" / f"step_{steps:08d}")
+    assert manifest["format"] == 3 and manifest["world_size"] == ranks, manifest
+    assert sorted(manifest["shards"]) == [f"rank_{r:05d}.safetensors" for r in range(ranks)], manifest["shards"]
     assert f"done: step {steps}" in done.stdout
     cfg = config_from_args(build_parser().parse_args(args))
     if cfg.layout.pp == 1:
@@ -248,7 +250,6 @@ def test_resume_with_another_model_is_refused(tmp_path: Path, capsys) -> None:
     """A checkpoint resumes in any layout (tests/train/test_checkpoint_reshard.py), but not
     into another model: that stops before any rank starts, naming the differing sizes."""
     from hyper_parallel.core.fully_shard import Box
-    from hyper_parallel.train import checkpoint
     from hyper_parallel.train.loop import layout_record, model_record
 
     written = _config("--model", "tiny", "--tp", "2")
