@@ -284,7 +284,7 @@ def test_byte_tokenizer(tmp_path: Path) -> None:
 def _corrupt_a_shard(step: Path) -> None:
     """Append a byte to one file of the checkpoint other than its manifest (whatever the
     shard format): verification must fail."""
-    shard = sorted(entry for entry in step.iterdir() if entry.is_file() and entry.name != "manifest.json")[0]
+    shard = sorted(entry for entry in step.iterdir() if entry.is_file() and entry.name.startswith("rank_"))[0]
     with shard.open("ab") as f:
         f.write(b"\0")
 
@@ -295,9 +295,9 @@ REFUSALS = [
     ("a-file", ["{tmp}/file", "--out", "{tmp}/out"], ["is a file, not a folder"]),
     ("empty-root", ["{tmp}/empty", "--out", "{tmp}/out"], ["'{tmp}/empty' holds no step_* checkpoint"]),
     ("cut-off-step", ["{tmp}/cut/step_00000003", "--out", "{tmp}/out"],
-     ["checkpoint '{tmp}/cut/step_00000003' is unusable: it has no manifest.json"]),
+     ["checkpoint '{tmp}/cut/step_00000003' is unusable: it has no model.safetensors.index.json"]),
     ("only-cut-off", ["{tmp}/cut", "--out", "{tmp}/out"],
-     ["none of the 1 checkpoints under '{tmp}/cut' is complete", "step_00000003: it has no manifest.json"]),
+     ["none of the 1 checkpoints under '{tmp}/cut' is complete", "step_00000003: it has no model.safetensors.index.json"]),
     ("corrupted", ["{tmp}/bad/step_00000002", "--out", "{tmp}/out"],
      ["checkpoint '{tmp}/bad/step_00000002' is unusable"]),
     ("hf-without-config", ["{tmp}/old_hf", "--out", "{tmp}/out"],
