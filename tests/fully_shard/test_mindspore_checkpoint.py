@@ -6,7 +6,8 @@ paths (it would write this rank's piece under the parameter's name); the support
 ``mindspore.save_checkpoint(full_state_dict(cell), path)`` on rank 0, writes the full
 values exactly, and they load back through ``load_full_state_dict``;
 ``load_param_into_net`` of that full checkpoint into the sharded Cell is refused by
-MindSpore (shape check) and changes nothing. MindSpore only.
+MindSpore (shape check) and changes nothing; ``asnumpy()`` of a sharded parameter refuses
+(a replicated one gives its value). MindSpore only.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def check(path: str, layout: str) -> None:
         with pytest.raises(TypeError, match="save_sharded_state_dict.*full_state_dict"):
             ms.save_checkpoint(obj, target)
     assert not os.path.exists(target)
+    # reading a parameter as numpy: the value where this rank holds all of it, else refused
+    for name, param in params.items():
+        if all(pl.is_replicate() for pl in param.placements):
+            np.testing.assert_array_equal(param.asnumpy(), values[name], err_msg=name)
+        else:
+            with pytest.raises(TypeError, match="this rank holds one piece.*full_tensor"):
+                param.asnumpy()
+    assert any(not all(pl.is_replicate() for pl in v.placements) for v in params.values())
 
     full = full_state_dict(cell)  # collective; rank 0 holds the arrays
     if p.rank() == 0:

@@ -27,8 +27,8 @@ computes a norm of this rank's pieces only.
 [Note: MindSpore checkpoints of DTensor parameters]
 Checked on MindSpore 2.10 CPU, for a Cell under fully_shard or tensor parallelism:
 ``cell.parameters_dict()`` holds the ``ParameterDTensor`` parameters (global shapes,
-this rank's piece inside; ``asnumpy()`` and ``Tensor(param)`` give the piece, of the
-local shape). ``mindspore.save_checkpoint`` of the Cell, of that dict or of a list of
+this rank's piece inside; ``Tensor(param)`` gives the piece, of the local shape, and
+``asnumpy()`` refuses unless the parameter is replicated). ``mindspore.save_checkpoint`` of the Cell, of that dict or of a list of
 the parameters first calls ``init_data`` on each parameter (``Cell.init_parameters_data``,
 or directly), then reads the data through ``Tensor(param.data)`` / ``get_bytes()``, which
 is the piece: MindSpore's own ``Tensor.init_data`` happened to fail there with an
@@ -174,6 +174,23 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                 "hyper_parallel.core.fully_shard.save_sharded_state_dict(cell, path) (each rank's pieces with their "
                 "boxes; loads into any layout), or full_state_dict(cell) (full numpy arrays on rank 0, which "
                 "mindspore.save_checkpoint(dict, path) accepts; load them back with load_full_state_dict)")
+
+        def asnumpy(self) -> Any:
+            """The value as numpy where this rank holds all of it (every placement
+            ``Replicate``); else refuse: the storage is this rank's piece (or a partial
+            sum), which a caller of ``cell.parameters_dict()`` would take for the whole
+            parameter (see [Note: MindSpore checkpoints of DTensor parameters]).
+
+            Raises:
+                TypeError: a ``Shard`` or ``Partial`` placement, naming the paths that read it.
+            """
+            if all(pl.is_replicate() for pl in self._spec.placements):
+                return super().asnumpy()
+            raise TypeError(
+                f"asnumpy() of a hyper_parallel DTensor (global shape {tuple(self._spec.shape)}, placements "
+                f"{list(self._spec.placements)}): this rank holds one piece, not the value. Read the whole value "
+                "with x.full_tensor().asnumpy() (collective), this rank's piece with x.to_local().asnumpy(), or a "
+                "module's parameters with hyper_parallel.core.fully_shard.full_state_dict(cell)")
 
         def __fallback__(self, op: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
             kwargs = dict(kwargs or {})
