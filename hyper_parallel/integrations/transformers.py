@@ -511,11 +511,12 @@ def apply_layout(module: Any, model: Any, mesh: DeviceMesh, *, tp_plan: dict[str
     plan = None
     if cp_style is not None:
         cp_mesh = mesh["cp"] if cp_mesh is None else cp_mesh
+        plan = cp_style.resolve(cp_mesh)  # the same for every layer: resolved once for the cores to read
         for layer in _attention_layers(module):
             core = CoreAttention()
             setattr(layer, CORE_ATTR, core)
             cp_style.apply(core, cp_mesh)
-            core.plan = plan = cp_style.resolve(cp_mesh)
+            core.plan = plan
     layers = decoder_layers(model, within=module)
     if activation_checkpointing:
         for layer in layers:

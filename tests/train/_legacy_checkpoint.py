@@ -4,7 +4,6 @@ eedeaa1), kept to write old checkpoints in the tests that resume from them."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.platform import Platform
+from hyper_parallel.train.checkpoint_format import digest, fsync_path
 
 MANIFEST = "manifest.json"
 FORMAT = 2
@@ -30,22 +30,6 @@ def _shard_name(rank: int) -> str:
 
 def _index_name(rank: int) -> str:
     return f"rank_{rank:05d}.index.json"
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _barrier(p: Platform, world: int) -> None:
@@ -98,14 +82,14 @@ def save(p: Platform, root: Path, step: int, pieces: dict[str, Piece], meta: dic
         np.savez(f, **{key: np.ascontiguousarray(pieces[key].value) for key in owned})
         f.flush()
         os.fsync(f.fileno())
-    (tmp / (shard.name + ".sha256")).write_text(f"{shard.stat().st_size} {_digest(shard)}\n")
+    (tmp / (shard.name + ".sha256")).write_text(f"{shard.stat().st_size} {digest(shard)}\n")
     _barrier(p, world)
     if rank == 0:
         _write_manifest(tmp, step, world, meta)
         if final.exists():  # a checkpoint of the same step from an earlier run
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
         for old in complete_steps(root)[:-KEEP]:
             shutil.rmtree(_step_dir(root, old), ignore_errors=True)
     _barrier(p, world)
