@@ -89,7 +89,14 @@ def run_rank(cfg: TrainConfig) -> list[dict[str, Any]]:
                              f"needs --nproc {cfg.nproc}; launch {cfg.nproc} ranks")
         from hyper_parallel.train.loop import train
 
-        return train(cfg)
+        rows = train(cfg)
+        # Leave in order: no rank tears its connections down while a peer still uses
+        # them. Without this the process group went down in the interpreter's exit, and
+        # one CI run (pp 2 with --async-checkpoint) saw a rank abort there in native code
+        # ("terminate called without an active exception") after a complete run.
+        p.barrier().wait()
+        p.destroy_process_group()
+        return rows
     except BaseException:
         path = error_path(cfg, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
