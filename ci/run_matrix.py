@@ -32,13 +32,13 @@ def usable_backends() -> list[str]:
 
 def backend_env(name: str) -> dict[str, str]:
     env = dict(os.environ)
+    env["HYPER_PARALLEL_PLATFORM"] = name  # unless the entry names its backend (mindformers-cpu: mindspore-cpu)
     env_file = REPO / "platform" / name / "env"
     for line in env_file.read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             key, _, value = line.partition("=")
             env[key.strip()] = value.strip()
-    env["HYPER_PARALLEL_PLATFORM"] = name
     return env
 
 

@@ -75,4 +75,4 @@ __all__ = [
     # activation checkpointing
     "apply_activation_checkpointing", "checkpoint_wrapper",
 ]
-__version__ = "0.1.0"
+__version__ = "1.0.0"

@@ -12,12 +12,15 @@ not."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
-from hyper_parallel.core.activation_checkpoint import (CheckpointPhase, apply_activation_checkpointing, checkpoint,
-                                                       checkpoint_phase, checkpoint_wrapper, is_checkpointed,
-                                                       remove_checkpoint_wrapper)
+from hyper_parallel.core.activation_checkpoint import (CheckpointPhase, CheckpointPolicy, SwapManager,
+                                                       apply_activation_checkpointing, checkpoint, checkpoint_phase,
+                                                       checkpoint_wrapper, is_checkpointed, remove_checkpoint_wrapper,
+                                                       swap_wrapper)
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.platform import get_platform
@@ -147,3 +150,52 @@ def check_api() -> None:
 
 def test_api(run_on_ranks) -> None:
     run_on_ranks(check_api, world_size=1)
+
+
+def check_context_fn_and_refusals() -> None:
+    """``context_fn``: the forward runs in its first context, the recomputation in its
+    second (torch's semantics, MindFormers' recompute marker); gradients unchanged. The
+    parts not built (selective policies, output recomputation, swapping) refuse."""
+    p = get_platform()
+    entered: list[str] = []
+
+    @contextlib.contextmanager
+    def mark(name):
+        entered.append(name)
+        yield
+
+    def contexts():
+        return mark("forward"), mark("recompute")
+
+    x = p.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    _, backward = p.vjp(lambda t: checkpoint(lambda u: (u * u).sum(), t, context_fn=contexts), [x])
+    (gx,), _ = backward([_scalar(p, 1.0)])
+    np.testing.assert_array_equal(p.to_numpy(gx), 2 * p.to_numpy(x))
+    assert entered == ["forward", "recompute"], entered
+
+    cfg = tiny_config("/tmp/unused").model
+    model = build_model(p, cfg, 0)
+    entered.clear()
+    checkpoint_wrapper(model.layers[0], context_fn=contexts)
+    tokens = p.from_numpy(np.zeros((1, 4), np.int64))
+    _, backward = p.vjp(model, [tokens, tokens, tokens], [param for _, param in p.named_parameters(model)])
+    assert entered == ["forward"], entered
+    backward([_scalar(p, 1.0)])
+    assert entered == ["forward", "recompute"], entered
+    with pytest.raises(TypeError, match="return a tuple of two context managers"):
+        p.vjp(lambda t: checkpoint(lambda u: u.sum(), t, context_fn=lambda: None), [x])
+
+    with pytest.raises(NotImplementedError, match="policy_fn .* not supported yet"):
+        checkpoint_wrapper(model.layers[1], policy_fn=lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
+    with pytest.raises(NotImplementedError, match="output_recompute=True .* not supported yet"):
+        checkpoint_wrapper(model.layers[1], output_recompute=True)
+    assert not is_checkpointed(model.layers[1])
+    with pytest.raises(NotImplementedError, match="swap_wrapper: activation swap"):
+        swap_wrapper(model.layers[1])
+    with pytest.raises(NotImplementedError, match="SwapManager: activation swap"):
+        SwapManager()
+    assert [policy.value for policy in CheckpointPolicy] == [0, 1, 2, 3, 4]  # torch's values, then MUST_SWAP
+
+
+def test_context_fn_and_refusals(run_on_ranks) -> None:
+    run_on_ranks(check_context_fn_and_refusals, world_size=1)

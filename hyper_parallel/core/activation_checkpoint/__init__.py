@@ -10,7 +10,8 @@ from hyper_parallel.core.activation_checkpoint.checkpoint import (
     is_checkpointed,
     remove_checkpoint_wrapper,
 )
+from hyper_parallel.core.activation_checkpoint.policy import CheckpointPolicy, SwapManager, swap_wrapper
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
 
-__all__ = ["CheckpointPhase", "apply_activation_checkpointing", "checkpoint", "checkpoint_phase",
-           "checkpoint_wrapper", "is_checkpointed", "remove_checkpoint_wrapper"]
+__all__ = ["CheckpointPhase", "CheckpointPolicy", "SwapManager", "apply_activation_checkpointing", "checkpoint",
+           "checkpoint_phase", "checkpoint_wrapper", "is_checkpointed", "remove_checkpoint_wrapper", "swap_wrapper"]

@@ -76,16 +76,20 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.region import _EXIT, _PHASE, CheckpointPhase
 from hyper_parallel.platform import get_platform
 
+#: ``context_fn() -> (forward_context, recompute_context)``, torch's ``checkpoint`` hook.
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+
 #: The attribute of a checkpointed module that holds its forward replacement's handle.
 CHECKPOINT_ATTR = "_checkpoint_handle"
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
+def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None = None) -> Any:
     """``fn(*args)`` without keeping its intermediate activations: the tensors its
     operations save for backward are dropped after the forward and recomputed, by
     running ``fn(*args)`` again, when the backward first needs one (torch
@@ -106,6 +110,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
             (the same saved tensors in the same order) when run again.
         *args: positional inputs (tensors are kept by reference); bind keyword
             arguments into ``fn`` (``functools.partial``).
+        context_fn: called once per ``checkpoint`` call, returns two context managers
+            ``(forward_context, recompute_context)``: the forward runs inside the first,
+            the recomputation inside the second (torch's ``context_fn``; e.g. to skip a
+            side effect such as logging in the recomputation).
 
     Returns:
         What ``fn(*args)`` returns.
@@ -116,6 +124,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
     """
     p = get_platform()
     runs = 0
+    contexts = context_fn() if context_fn is not None else None
+    if context_fn is not None and not (isinstance(contexts, tuple) and len(contexts) == 2):
+        raise TypeError(f"checkpoint: context_fn returned {contexts!r}; return a tuple of two context managers "
+                        "(forward_context, recompute_context)")
 
     def run(*inputs: Any) -> Any:
         nonlocal runs
@@ -125,7 +137,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
         exits: list[Callable[[], None]] = []
         exit_token = _EXIT.set(exits if phase is CheckpointPhase.RECOMPUTE else None)
         try:
-            return fn(*inputs)
+            if contexts is None:
+                return fn(*inputs)
+            with contexts[0] if phase is CheckpointPhase.FORWARD else contexts[1]:
+                return fn(*inputs)
         finally:
             _EXIT.reset(exit_token)
             _PHASE.reset(token)
@@ -135,11 +150,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
     return p.recompute(run, *args)
 
 
-def _checkpointed_forward(module: Any, args: tuple[Any, ...], forward: Callable[..., Any]) -> Any:
-    return checkpoint(forward, *args)
-
-
-def checkpoint_wrapper(module: Any) -> Any:
+def checkpoint_wrapper(module: Any, *, context_fn: ContextFn | None = None, policy_fn: Callable[..., Any] | None = None,
+                       output_recompute: bool = False) -> Any:
     """Checkpoint ``module`` in place: each call runs its forward through ``checkpoint``
     (its intermediate activations are recomputed in the backward). The module stays
     where it is, with its parameter names and its hooks (which run once, around the
@@ -148,6 +160,11 @@ def checkpoint_wrapper(module: Any) -> Any:
 
     Args:
         module: a torch ``nn.Module`` / MindSpore ``Cell`` whose forward is deterministic.
+        context_fn: as ``checkpoint``'s, called once per forward of ``module``.
+        policy_fn: selective checkpointing (per-op ``CheckpointPolicy``): not supported
+            yet; anything but ``None`` raises.
+        output_recompute: recomputing the module's output too: not supported yet;
+            ``True`` raises.
 
     Returns:
         ``module``.
@@ -156,10 +173,22 @@ def checkpoint_wrapper(module: Any) -> Any:
         ValueError: ``module`` is checkpointed already, or ``module`` or a submodule is
             fully sharded (apply activation checkpointing first, then fully_shard, see
             [Note: composing activation checkpointing with the other layouts]).
+        NotImplementedError: ``policy_fn`` or ``output_recompute=True``.
     """
+    if policy_fn is not None:
+        raise NotImplementedError("checkpoint_wrapper: policy_fn (selective activation checkpointing, a "
+                                  "CheckpointPolicy per op) is not supported yet; drop policy_fn to recompute the "
+                                  "whole module")
+    if output_recompute:
+        raise NotImplementedError("checkpoint_wrapper: output_recompute=True (recomputing the module's output in "
+                                  "the backward) is not supported yet; use output_recompute=False")
     _check_wrappable(module, "checkpoint_wrapper", type(module).__name__)
     p = get_platform()
-    vars(module)[CHECKPOINT_ATTR] = p.register_forward_hook(module, _checkpointed_forward, replace_forward=True)
+
+    def forward(module: Any, args: tuple[Any, ...], original: Callable[..., Any]) -> Any:
+        return checkpoint(original, *args, context_fn=context_fn)
+
+    vars(module)[CHECKPOINT_ATTR] = p.register_forward_hook(module, forward, replace_forward=True)
     return module
 
 

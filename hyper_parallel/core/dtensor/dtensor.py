@@ -28,6 +28,7 @@ from typing import Any
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_shape, normalize_placements
+from hyper_parallel.core.dtensor.layout import Layout
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
 from hyper_parallel.core.dtensor.redistribute import (
     gradient_placements,
@@ -185,6 +186,14 @@ class DTensor:
     @property
     def spec(self) -> DTensorSpec:
         return self._spec
+
+    @property
+    def layout(self) -> Layout:
+        """The sharding in MindSpore's terms (device matrix, tensor map, rank list; see
+        ``layout.py``), built from the spec on each read. On torch the tensor's own
+        ``layout`` (``torch.strided``) takes precedence: read ``Layout.of(dt.device_mesh,
+        dt.placements, dt.shape)`` there."""
+        return Layout.of(self._spec.mesh, self._spec.placements, self._spec.shape)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
