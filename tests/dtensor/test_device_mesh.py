@@ -95,3 +95,34 @@ def check_bad_input() -> None:
 
 def test_bad_input_raises_before_any_collective(run_on_ranks) -> None:
     run_on_ranks(check_bad_input, world_size=4)
+
+
+def check_unflatten_and_flatten() -> dict:
+    """MindFormers' mesh building (``ParallelDims.build_mesh``): the world mesh split by
+    ``_unflatten`` into (pp, batch, cp, tp) = (1, 2, 1, 2), a submesh flattened with
+    ``_flatten`` and found again by name on the root, and the MindSpore-style queries."""
+    p = get_platform()
+    world = init_device_mesh(p.device_type, (4,), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, (1, 2, 1, 2), ("pp", "batch", "cp", "tp"), backend_override={"pp": "fake", "cp": "fake"})
+    assert mesh.shape == mesh.mesh_shape == (1, 2, 1, 2) and mesh.rank_list == (0, 1, 2, 3)
+    assert mesh.root_mesh is world and mesh["tp"].root_mesh is world
+    me = p.rank()
+    assert p.group_ranks(mesh.get_group("tp")) == [me - me % 2, me - me % 2 + 1]
+    assert mesh.get_rank_list_along_axis("batch") == [me % 2, me % 2 + 2]
+    loss = mesh["batch", "cp"]._flatten("loss_mesh")
+    assert loss.mesh_dim_names == ("loss_mesh",) and loss.rank_list == (me % 2, me % 2 + 2)
+    assert p.group_ranks(world.get_group("loss_mesh")) == [me % 2, me % 2 + 2]  # looked up on the root
+    assert _expect(lambda: mesh["cp", "tp"]._flatten("loss_mesh"), "'loss_mesh' already names", "another name")
+    total = p.all_reduce(p.from_numpy(np.ones(1, np.float32)), "sum", group=world.get_group("loss_mesh")).wait()
+    assert float(p.to_numpy(total)[0]) == 2.0
+    assert _expect(lambda: world._unflatten(0, (3, 2), ("a", "b")), "multiply to 6", "has 4 ranks")
+    assert _expect(lambda: world._unflatten(0, (2, 2), ("a",)), "1 names", "one name per size")
+    assert _expect(lambda: world._unflatten(0, (2, 2), ("a", "b"), backend_override={"c": "fake"}), "['c']",
+                   "not among the new axes")
+    assert _expect(lambda: mesh["tp"]._unflatten(0, (2, 1), ("x", "y")), "not the whole world")
+    return {"loss": loss.rank_list}
+
+
+def test_unflatten_and_flatten(run_on_ranks) -> None:
+    results = run_on_ranks(check_unflatten_and_flatten, world_size=4)
+    assert [r["loss"] for r in results] == [(0, 2), (1, 3), (0, 2), (1, 3)]

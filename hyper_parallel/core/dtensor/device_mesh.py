@@ -53,6 +53,10 @@ class DeviceMesh:
         self._root: DeviceMesh = self
         self._root_axes: tuple[int, ...] = tuple(range(ranks.ndim))  # this mesh's axes as root axes
         self._groups: tuple[Any, ...] = tuple(p.split_group(_axis_lines(ranks, [a])) for a in range(ranks.ndim))
+        # the mesh this one was unflattened from (itself if none): ``_flatten(name)`` of any
+        # mesh derived from it registers the flattened mesh there, under ``name``
+        self._origin: DeviceMesh = self
+        self._flattened: dict[str, DeviceMesh] = {}
 
     def _init(self, device_type: str, ranks: np.ndarray, names: Sequence[str] | None) -> None:
         p = get_platform()
@@ -119,6 +123,10 @@ class DeviceMesh:
             RuntimeError: this rank is not in the mesh.
         """
         self._require_coordinate("get_group")
+        if isinstance(axis, str) and (self._names is None or axis not in self._names):
+            flat = self.root_mesh._flattened.get(axis)
+            if flat is not None:  # torch's root_mesh.get_group("dp_cp") after _flatten("dp_cp")
+                return flat._groups[0]
         return self._groups[self._axis(axis)]
 
     def _require_coordinate(self, what: str) -> tuple[int, ...]:
@@ -179,6 +187,97 @@ class DeviceMesh:
         flat._root_axes = self._root_axes
         flat._groups = (group,)
         return flat
+
+    # -- the names MindFormers and torch's private API use -----------------------------------
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The grid's shape (MindSpore's name for ``shape``)."""
+        return self.shape
+
+    @property
+    def rank_list(self) -> tuple[int, ...]:
+        """The grid's global ranks in row-major order."""
+        return tuple(int(r) for r in self._mesh.reshape(-1))
+
+    @property
+    def root_mesh(self) -> DeviceMesh:
+        """The mesh every mesh derived from this one comes from: the one built with
+        ``init_device_mesh`` (through ``_unflatten``, submeshes and ``flatten``)."""
+        return self._root._origin
+
+    def get_rank_list_along_axis(self, axis: int | str) -> list[int]:
+        """The global ranks of ``axis``'s line through this rank (its group's ranks).
+
+        Raises:
+            ValueError: unknown axis. RuntimeError: this rank is not in the mesh.
+        """
+        coordinate = self._require_coordinate("get_rank_list_along_axis")
+        a = self._axis(axis)
+        index = tuple(slice(None) if i == a else c for i, c in enumerate(coordinate))
+        return [int(r) for r in self._mesh[index]]
+
+    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """``flatten(name)``, and the flattened mesh registered on ``root_mesh`` under its
+        name (torch's ``DeviceMesh._flatten``): ``root_mesh.get_group(name)`` then gives
+        its group. Collective as ``flatten``.
+
+        Raises:
+            ValueError: the name is taken by another flattening of other axes.
+        """
+        name = mesh_dim_name if mesh_dim_name is not None else "_".join(self._names) if self._names else None
+        registry = self.root_mesh._flattened
+        known = registry.get(name) if name is not None else None
+        if known is not None and known.rank_list != self.rank_list:  # checked before the collective
+            raise ValueError(f"DeviceMesh._flatten: {name!r} already names the flattened mesh {known.rank_list}, "
+                             f"not these ranks {self.rank_list}; choose another name")
+        flat = self.flatten(mesh_dim_name)
+        if name is not None:
+            registry[name] = flat
+        return flat
+
+    def _unflatten(self, dim: int | str, sizes: Sequence[int], names: Sequence[str], *,
+                   backend_override: dict[str, Any] | None = None) -> DeviceMesh:
+        """Split axis ``dim`` into axes of ``sizes`` named ``names`` (torch's
+        ``DeviceMesh._unflatten``; row-major, so rank order is kept): a new mesh over the
+        same ranks with a process group per axis, whose ``root_mesh`` is this mesh's.
+        Collective over the world (group creation): every rank calls it in the same order.
+
+        ``backend_override`` (``{axis name: "fake" | None}``) is accepted and every axis
+        gets a real group anyway: a ``"fake"`` axis (no group, in MindFormers' meshes for
+        size-1 axes and the data-loading ``batch`` axis) would fail where a collective
+        reaches it, a real one only costs its creation.
+
+        Raises:
+            ValueError: ``prod(sizes)`` is not the axis's size, ``names`` do not fit
+                (count, duplicates, clash with the other axes), a ``backend_override``
+                key that is not in ``names``, or a mesh that does not hold every rank of
+                the world (unflatten the world mesh).
+        """
+        a = self._axis(dim)
+        sizes = tuple(int(size) for size in sizes)
+        names = tuple(names)
+        if int(np.prod(sizes)) != self.shape[a] or any(size < 1 for size in sizes):
+            raise ValueError(f"DeviceMesh._unflatten: sizes={sizes} multiply to {int(np.prod(sizes))} but axis {dim!r} "
+                             f"has {self.shape[a]} ranks; give sizes whose product is {self.shape[a]}")
+        if len(names) != len(sizes):
+            raise ValueError(f"DeviceMesh._unflatten: {len(names)} names {names} for {len(sizes)} sizes {sizes}; "
+                             "give one name per size")
+        others = tuple(n for i, n in enumerate(self._names or ()) if i != a)
+        if self._names is None and self.ndim > 1:
+            raise ValueError("DeviceMesh._unflatten: the mesh has no axis names; name its axes (mesh_dim_names)")
+        unknown = sorted(set(backend_override or {}) - set(names))
+        if unknown:
+            raise ValueError(f"DeviceMesh._unflatten: backend_override names {unknown}, which are not among the new "
+                             f"axes {names}")
+        world = get_platform().world_size()
+        if sorted(self.rank_list) != list(range(world)):
+            raise ValueError(f"DeviceMesh._unflatten: the mesh holds ranks {self.rank_list}, not the whole world of "
+                             f"{world}; unflatten the world mesh (init_device_mesh) instead")
+        shape = self.shape[:a] + sizes + self.shape[a + 1:]
+        all_names = (others[:a] + names + others[a:]) if self._names is not None else names
+        out = DeviceMesh(self._device_type, self._mesh.reshape(shape), mesh_dim_names=all_names)
+        out._origin = self.root_mesh
+        return out
 
     # -- identity ----------------------------------------------------------------------
     def _key(self) -> tuple[Any, ...]:

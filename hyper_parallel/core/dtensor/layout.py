@@ -241,6 +241,11 @@ class Layout:
         return self._placements
 
     @property
+    def alias_placements(self) -> tuple[Placement, ...] | None:
+        """The placements (the name MindFormers reads to rebuild a DTensor on ``mesh``)."""
+        return self._placements
+
+    @property
     def partial(self) -> list[str | None]:
         """Per mesh axis, the pending reduction (``"sum"``, ...) or ``None``."""
         return list(self._partial)
