@@ -31,7 +31,8 @@ from hyper_parallel.core.dtensor import (
 )
 from hyper_parallel.core.dtensor import functional as dtensor_functional
 from hyper_parallel.core.expert_parallel import MoE
-from hyper_parallel.core.fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from hyper_parallel.core.fully_shard import (CPUOffloadPolicy, HSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                                             fully_shard)
 from hyper_parallel.core.pipeline_parallel import (
     CommComputeOverlap,
     HookCoordinator,
@@ -67,7 +68,7 @@ __all__ = [
     "AsyncContextParallel", "ContextParallel", "context_parallel_shard", "context_parallel_unshard",
     "scaled_dot_product_attention",
     # fully_shard / HSDP
-    "CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
+    "CPUOffloadPolicy", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
     # pipeline and expert parallelism
     "CommComputeOverlap", "HookCoordinator", "MoE", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
     "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",

@@ -1,6 +1,6 @@
 """fully_shard: per-parameter sharding with FSDP2 semantics, HSDP on a 2-D mesh."""
 
-from hyper_parallel.core.fully_shard.api import fully_shard, hsdp_state
+from hyper_parallel.core.fully_shard.api import HSDPModule, fully_shard, hsdp_state
 from hyper_parallel.core.fully_shard.buffer_pool import GatherBufferPool
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
 from hyper_parallel.core.fully_shard.hsdp_state import HSDPState, TrainingState
@@ -10,6 +10,7 @@ from hyper_parallel.core.fully_shard.state_dict import (Box, copy_overlap, full_
                                                         save_sharded_state_dict, sharded_state_dict)
 from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_parallel
 
-__all__ = ["CPUOffloadPolicy", "GatherBufferPool", "HSDPParam", "HSDPState", "MixedPrecisionPolicy", "OffloadPolicy", "TrainingState", "full_state_dict", "fully_shard",
-           "hsdp_state", "load_full_state_dict", "load_sharded_state_dict", "save_sharded_state_dict",
-           "sharded_state_dict", "find_blocks", "weight_parallel", "Box", "copy_overlap", "local_boxes"]
+__all__ = ["Box", "CPUOffloadPolicy", "GatherBufferPool", "HSDPModule", "HSDPParam", "HSDPState", "MixedPrecisionPolicy",
+           "OffloadPolicy", "TrainingState", "copy_overlap", "find_blocks", "full_state_dict", "fully_shard",
+           "hsdp_state", "load_full_state_dict", "load_sharded_state_dict", "local_boxes", "save_sharded_state_dict",
+           "sharded_state_dict", "weight_parallel"]

@@ -5,6 +5,26 @@ MindSpore the ``value_and_grad`` function) from the module's parameters: fully_s
 replaces each managed parameter by a new framework parameter made from a DTensor (this
 rank's chunk as its local tensor), and both torch optimizers and MindSpore's ``value_and_grad`` bind parameter
 objects when they are built.
+
+[Note: the HSDPModule class swap]
+As FSDP2 (``FSDPModule``), ``fully_shard`` changes the module's class to
+``HSDP<Class>``, made by ``type()`` with bases ``(HSDPModule, Class)``: the module
+stays an instance of its own class (its ``forward`` / ``construct`` and attributes
+unchanged) and gains ``HSDPModule``'s methods, which delegate to its ``HSDPState``.
+Both torch ``Module`` and MindSpore ``Cell`` accept the ``__class__`` assignment (a
+``Cell``'s ``__setattr__`` passes a plain attribute to ``object.__setattr__``).
+The class made for ``Class`` is kept on ``Class`` itself (``vars(Class)["_hsdp_class"]``,
+read with ``vars`` so a subclass never inherits its parent's), so every module of one
+class gets the same ``HSDP<Class>``: a class per call would make ``type(a) is type(b)``
+false for two sharded layers of one kind, and torch.compile guards on the module's
+type, so it would compile each layer again (measured with torch 2.13: ten sharded
+layers, eight graphs, then the recompile limit). No table of classes is kept anywhere
+else. ``HSDPModule.__new__`` builds the original class, so a container's slicing
+(``Sequential[1:]``, ``CellList[1:]``, which call ``type(self)(...)``) gives a plain
+module, not one that claims to be sharded without a state. Deep and shallow copies
+refuse (``TypeError``): the state holds process groups, hooks and gathered buffers; copy
+the module before ``fully_shard``, or move values through a state dict. Pickling fails
+because ``HSDP<Class>`` is not importable by name.
 """
 
 from __future__ import annotations
@@ -16,10 +36,18 @@ from hyper_parallel.core.activation_checkpoint.checkpoint import is_checkpointed
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
-from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPContext, HSDPState
+from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPContext, HSDPState, parse_reduce_op_type
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.tensor_parallel.style import SEQUENCE_PARALLEL_ATTR
 from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.base import ReduceOp
+
+#: The attribute of an original class that holds its ``HSDP<Class>`` (in the class's own
+#: ``__dict__``); see [Note: the HSDPModule class swap].
+_HSDP_CLASS_ATTR = "_hsdp_class"
+#: The attribute of an ``HSDP<Class>`` that names ``Class``.
+_ORIGINAL_CLASS_ATTR = "_hsdp_original_class"
+
 
 def hsdp_state(module: Any) -> HSDPState:
     """The fully_shard state of ``module``: ``unshard()``, ``reshard()``,
@@ -32,6 +60,129 @@ def hsdp_state(module: Any) -> HSDPState:
     if state is None:
         raise ValueError(f"hsdp_state: {type(module).__name__} was not passed to fully_shard; call fully_shard on it")
     return state
+
+
+class HSDPModule:
+    """What a module passed to ``fully_shard`` becomes (PyTorch FSDP2's ``FSDPModule``):
+    ``fully_shard`` changes its class to ``HSDP<Class>``, a subclass of this mixin and
+    of its own class (see [Note: the HSDPModule class swap]), so
+    ``isinstance(module, HSDPModule)`` tells a fully sharded module and these methods
+    act on its unit (``hsdp_state(module)``). Not meant to be subclassed or built
+    directly.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Builds the original class (a container's slicing calls type(self)(...)): the
+        # new module has no unit, so it must not be an HSDPModule.
+        original = vars(cls).get(_ORIGINAL_CLASS_ATTR)
+        if original is None:
+            raise TypeError(f"{cls.__name__}: HSDPModule is not instantiated or subclassed directly; call "
+                            "fully_shard(module), which makes the module an HSDPModule")
+        module = original.__new__(original, *args, **kwargs)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(f"{type(self).__name__} is fully sharded and cannot be copied: its state holds process "
+                        "groups, hooks and gathered buffers. Copy the module before fully_shard, or load its "
+                        "values into another sharded module (full_state_dict / load_full_state_dict)")
+
+    def __copy__(self) -> Any:
+        return self.__deepcopy__({})
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather this unit's parameters over the shard axis (not recursive); with
+        ``async_op`` the all-gathers are only issued and the unit's next use waits for
+        them (returns ``None``, no handle). See ``HSDPState.unshard``."""
+        hsdp_state(self).unshard(async_op)
+
+    def reshard(self) -> None:
+        """Drop this unit's gathered parameters (not recursive). See ``HSDPState.reshard``."""
+        hsdp_state(self).reshard()
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[Any]) -> None:
+        """When this unit's forward starts, issue the all-gathers of ``modules`` (fully
+        sharded modules, e.g. the next layers) asynchronously.
+
+        Raises:
+            ValueError: a module that was not passed to fully_shard.
+        """
+        hsdp_state(self).set_modules_to_forward_prefetch(list(modules))
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[Any]) -> None:
+        """When this unit's backward starts, issue the all-gathers of ``modules`` (fully
+        sharded modules, e.g. the previous layers); replaces the implicit prefetch of the
+        unit the backward reaches next.
+
+        Raises:
+            ValueError: a module that was not passed to fully_shard.
+        """
+        hsdp_state(self).set_modules_to_backward_prefetch(list(modules))
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: backwards accumulate full gradients locally, with no collective,
+        and hand the optimizer zero sharded gradients; the next backward with ``True``
+        reduces the sum once (gradient accumulation; on HSDP both the reduce-scatter and
+        the replicate all-reduce are skipped). ``recurse``: this module's unit and every
+        fully sharded module inside it (``False``: this unit only).
+
+        Raises:
+            TypeError: ``requires_gradient_sync`` is not a bool.
+        """
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(f"set_requires_gradient_sync: requires_gradient_sync={requires_gradient_sync!r} must "
+                            "be a bool")
+        for state in _units(self, recurse):
+            state.set_requires_gradient_sync(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` to ``True`` / ``False`` from each unit's next
+        forward on (``False`` for evaluation, ``True`` again for training). ``recurse``:
+        this unit and every fully sharded module inside it. An int ``k`` is only taken
+        by ``fully_shard``. See ``HSDPState.set_reshard_after_forward``.
+
+        Raises:
+            TypeError: ``reshard_after_forward`` is not a bool.
+        """
+        for state in _units(self, recurse):  # the first unit's check raises before any change
+            state.set_reshard_after_forward(reshard_after_forward)
+
+    def set_reduce_op_type(self, op: str | ReduceOp, *, recurse: bool = True) -> None:
+        """How gradients are reduced over the data-parallel ranks (``N`` shard ranks,
+        times ``R`` replicate ranks on HSDP): ``"avg"`` or ``"mean"`` (the default)
+        divides the sum by ``N * R``, the gradient of the global-batch mean when each
+        rank's loss is the mean over its equal share; ``"sum"`` leaves the sum over the
+        ranks (a loss whose scaling already divides: MindFormers). ``ReduceOp.AVG`` /
+        ``ReduceOp.SUM`` are accepted too; names are case-insensitive. ``recurse``: this
+        unit and every fully sharded module inside it (``False``: this unit only). Set
+        it between steps.
+
+        Raises:
+            TypeError: ``op`` is not a str or a ReduceOp.
+            ValueError: ``op`` is another value; the message lists the accepted ones.
+        """
+        reduce_op = parse_reduce_op_type(op)  # before any unit changes
+        for state in _units(self, recurse):
+            state.set_reduce_op_type(reduce_op)
+
+
+def _units(module: Any, recurse: bool) -> list[HSDPState]:
+    """The unit of ``module``, and with ``recurse`` those of every fully sharded module
+    inside it (module order, ``module`` first)."""
+    if not recurse:
+        return [hsdp_state(module)]
+    p = get_platform()
+    return [hsdp_state(sub) for _, sub in p.named_modules(module) if isinstance(sub, HSDPModule)]
+
+
+def _hsdp_class(cls: type) -> type:
+    """``HSDP<cls>``, made once per class and kept on ``cls`` (see [Note: the HSDPModule
+    class swap])."""
+    made = vars(cls).get(_HSDP_CLASS_ATTR)
+    if made is None:
+        made = type(f"HSDP{cls.__name__}", (HSDPModule, cls), {_ORIGINAL_CLASS_ATTR: cls})
+        setattr(cls, _HSDP_CLASS_ATTR, made)
+    return made
 
 
 def _direct_params(module: Any) -> list[tuple[str, Any]]:
@@ -108,7 +259,7 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
     gradient to its shard and, on a 2-D mesh ``(replicate, shard)`` (HSDP),
     **all-reduces** it over the replicate axis; gradients are divided by the
     data-parallel size (the mean over the global batch when each rank's loss is a
-    mean over its equal share).
+    mean over its equal share), or summed with ``module.set_reduce_op_type("sum")``.
 
     Args:
         module: a torch ``nn.Module`` / MindSpore ``Cell``, or a list of them (one unit each).
@@ -131,7 +282,10 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         ignored_params: parameters left as they are (not sharded, not reduced).
 
     Returns:
-        ``module`` (its state is ``hsdp_state(module)``).
+        ``module``, its class changed to ``HSDP<Class>``: an ``HSDPModule`` (``unshard``,
+        ``reshard``, ``set_modules_to_forward_prefetch``, ``set_requires_gradient_sync``,
+        ``set_reduce_op_type``, ...) and still an instance of its class (see [Note: the
+        HSDPModule class swap]); its state is ``hsdp_state(module)``. A list: the list.
 
     Raises:
         TypeError / ValueError: a mesh that is not a DeviceMesh, not 1-D/2-D, or not
@@ -213,4 +367,6 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
         child.context = context
     state.context = context
     vars(module)[STATE_ATTR] = state
+    if not isinstance(module, HSDPModule):
+        module.__class__ = _hsdp_class(type(module))  # [Note: the HSDPModule class swap]
     return module

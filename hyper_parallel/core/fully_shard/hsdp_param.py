@@ -22,8 +22,9 @@ Where a backend's parameters cannot have a zero-size local tensor (its DTensor c
 ``Parameter.clone``, which rejects a zero-size shape), a parameter whose chunks would
 leave some rank none (6 rows over 4 ranks: 2, 2, 2, 0) is replicated over the shard axis
 instead (a one-time warning names it): ``Replicate()`` there, no all-gather, its gradient
-**all-reduced** (sum) over the shard axis and divided like the others. Such a parameter
-has fewer than ``N x (N - 1)`` rows along its shard dim, so the memory kept is small.
+**all-reduced** (sum) over the shard axis and divided like the others (not at all under
+the reduce op ``"sum"``). Such a parameter has fewer than ``N x (N - 1)`` rows along its
+shard dim, so the memory kept is small.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, chunk_bounds
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy
 from hyper_parallel.platform import get_platform
-from hyper_parallel.platform.base import CustomFunction
+from hyper_parallel.platform.base import CustomFunction, ReduceOp
 
 
 class HSDPParam:
@@ -76,6 +77,10 @@ class HSDPParam:
         self.shard_rank: int = mesh.get_local_rank(mesh.ndim - 1)
         self.replicate_group: Any = mesh.get_group(0) if mesh.ndim == 2 else None
         self.replicate_size: int = mesh.size(0) if mesh.ndim == 2 else 1
+        # AVG: the reduced gradient is divided by shard_size * replicate_size (the data-
+        # parallel size); SUM: it stays the sum over those ranks (set by the unit's
+        # ``set_reduce_op_type``).
+        self.reduce_op: ReduceOp = ReduceOp.AVG
         self.chunk: int = -(-self.shape[self.dim] // self.shard_size)  # rows per padded shard
         # [Note: no empty chunks on MindSpore]
         self.replicated: bool = (not getattr(dtensor_class(), "empty_parameters", True)
@@ -251,16 +256,18 @@ class HSDPParam:
 
     def finish_reduce(self) -> Any:
         """The gradient of this rank's chunk: wait for the reduce-scatter, **all-reduce**
-        (sum) over the replicate axis (HSDP), divide by the data-parallel size (each
-        rank's loss is a mean over its own batch), cut the padding, cast to the
-        parameter's dtype and home."""
+        (sum) over the replicate axis (HSDP), divide by the data-parallel size
+        ``shard_size * replicate_size`` when ``reduce_op`` is ``AVG`` (each rank's loss
+        is a mean over its own batch; ``SUM`` leaves the sum), cut the padding, cast to
+        the parameter's dtype and home."""
         p = get_platform()
         with p.no_grad():
             g = self.pending_reduce.wait()
             self.pending_reduce = None
             if self.replicate_group is not None:
                 g = p.all_reduce(g, group=self.replicate_group).wait()
-            g = g * (1.0 / (self.shard_size * self.replicate_size))
+            if self.reduce_op is ReduceOp.AVG:
+                g = g * (1.0 / (self.shard_size * self.replicate_size))
             if not self.replicated:
                 g = p.narrow(g, 0, 0, self.local_length())  # the padding rows' sums are dropped
                 if self.dim:

@@ -95,6 +95,7 @@ from hyper_parallel.core.dtensor.device_mesh import _axis_lines
 from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam, WaitReduce
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.base import ReduceOp
 
 
 #: The attribute of a fully sharded module that holds its ``HSDPState``.
@@ -160,6 +161,7 @@ class HSDPState:
         self.context.units.append(self)
         self.training_state: TrainingState = TrainingState.IDLE
         self.requires_gradient_sync: bool = True
+        self.reduce_op: ReduceOp = ReduceOp.AVG  # AVG: gradients divided by the data-parallel size; SUM: not
         self.forward_prefetch: list[HSDPState] = []
         self.backward_prefetch: list[HSDPState] | None = None  # None: the next unit the backward reaches
         self._release: Any = None  # the entered release_saved_tensors context during forward
@@ -247,6 +249,43 @@ class HSDPState:
         sharded gradients they return are zero; the next backward with ``True`` adds the
         accumulated sum before the reduce-scatter. Use for gradient accumulation."""
         self.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reduce_op_type(self, op: str | ReduceOp) -> None:
+        """How this unit's gradients are reduced over the data-parallel ranks (the
+        ``N`` shard ranks times the ``R`` replicate ranks on HSDP): ``"avg"`` (or
+        ``"mean"``, ``ReduceOp.AVG``; the default) sums them (reduce-scatter, then the
+        replicate all-reduce) and divides by ``N * R``, the gradient of the global mean
+        loss when each rank's loss is the mean over an equal share of the batch;
+        ``"sum"`` (``ReduceOp.SUM``) leaves the sum, for a loss whose scaling already
+        divides (each rank's loss a share of the global sum). Takes effect at the next
+        reduction; set it between steps.
+
+        Raises:
+            TypeError: ``op`` is not a str or a ReduceOp.
+            ValueError: any other value (``"max"``, ``ReduceOp.MIN``, ...).
+        """
+        reduce_op = parse_reduce_op_type(op)
+        self.reduce_op = reduce_op
+        for hp in self.params:
+            hp.reduce_op = reduce_op
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """Change ``reshard_after_forward`` to ``True`` or ``False`` from the unit's next
+        forward on (e.g. ``False`` for evaluation, ``True`` again for training; FSDP2's
+        ``set_reshard_after_forward``). An int ``k`` is only taken by ``fully_shard``
+        (it builds the groups of the blocks, a collective): setting a bool on such a
+        unit drops the block mode for good.
+
+        Raises:
+            TypeError: ``reshard_after_forward`` is not a bool.
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"set_reshard_after_forward: reshard_after_forward={reshard_after_forward!r} must be a "
+                            "bool; an int k (keep a block of k shards) is only accepted by fully_shard, which builds "
+                            "its groups")
+        self.reshard_after_forward = reshard_after_forward
+        # A block kept by the last forward still serves its backward (HSDPParam.block).
+        self.block_size = None
 
     # -- hooks ------------------------------------------------------------------------------
     def _wait_unshard(self) -> None:
@@ -424,6 +463,28 @@ class HSDPState:
         if p.is_tensor(value) and p.dtype_name(value.dtype) in ("float16", "bfloat16", "float32", "float64"):
             return p.to_dtype(value, dtype)
         return value
+
+
+def parse_reduce_op_type(op: str | ReduceOp) -> ReduceOp:
+    """``op`` of ``set_reduce_op_type`` as ``ReduceOp.AVG`` (``"avg"``, ``"mean"``) or
+    ``ReduceOp.SUM`` (``"sum"``); names are case-insensitive.
+
+    Raises:
+        TypeError: ``op`` is not a str or a ReduceOp.
+        ValueError: another name or ReduceOp.
+    """
+    allowed = "'avg' or 'mean' (divide by the data-parallel size, the default) or 'sum' (no division)"
+    if isinstance(op, ReduceOp):
+        if op in (ReduceOp.AVG, ReduceOp.SUM):
+            return op
+    elif isinstance(op, str):
+        if op.lower() in ("avg", "mean"):
+            return ReduceOp.AVG
+        if op.lower() == "sum":
+            return ReduceOp.SUM
+    else:
+        raise TypeError(f"set_reduce_op_type: op={op!r} is a {type(op).__name__}; pass a str, {allowed}")
+    raise ValueError(f"set_reduce_op_type: op={op!r} is not supported for gradient reduction; use {allowed}")
 
 
 def _state_of(module: Any, what: str) -> HSDPState:
