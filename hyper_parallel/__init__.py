@@ -33,6 +33,7 @@ from hyper_parallel.core.dtensor import functional as dtensor_functional
 from hyper_parallel.core.expert_parallel import MoE
 from hyper_parallel.core.fully_shard import (CPUOffloadPolicy, HSDPModule, MixedPrecisionPolicy, OffloadPolicy,
                                              fully_shard)
+from hyper_parallel.core.shard import DFunction, ShardingPlan, shard_module
 from hyper_parallel.core.pipeline_parallel import (
     CommComputeOverlap,
     HookCoordinator,
@@ -75,5 +76,7 @@ __all__ = [
     "ScheduleZBVZeroBubble",
     # activation checkpointing
     "apply_activation_checkpointing", "checkpoint_wrapper",
+    # shard_module (the names MindFormers imports)
+    "DFunction", "ShardingPlan", "shard_module",
 ]
 __version__ = "1.0.0"
