@@ -331,6 +331,8 @@ def check_bad_input() -> None:
         (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=3), ValueError, "must divide the shard axis size 2"),
         (lambda m: fully_shard(m, mesh=mesh, mp_policy="bf16"), TypeError, "MixedPrecisionPolicy"),
         (lambda m: MixedPrecisionPolicy(param_dtype="float8"), ValueError, "param_dtype='float8'"),
+        (lambda m: MixedPrecisionPolicy(reduce_dtype=p.dtype("int64")), ValueError,
+         "reduce_dtype='int64' is not a floating"),
         (lambda m: fully_shard(m, mesh=mesh, offload_policy="cpu"), TypeError, "offload_policy must be an OffloadPolicy"),
         (lambda m: CPUOffloadPolicy(pin_memory=1), TypeError, "pin_memory=1 must be a bool"),
         (lambda m: fully_shard(m, mesh=mesh, shard_placement_fn=lambda _: Shard(3)), ValueError, "out of range"),
@@ -352,6 +354,9 @@ def check_bad_input() -> None:
             assert message in str(err), (message, str(err))
         else:
             raise AssertionError(f"no {error.__name__} for case {index}: {message}")
+    # the framework's dtypes, as FSDP2 and MindFormers pass them, are kept as their names
+    policy = MixedPrecisionPolicy(param_dtype=p.dtype("bfloat16"), reduce_dtype=p.dtype("float32"))
+    assert (policy.param_dtype, policy.reduce_dtype) == ("bfloat16", "float32")
     model = build(p, weights())
     fully_shard(model, mesh=mesh, ignored_params=[model.gain])
     try:

@@ -252,3 +252,33 @@ def check_methods() -> None:
 
 def test_methods(run_on_ranks) -> None:
     run_on_ranks(check_methods, world_size=2, timeout_s=300)
+
+
+# -- replicate_params (MindFormers' argument) --------------------------------------------------
+def check_replicate_params(mesh_shape: tuple[int, ...]) -> None:
+    """Parameters named in ``replicate_params`` stay whole on every rank (``Replicate()``
+    on the shard axis) and their gradients are the one-process gradients (all-reduced,
+    averaged like the others); the rest are sharded as before. A parameter not of the
+    unit is refused before any collective."""
+    p = get_platform()
+    ref = _reference_grads(p)
+    mesh = init_device_mesh(p.device_type, mesh_shape, mesh_dim_names=("replicate", "shard")[-len(mesh_shape):])
+    model = build(p, weights())
+    first = dict(p.named_parameters(model.blocks[0]))
+    kept = [first[name] for name in sorted(first)][:1]  # one parameter of block 0
+    _raises(lambda: fully_shard(model.blocks[0], mesh=mesh, replicate_params=[model.gain]), ValueError,
+            "1 of replicate_params are not parameters this call shards")
+    fully_shard(list(model.blocks), mesh=mesh, replicate_params=kept)
+    fully_shard(model, mesh=mesh, ignored_params=[model.gain])
+    replicated = [hp for state in _units(p, model) for hp in state.params if hp.replicated]
+    assert [hp.fqn for hp in replicated] == [sorted(first)[0]], [hp.fqn for hp in replicated]
+    assert replicated[0].sharded.placements[-1].is_replicate()
+    assert tuple(replicated[0].sharded.to_local().shape) == replicated[0].shape  # whole on this rank
+    trainer = Trainer(p, model)
+    trainer.backward(_local_rows(p))
+    _check_grads(p, model, _take_grads(p, trainer), ref, f"{mesh_shape} replicate_params")
+
+
+@pytest.mark.parametrize("world,shape", [(2, (2,)), (4, (2, 2))], ids=["world2", "hsdp2x2"])
+def test_replicate_params(run_on_ranks, world, shape) -> None:
+    run_on_ranks(check_replicate_params, shape, world_size=world, timeout_s=600)

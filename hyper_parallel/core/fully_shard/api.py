@@ -239,7 +239,8 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
                 shard_placement_fn: Callable[[Any], Shard | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: Iterable[Any] | None = None) -> Any:
+                ignored_params: Iterable[Any] | None = None,
+                replicate_params: Iterable[Any] | None = None) -> Any:
     """Shard ``module``'s parameters over ``mesh`` and gather them around its forward
     and backward (PyTorch FSDP2 semantics; SimpleFSDP's differentiable gather, arXiv
     2411.00284).
@@ -280,6 +281,10 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
             all-gather copies the shard to the device first, each reduced gradient is
             copied back (no copy on CPU backends).
         ignored_params: parameters left as they are (not sharded, not reduced).
+        replicate_params: parameters of the unit kept whole on every rank of the mesh
+            (``Replicate()`` on the shard axis: no all-gather, the gradient
+            **all-reduced** over the shard axis and divided like the others, see [Note:
+            no empty chunks on MindSpore] in ``hsdp_param``); MindFormers' argument.
 
     Returns:
         ``module``, its class changed to ``HSDP<Class>``: an ``HSDPModule`` (``unshard``,
@@ -293,16 +298,24 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
             not ``Shard``. All are raised on every rank before any collective.
     """
     if isinstance(module, (list, tuple)):
-        for m in module:
+        # each module's call takes the replicate_params among its own parameters
+        wanted = list(replicate_params or ())
+        owned = [{id(x) for _, x in get_platform().named_parameters(m)} for m in module]
+        stray = [x for x in wanted if not any(id(x) in own for own in owned)]
+        if stray:
+            raise ValueError(f"fully_shard: {len(stray)} of replicate_params are parameters of none of the "
+                             f"{len(module)} modules; pass only their own parameters")
+        for m, own in zip(module, owned):
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard_after_forward,
                         shard_placement_fn=shard_placement_fn, mp_policy=mp_policy, offload_policy=offload_policy,
-                        ignored_params=ignored_params)
+                        ignored_params=ignored_params, replicate_params=[x for x in wanted if id(x) in own])
         return module
     p = get_platform()
     if STATE_ATTR in vars(module):
         raise ValueError(f"fully_shard: {type(module).__name__} is already fully sharded")
     _check_options(reshard_after_forward, mp_policy, offload_policy)
     ignored = {id(param) for param in (ignored_params or ())}
+    replicate = {id(param) for param in (replicate_params or ())}
     # Parameters already managed by units below, and the submodules those units own.
     children: list[HSDPState] = []
     for _, sub in p.named_modules(module):
@@ -312,6 +325,11 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
     in_children = {id(hp.sharded) for child in children for hp in child.params}
     replaced = {hp.source_id for child in children for hp in child.params}
     managed = _managed_params(module, ignored | in_children)
+    stray = replicate - {id(param) for _, param in managed}
+    if stray:
+        raise ValueError(f"fully_shard: {len(stray)} of replicate_params are not parameters this call shards on "
+                         f"{type(module).__name__} (another unit's, ignored, or not the module's); pass only the "
+                         "unit's own parameters")
     inside_children = {id(sub) for child in children for _, sub in p.named_modules(child.module)}
     for name, sub in p.named_modules(module):
         if id(sub) in inside_children:
@@ -350,7 +368,7 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
     params = []
     for (fqn, param), placement in zip(managed, placements):
         offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-        hp = HSDPParam(fqn, param, uses[id(param)], mesh, placement, offload)
+        hp = HSDPParam(fqn, param, uses[id(param)], mesh, placement, offload, replicate=id(param) in replicate)
         # SequenceParallel all-reduces its parameters' gradients over tp with a hook on
         # the parameter object, which is replaced here: the unit does that all-reduce
         # on the gathered parameter's gradient, before the reduce-scatter over dp.

@@ -24,7 +24,9 @@ leave some rank none (6 rows over 4 ranks: 2, 2, 2, 0) is replicated over the sh
 instead (a one-time warning names it): ``Replicate()`` there, no all-gather, its gradient
 **all-reduced** (sum) over the shard axis and divided like the others (not at all under
 the reduce op ``"sum"``). Such a parameter has fewer than ``N x (N - 1)`` rows along its
-shard dim, so the memory kept is small.
+shard dim, so the memory kept is small. ``fully_shard(replicate_params=...)`` asks for
+the same for chosen parameters (MindFormers replicates those whose rows do not divide
+evenly).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class HSDPParam:
     """
 
     def __init__(self, fqn: str, param: Any, uses: list[tuple[Any, str]], mesh: DeviceMesh,
-                 placement: Shard, offload: CPUOffloadPolicy | None = None) -> None:
+                 placement: Shard, offload: CPUOffloadPolicy | None = None, replicate: bool = False) -> None:
         p = get_platform()
         self.offload: CPUOffloadPolicy | None = offload
         self.fqn: str = fqn
@@ -85,11 +87,12 @@ class HSDPParam:
         # [Note: no empty chunks on MindSpore]
         self.replicated: bool = (not getattr(dtensor_class(), "empty_parameters", True)
                                  and chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_size - 1)[1] == 0)
-        if self.replicated:
+        if self.replicated and not replicate:
             warnings.warn(f"fully_shard: {fqn} of shape {self.shape} has {self.shape[self.dim]} rows along dim "
                           f"{self.dim}, so chunks over {self.shard_size} ranks would leave some rank none, which "
                           f"{get_platform().framework} parameters cannot be; it is replicated over the shard axis "
                           "(its gradient all-reduced) instead", RuntimeWarning, stacklevel=3)
+        self.replicated = self.replicated or replicate  # fully_shard(replicate_params=...)
         shard_axis = Replicate() if self.replicated else self.placement
         placements = (Replicate(), shard_axis) if mesh.ndim == 2 else (shard_axis,)
         if tp is None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hyper_parallel.platform import get_platform
+
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Dtypes of a fully_shard unit (PyTorch FSDP2 semantics), given as dtype names.
+    """Dtypes of a fully_shard unit (PyTorch FSDP2 semantics), given as dtype names or as
+    the framework's dtypes (``torch.bfloat16``, ``mindspore.float32``; stored as names).
 
     Attributes:
         param_dtype: dtype of the gathered (unsharded) parameters the forward and
@@ -33,6 +36,16 @@ class MixedPrecisionPolicy:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, field)
+            if value is not None and not isinstance(value, str):
+                # a framework dtype (torch.bfloat16, mindspore.float32), as FSDP2 and
+                # MindFormers pass them: kept as its name, the form every backend reads
+                try:
+                    name = get_platform().dtype_name(value)
+                except ValueError as err:
+                    raise ValueError(f"MixedPrecisionPolicy: {field}={value!r} is not a floating dtype; use one of "
+                                     f"{_FLOAT_DTYPES}, the framework's dtype of one, or None") from err
+                object.__setattr__(self, field, name)
+                value = name
             if value is not None and value not in _FLOAT_DTYPES:
                 raise ValueError(f"MixedPrecisionPolicy: {field}={value!r} is not a floating dtype name; "
                                  f"use one of {_FLOAT_DTYPES} or None")
