@@ -30,10 +30,11 @@ Order: tensor parallelism, context parallelism, activation checkpointing, fully_
   ([Note: recomputation and gathered parameters] in ``core/fully_shard/hsdp_state``);
   gradients flow through the first forward's graph, so each parameter's gradient is
   reduce-scattered once.
-- A fully_shard unit *inside* a checkpointed module would run its hooks twice and push
-  its saved-tensor hooks inside the checkpoint's: ``checkpoint_wrapper`` refuses a
-  module that holds one, and fully_shard refuses to run a unit inside a checkpointed
-  forward (a unit sharded after the wrapper was applied).
+- A fully_shard unit *inside* a checkpointed module (MindFormers shards the norms of the
+  layers it checkpoints: checkpoint the layer, then fully_shard the norms, then the
+  layer) runs its hooks in the forward and again in the recomputation: see [Note: a
+  unit inside a checkpointed module] in ``core/fully_shard/hsdp_state``. The order
+  matters: ``checkpoint_wrapper`` refuses a module that already holds a unit.
 
 [Note: activation checkpointing in pipeline stages]
 A pipeline stage (``core/pipeline_parallel``) records each microbatch's forward ``F``

@@ -78,9 +78,19 @@ forward's ``GatherParam``, whose backward reduce-scatters each gradient once. En
 the recomputation leaves behind (the frameworks stop it early, skipping post-hooks) are
 removed when the parameter's gradient is final (``on_grad``) and by ``reshard``. A
 module checkpointed as a whole runs its own hooks outside the recomputation, so
-fully_shard refuses a parameter held directly by a checkpointed module, and a unit
-whose hooks would run inside a checkpointed forward (sharded inside a checkpointed
-module): its saved-tensor hooks would take the saves of the checkpoint's.
+fully_shard refuses a parameter held directly by a checkpointed module.
+
+[Note: a unit inside a checkpointed module]
+MindFormers checkpoints each decoder layer, then fully_shards the norms inside it, then
+the layer. The inner unit's hooks then run inside the checkpointed forward, and again in
+the recomputation. In the forward they run as always except that the unit pushes no
+saved-tensor hooks: the checkpoint's (outer) hooks drop every save of the region already,
+the gathered parameters included, and inner hooks would take those saves from it, so the
+recomputation would find them missing. In the recomputation the unit's own hooks only
+cast (mixed precision, as the forward did) and ``_pre_recompute`` hands the module its
+parameters through a new ``GatherParam`` as above (gathering them again where the
+forward dropped them: a collective every rank issues at the same point of the backward);
+gradients flow through the first forward's ``GatherParam``, reduce-scattered once.
 """
 
 from __future__ import annotations
@@ -295,10 +305,11 @@ class HSDPState:
 
     def _pre_forward(self, module: Any, args: Any) -> Any:
         p = get_platform()
-        if checkpoint_phase() is not None:  # [Note: recomputation and gathered parameters]
-            raise RuntimeError(f"fully_shard: the unit of {type(module).__name__} runs inside an activation-"
-                               "checkpointed forward; apply activation checkpointing first, then fully_shard the "
-                               "checkpointed module (or an ancestor), not a module inside it")
+        phase = checkpoint_phase()
+        if phase is CheckpointPhase.RECOMPUTE:
+            # [Note: a unit inside a checkpointed module]: the parameters come from
+            # _pre_recompute; the unit's state stays the first forward's
+            return self._cast_inputs(args)
         context = self.context
         if self.is_root:
             context.post_forward_order = []
@@ -332,11 +343,16 @@ class HSDPState:
             for owner, name in hp.uses:
                 vars(owner)[name] = full
         self._grads_pending = len(self.params)
-        if self.reshard_after_forward and self.params:
+        if self.reshard_after_forward and self.params and phase is None:
             # The tensors the module reads (GatherParam's outputs) are what its operations
-            # save; a backend may hand them out as copies of ``hp.unsharded``.
+            # save; a backend may hand them out as copies of ``hp.unsharded``. Inside a
+            # checkpointed forward the checkpoint drops every save already, and hooks
+            # pushed here would take its saves from it.
             self._release = p.release_saved_tensors(fulls, self._reload)
             self._release.__enter__()
+        return self._cast_inputs(args)
+
+    def _cast_inputs(self, args: Any) -> Any:
         if self._param_dtype is not None and self.mp_policy.cast_forward_inputs:
             return tuple(self._cast(a, self._param_dtype) for a in args)
         return None
@@ -348,6 +364,8 @@ class HSDPState:
                 hp.reduce_src = p.apply_function(WaitReduce, hp.grad_source(), hp)
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> Any:
+        if checkpoint_phase() is CheckpointPhase.RECOMPUTE:  # [Note: a unit inside a checkpointed module]
+            return self._cast_output(output)
         if self._release is not None:
             self._release.__exit__(None, None, None)
             self._release = None
@@ -361,6 +379,9 @@ class HSDPState:
         if self.reshard_after_forward:
             self._drop_gathered()  # an int keeps the blocks just taken
         self.training_state = TrainingState.IDLE
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         if self._output_dtype is not None:
             if isinstance(output, tuple):
                 return tuple(self._cast(o, self._output_dtype) for o in output)
