@@ -87,6 +87,16 @@ class Platform(
         (see ``BACKENDS``)."""
         return BACKENDS[self.name][1]
 
+    @property
+    def mesh_device_types(self) -> tuple[str, ...]:
+        """The ``device_type`` names a ``DeviceMesh`` accepts here: this backend's, and on
+        MindSpore also ``"npu"`` (the name MindFormers and the MindSpore ecosystem give
+        Ascend; MindSpore places tensors by its context, not by a mesh's device type, so
+        the mesh takes it as this backend's device)."""
+        if self.framework == "mindspore" and self.device_type != "npu":
+            return (self.device_type, "npu")
+        return (self.device_type,)
+
     def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
         """Create one group per part of ``partition`` (disjoint global rank lists that
         together cover the world) and return the one this rank belongs to.

@@ -165,3 +165,30 @@ def test_tensor_parallel_linear(run_on_ranks, world_size: int) -> None:
     results = run_on_ranks(check_tensor_parallel_linear, world_size=world_size)
     assert results[0] == {"fc1.weight": ("Shard(dim=0)",), "fc1.bias": ("Shard(dim=0)",),
                           "fc2.weight": ("Shard(dim=1)",), "fc2.bias": ("Replicate()",)}, results[0]
+
+
+def check_parallel_dims() -> dict:
+    """MindFormers' ``ParallelDims`` builds its meshes on this package's DeviceMesh
+    (``init_device_mesh("npu", ...)``, ``_unflatten`` with ``"fake"`` axes, ``_flatten``
+    then the flattened name looked up on the world mesh): 4 ranks as dp-shard 2 x tp 2."""
+    from mindformers.pynative.distributed.parallel_dims import ParallelDims
+
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=p.world_size())
+    dims.build_mesh()
+    tp, fsdp = dims.get_mesh("tp"), dims.get_mesh("fsdp")
+    me = p.rank()
+    assert p.group_ranks(tp.get_group()) == [me - me % 2, me - me % 2 + 1]
+    assert p.group_ranks(fsdp.get_group()) == [me % 2, me % 2 + 2]
+    loss = dims.get_mesh("loss")
+    world = dims._world_mesh
+    assert p.group_ranks(world.get_group("loss_mesh")) == list(loss.rank_list)
+    return {"tp": list(tp.rank_list), "fsdp": list(fsdp.rank_list), "loss": list(loss.rank_list)}
+
+
+def test_parallel_dims(run_on_ranks) -> None:
+    results = run_on_ranks(check_parallel_dims, world_size=4)
+    assert [r["tp"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["fsdp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]

@@ -7,6 +7,7 @@ the platform (``split_group``), created once per rank tuple; creating a mesh, an
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,9 +61,15 @@ class DeviceMesh:
 
     def _init(self, device_type: str, ranks: np.ndarray, names: Sequence[str] | None) -> None:
         p = get_platform()
-        if device_type != p.device_type:
+        if device_type not in p.mesh_device_types:
             raise ValueError(f"DeviceMesh: device_type={device_type!r} but the platform {p.name} computes on "
                              f"{p.device_type!r}; pass {p.device_type!r}")
+        if device_type != p.device_type:
+            # MindSpore: "npu" (MindFormers' spelling of Ascend) names the backend's device
+            if p.device_type != "ascend":
+                warnings.warn(f"DeviceMesh: device_type={device_type!r} on {p.name} is taken as {p.device_type!r}: "
+                              "MindSpore places tensors by its context, not by the mesh", RuntimeWarning, stacklevel=3)
+            device_type = p.device_type
         if names is not None:
             names = tuple(names)
             if len(names) != ranks.ndim or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
