@@ -28,7 +28,7 @@ import pytest
 
 from hyper_parallel import HSDPModule as TopLevelHSDPModule
 from hyper_parallel.core.dtensor import init_device_mesh
-from hyper_parallel.core.fully_shard import HSDPModule, fully_shard, hsdp_state
+from hyper_parallel.core.fully_shard import HSDPModule, MixedPrecisionPolicy, fully_shard, hsdp_state
 from hyper_parallel.core.fully_shard.api import HSDPModule as ApiHSDPModule
 from hyper_parallel.core.fully_shard.utils import CPUOffloadPolicy, OffloadPolicy
 from hyper_parallel.platform import ReduceOp, get_platform
@@ -282,3 +282,38 @@ def check_replicate_params(mesh_shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("world,shape", [(2, (2,)), (4, (2, 2))], ids=["world2", "hsdp2x2"])
 def test_replicate_params(run_on_ranks, world, shape) -> None:
     run_on_ranks(check_replicate_params, shape, world_size=world, timeout_s=600)
+
+
+# -- MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True) (MindFormers' policy) -------------
+def check_main_grad() -> None:
+    """Each reduced gradient is also added, in float32, onto ``param.main_grad`` (a DTensor
+    laid out as the parameter): after one backward it is the gradient, after two the sum,
+    until reset to ``None``; the autograd gradient is unchanged."""
+    p = get_platform()
+    ref = _reference_grads(p)
+    mesh = init_device_mesh(p.device_type, (p.world_size(),), mesh_dim_names=("shard",))
+    model = build(p, weights())
+    policy = MixedPrecisionPolicy(reduce_dtype=p.dtype("float32"), apply_grad_on_fp32_main_grad=True)
+    fully_shard(list(model.blocks), mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, ignored_params=[model.gain], mp_policy=policy)
+    params = [param for name, param in p.named_parameters(model) if name != "gain"]
+    trainer = Trainer(p, model)
+    x = _local_rows(p)
+    trainer.backward(x)
+    _check_grads(p, model, _take_grads(p, trainer), ref, "autograd gradient with main_grad")
+    mains = [p.to_numpy(param.main_grad.to_local()) for param in params]
+    assert all(param.main_grad.placements == param.placements for param in params)
+    assert all(str(param.main_grad.dtype).lower().endswith("float32") for param in params)
+    _check_grads(p, model, mains, ref, "main_grad after one backward")
+    trainer.backward(x)
+    _take_grads(p, trainer)
+    _check_grads(p, model, [p.to_numpy(param.main_grad.to_local()) for param in params],
+                 {k: 2 * v for k, v in ref.items()}, "main_grad after two backwards")
+    for param in params:
+        param.main_grad = None
+    trainer.backward(x)
+    _check_grads(p, model, [p.to_numpy(param.main_grad.to_local()) for param in params], ref, "after a reset")
+
+
+def test_main_grad(run_on_ranks) -> None:
+    run_on_ranks(check_main_grad, world_size=2, timeout_s=600)

@@ -35,7 +35,7 @@ import warnings
 from typing import Any
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, _joint_mesh
-from hyper_parallel.core.dtensor.dtensor import DTensor, dtensor_class
+from hyper_parallel.core.dtensor.dtensor import DTensor, dtensor_class, make_dtensor
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, chunk_bounds
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy
@@ -83,6 +83,8 @@ class HSDPParam:
         # parallel size); SUM: it stays the sum over those ranks (set by the unit's
         # ``set_reduce_op_type``).
         self.reduce_op: ReduceOp = ReduceOp.AVG
+        # MixedPrecisionPolicy.apply_grad_on_fp32_main_grad (set by the unit)
+        self.accumulate_main_grad: bool = False
         self.chunk: int = -(-self.shape[self.dim] // self.shard_size)  # rows per padded shard
         # [Note: no empty chunks on MindSpore]
         self.replicated: bool = (not getattr(dtensor_class(), "empty_parameters", True)
@@ -275,7 +277,17 @@ class HSDPParam:
                 g = p.narrow(g, 0, 0, self.local_length())  # the padding rows' sums are dropped
                 if self.dim:
                     g = g.transpose(0, self.dim)
+            if self.accumulate_main_grad:
+                self._add_main_grad(self.to_home(p.to_dtype(g.contiguous(), p.dtype("float32"))))
             return self.to_home(p.to_dtype(g.contiguous(), self.sharded.dtype))
+
+    def _add_main_grad(self, local: Any) -> None:
+        """``sharded.main_grad += local`` (float32, this rank's piece), made on first use
+        (a new DTensor each time: the caller may hold the previous one)."""
+        current = getattr(self.sharded, "main_grad", None)
+        if current is not None:
+            local = current.to_local() + local
+        self.sharded.main_grad = make_dtensor(local, self.spec)
 
 
 class _Ready:

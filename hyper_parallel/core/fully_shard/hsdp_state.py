@@ -166,6 +166,8 @@ class HSDPState:
             for hp in params:
                 hp.inter_group = inter
         self.mp_policy: MixedPrecisionPolicy = mp_policy
+        for hp in params:
+            hp.accumulate_main_grad = mp_policy.apply_grad_on_fp32_main_grad
         self.is_root: bool = True  # False once an enclosing fully_shard adopts this unit
         self.context: HSDPContext = HSDPContext()
         self.context.units.append(self)

@@ -23,6 +23,11 @@ class MixedPrecisionPolicy:
             ``param_dtype`` (or the parameters' dtype).
         output_dtype: floating outputs of the unit's forward are cast to it. ``None``: no cast.
         cast_forward_inputs: cast floating positional inputs to ``param_dtype``.
+        apply_grad_on_fp32_main_grad: also add each reduced gradient, in float32, onto
+            ``param.main_grad`` (a DTensor laid out as the parameter, made on first use,
+            summed over backwards until the caller resets it to ``None``): Megatron-LM's
+            main gradient, which MindFormers' optimizer step reads. The gradient autograd
+            returns (``param.grad``, ``value_and_grad``'s) is unchanged.
 
     Raises:
         ValueError: a dtype name outside ``float16``, ``bfloat16``, ``float32``, ``float64``.
@@ -32,6 +37,7 @@ class MixedPrecisionPolicy:
     reduce_dtype: str | None = None
     output_dtype: str | None = None
     cast_forward_inputs: bool = True
+    apply_grad_on_fp32_main_grad: bool = False
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
