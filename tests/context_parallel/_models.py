@@ -20,21 +20,18 @@ def core_attention(p: Any, *, causal: bool, cu_seqlens: Any = None, layout: str 
             return hp.scaled_dot_product_attention(q, k, v, is_causal=causal, cu_seqlens=cu_seqlens, layout=layout)
         return local_attention(q, k, v, is_causal=causal)
 
+    return _qkv_module(p, forward, "CoreAttention")
+
+
+def _qkv_module(p: Any, forward: Any, name: str) -> Any:
+    """A torch Module / MindSpore Cell named ``name`` whose forward is ``forward(q, k, v)``."""
     if p.framework == "torch":
         import torch
 
-        class CoreAttention(torch.nn.Module):
-            def forward(self, q: Any, k: Any, v: Any) -> Any:
-                return forward(q, k, v)
-
-        return CoreAttention()
+        return type(name, (torch.nn.Module,), {"forward": lambda self, q, k, v: forward(q, k, v)})()
     from mindspore import nn
 
-    class MSCoreAttention(nn.Cell):
-        def construct(self, q: Any, k: Any, v: Any) -> Any:
-            return forward(q, k, v)
-
-    return MSCoreAttention()
+    return type(f"MS{name}", (nn.Cell,), {"construct": lambda self, q, k, v: forward(q, k, v)})()
 
 
 def keyword_attention(p: Any, *, causal: bool) -> Any:
@@ -122,3 +119,16 @@ def transformer_block(p: Any, values: dict[str, Any], *, heads: int, head_dim: i
     for name, value in values.items():
         p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
     return model
+
+
+def bsh_attention(p: Any, *, heads: int, causal: bool) -> Any:
+    """A module taking 3-D ``[batch, seq, heads * head_dim]`` q/k/v (BSH, MindFormers'
+    colossal layout), viewing them as BSHD for ``hp.scaled_dot_product_attention`` and
+    returning BSH."""
+
+    def forward(q: Any, k: Any, v: Any) -> Any:
+        b, s, hd = q.shape
+        four = [t.reshape(b, s, heads if t is q else t.shape[-1] * heads // hd, hd // heads) for t in (q, k, v)]
+        return hp.scaled_dot_product_attention(*four, is_causal=causal).reshape(b, s, hd)
+
+    return _qkv_module(p, forward, "BSHAttention")

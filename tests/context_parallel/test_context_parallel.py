@@ -19,6 +19,7 @@ import pytest
 import hyper_parallel as hp
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.platform import get_platform
+from tests.context_parallel import _models
 from tests.context_parallel._models import core_attention, keyword_attention
 
 B, S, H, D = 2, 16, 4, 8
@@ -250,3 +251,40 @@ def check_ring_saved_state() -> list[int]:
 def test_ring_saves_only_local_blocks(run_on_ranks) -> None:
     per_rank = (B * 16 * (2 * H + 2 * 2) * D + B * H * 16) * 4  # cp = 2: q, out, k, v, lse of 16 positions
     assert run_on_ranks(check_ring_saved_state, world_size=4) == [[per_rank, per_rank // 2]] * 4
+
+
+def check_bsh() -> int:
+    """3-D BSH q/k/v (MindFormers' colossal layout) with ``ulysses_degree=1``: all-gather
+    and ring K/V exchange, causal, with and without load balance, against the float64
+    reference; Ulysses on 3-D inputs is refused before any collective."""
+    p = get_platform()
+    cp, r = p.world_size(), p.rank()
+    mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
+    rng = np.random.default_rng(5)
+    count = 0
+    for exchange in ("allgather", "ring"):
+        for lb in (False, True):
+            style = hp.ContextParallel(seq_dim=1, head_dim=2, ulysses_degree=1, kv_exchange=exchange,
+                                       load_balance=lb)
+            module = style.apply(_models.bsh_attention(p, heads=H, causal=True), mesh)
+            q, k, v, dout = (rng.standard_normal((B, S, H, D)) for _ in range(4))
+            ref = reference(q, k, v, dout, reference_mask(S, True, None))
+            shards = hp.context_parallel_shard([p.from_numpy(a.reshape(B, S, H * D)) for a in (q, k, v, dout)],
+                                               [1] * 4, mesh, load_balance=lb)
+            out, back = p.vjp(module, shards[:3])
+            grads, _ = back([shards[3]])
+            pos = positions(S, cp, r, lb)
+            for name, value, want in zip(("out", "dq", "dk", "dv"), [out, *grads], ref):
+                np.testing.assert_allclose(p.to_numpy(value), want[:, pos].reshape(B, len(pos), H * D), **_tol(p),
+                                           err_msg=f"{name}: BSH {exchange} load_balance={lb}")
+            count += 1
+    ulysses = hp.ContextParallel(seq_dim=1, head_dim=2, ulysses_degree=cp).apply(
+        _models.bsh_attention(p, heads=H, causal=True), mesh)
+    x = p.from_numpy(np.zeros((B, S // cp, H * D)))
+    with pytest.raises(ValueError, match="3-D q/k/v .* need ulysses_degree=1"):
+        ulysses(x, x, x)
+    return count
+
+
+def test_bsh_qkv(run_on_ranks) -> None:
+    assert run_on_ranks(check_bsh, world_size=2, timeout_s=300) == [4, 4]

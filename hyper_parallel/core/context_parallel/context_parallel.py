@@ -43,6 +43,12 @@ class ContextParallel(ParallelStyle):
     Args:
         seq_dim: the sequence dim of q, k, v and of the output (1 for BSHD, 2 for BNSD).
         head_dim: their head dim (2 for BSHD, 1 for BNSD).
+
+    [Note: 3-D q/k/v] q, k, v may also be 3-D ``[batch, seq, heads * head_dim]`` (BSH,
+    MindFormers' colossal layout: ``seq_dim=1``) when ``ulysses_degree`` is 1: the hooks
+    only check them and open the context frame, and the module views them as 4-D before
+    calling ``hyper_parallel.scaled_dot_product_attention``, which exchanges K/V. Ulysses
+    needs the head dim, so 3-D inputs with ``ulysses_degree > 1`` raise.
         ulysses_degree: ranks of the all-to-all axis; ``None`` means all of ``cp``
             (pure Ulysses). On a 2-D mesh it must equal the mesh's second axis.
         kv_exchange: ``"allgather"`` or ``"ring"``: how K/V are exchanged when
@@ -185,10 +191,13 @@ class ContextParallel(ParallelStyle):
                                      f"(qkv_indices={self.qkv_indices}) but forward got {len(args)} positional "
                                      f"arguments; pass it there, or name its keyword in qkv_kwarg_names")
                 t = args[index]
-            if not p.is_tensor(t) or t.ndim != 4:
-                raise ValueError(f"ContextParallel on {name}: {label} must be a 4-D tensor, got "
-                                 f"{getattr(t, 'shape', type(t).__name__)}")
+            if not p.is_tensor(t) or t.ndim not in (3, 4):
+                raise ValueError(f"ContextParallel on {name}: {label} must be a 4-D tensor (or 3-D [batch, seq, "
+                                 f"heads * head_dim] without Ulysses), got {getattr(t, 'shape', type(t).__name__)}")
             qkv.append(t)
+        if len({t.ndim for t in qkv}) != 1:
+            raise ValueError(f"ContextParallel on {name}: q, k, v have {[t.ndim for t in qkv]} dims; give all three "
+                             "the same layout")
         return qkv
 
     def _replace(self, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -206,6 +215,15 @@ class ContextParallel(ParallelStyle):
         """Validate q/k/v and a ``cu_seqlens`` keyword of the call for ``plan`` (every
         rank, before any collective); returns the global sequence length."""
         s, h = self.seq_dim, self.head_dim
+        if q.ndim == 3:
+            # [Note: 3-D q/k/v]: only the K/V exchange runs here, along seq_dim; the module
+            # views them as 4-D before hyper_parallel.scaled_dot_product_attention
+            if plan.ulysses_size > 1:
+                raise ValueError(f"ContextParallel on {name}: 3-D q/k/v {tuple(q.shape)} need ulysses_degree=1 "
+                                 f"(got {plan.ulysses_size}): the all-to-all splits the head dim, which a "
+                                 "[batch, seq, heads * head_dim] tensor does not expose; pass 4-D q/k/v")
+            if s > 2:
+                raise ValueError(f"ContextParallel on {name}: seq_dim={s} is out of range for 3-D q/k/v")
         if not q.shape[s] == k.shape[s] == v.shape[s]:
             raise ValueError(f"ContextParallel on {name}: q, k, v sequence lengths {q.shape[s]}, {k.shape[s]}, "
                              f"{v.shape[s]} differ; context parallelism shards self-attention")
@@ -215,9 +233,10 @@ class ContextParallel(ParallelStyle):
             check_heads(int(q.shape[h]), int(k.shape[h]), plan.ulysses_size, f"ContextParallel on {name}")
         if kwargs.get("cu_seqlens") is not None:
             document_ids(kwargs["cu_seqlens"], seq_len, f"ContextParallel on {name}")
-        # The kernel's own checks (dtype, head_dim, ...) on BSHD views, before any collective.
-        batch, dim = (i for i in range(4) if i not in (s, h))
-        get_platform().check_attention(*(t.permute(batch, s, h, dim) for t in (q, k, v)))
+        if q.ndim == 4:
+            # The kernel's own checks (dtype, head_dim, ...) on BSHD views, before any collective.
+            batch, dim = (i for i in range(4) if i not in (s, h))
+            get_platform().check_attention(*(t.permute(batch, s, h, dim) for t in (q, k, v)))
         return seq_len
 
     def _pre_hook(self, plan: Plan, name: str, module: Any, args: tuple[Any, ...],
