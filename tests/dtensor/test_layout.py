@@ -44,9 +44,8 @@ def check_areas() -> None:
                                       err_msg=f"{mesh_shape} {placements} {shape}")
         assert layout.slice_area(me) == area
         assert layout.get_global_shape(dt.local_shape) == shape
-        split = {a for pl, a in zip(placements, range(len(mesh_shape))) if isinstance(pl, Shard)}
+        split = {axis for axis, placement in enumerate(placements) if isinstance(placement, Shard)}
         assert layout.repeat_num() == int(np.prod([s for a, s in enumerate(mesh_shape) if a not in split]))
-    return None
 
 
 def test_slice_areas_are_distribute_tensor_pieces(run_on_ranks) -> None:

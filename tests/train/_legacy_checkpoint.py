@@ -8,12 +8,15 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.checkpoint_format import digest, fsync_path
+
+if TYPE_CHECKING:
+    from hyper_parallel.train.checkpoint import Piece
 
 MANIFEST = "manifest.json"
 FORMAT = 2

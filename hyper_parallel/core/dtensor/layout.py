@@ -234,7 +234,7 @@ class Layout:
     @property
     def rank_list(self) -> tuple[int, ...]:
         """The global ranks of the device matrix, row-major."""
-        return tuple(int(rank) for rank in self._mesh.mesh.reshape(-1))
+        return self._mesh.rank_list
 
     @property
     def placements(self) -> tuple[Placement, ...] | None:
