@@ -4,20 +4,23 @@ to core's sharding rules through ``__torch_dispatch__``.
 [Note: torch DTensor dispatch]
 A DTensor is a wrapper subclass (``torch.Tensor._make_wrapper_subclass``, as torch's own
 DTensor): it has the global shape, dtype and device and no storage; its local tensor is
-``_local``. ``__torch_function__`` passes every torch function on to the dispatcher,
-except three composites run whole above autograd through core's explicit dispatch,
-because their decompositions lose a sharding: a batched matmul (its reshape merges
-batch and head dims), ``F.scaled_dot_product_attention`` (the fused aten op has no
-rule) and ``F.cross_entropy`` (vocabulary parallel; ``ignore_index`` and torch's
-reductions); those and ``numpy()`` / ``tolist()`` are found by one dict lookup, and the
-attributes torch reads most skip it ([Note: attribute reads of a torch DTensor]).
-Otherwise autograd records the op on the DTensors, composite ops
-(``F.linear``, ``reshape``) decompose, and each aten op then arrives at
+``_local``. Its ``__torch_function__`` is torch's disabled one (as torch's DTensor's), so
+torch's C++ hands every torch function straight on: autograd records the op on the
+DTensors, composite ops (``F.linear``, ``reshape``, ``F.cross_entropy``,
+``F.scaled_dot_product_attention``) decompose, and each aten op then arrives at
 ``__torch_dispatch__`` below autograd, forward and backward alike. There ``_translate`` names the op as
 ``OP_RULES`` does (``aten.mm`` -> ``"matmul"``, ``aten._softmax`` -> ``"softmax"``) and
 reads its non-tensor arguments into the rule's params; core plans the redistributions
 and the output placements and runs the aten op on the local tensors. An aten op without
 a translation takes core's fallback (inputs to ``Replicate``, one warning per op).
+The fused attention kernels (several outputs) and softmax / ``nll_loss`` over a
+class-sharded dim (vocabulary parallel, never gathering the logits) go to core's fused
+dispatch instead (``fused_ops.py``). ``@`` / ``Tensor.matmul`` of two DTensors of 3 dims
+or more run whole under the matmul rule, above autograd (their decomposition merges the
+batch and head dims, which cannot keep a head sharding); the function ``torch.matmul``
+cannot be reached above autograd without a Python ``__torch_function__`` on every op,
+so it decomposes, and a head sharding of a batch of more than one is redistributed
+(correct, with an all-to-all); ``numpy()`` / ``tolist()`` refuse (methods of the class).
 
 The translation is cached per call signature (the op, each DTensor's spec, the other
 arguments' values). Where core says the call needs no communication and no other local
@@ -41,8 +44,8 @@ straight from ``__torch_dispatch__``, and the verdict is kept per tuple of spec 
 (``_foreach_locals``).
 
 Cost: torch 2.13's own DTensor dispatches in C++; a Python ``__torch_dispatch__`` costs
-a few microseconds per op more in torch's C++ before and after it, and the Python
-``__torch_function__`` about one per call (see ``benchmarks/results/dtensor_dispatch.md``).
+a few microseconds per op more in torch's C++ before and after it (see
+``benchmarks/results/dtensor_dispatch.md``).
 """
 
 from __future__ import annotations
@@ -53,10 +56,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hyper_parallel.platform.torch import checkpoint as dcp_protocol
+from hyper_parallel.platform.torch import fused_ops
 
 aten = torch.ops.aten
 
@@ -335,69 +338,15 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _batched_matmul(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``torch.matmul`` / ``@`` of two DTensors of 3 dims or more: run whole under the
+def _batched_matmul(cls: type, base: type, args: tuple[Any, ...]) -> Any:
+    """``@`` / ``Tensor.matmul`` of two DTensors of 3 dims or more: run whole under the
     matmul rule (batch dims shard), as the explicit ``dtensor_functional.matmul`` does,
     because the decomposition reshapes to merge the batch and head dims, which cannot
     keep a head sharding; ``None`` for other calls (they decompose)."""
-    if (not kwargs and len(args) == 2 and all(isinstance(a, cls) for a in args)
+    if (len(args) == 2 and all(isinstance(a, cls) for a in args)
             and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
         return base.dispatch_explicit("matmul", args, torch.matmul)
     return None
-
-
-def _refuse_plain_read(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``numpy()`` / ``tolist()`` of a DTensor: torch would raise an unhelpful error (no
-    storage); raise naming the supported paths."""
-    dcp_protocol.refuse_plain_read(args[0], f"{func.__name__}()")
-
-
-def _attention(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``F.scaled_dot_product_attention`` on DTensor q/k/v without a mask tensor or
-    dropout: the fused op on the local tensors under the ``attention`` rule (batch or
-    heads sharded), above autograd, as a whole; ``None`` for other calls (they
-    decompose or reach the fused aten op, which takes the fallback)."""
-    if base.dispatch_skipped():
-        return None
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
-    if (not all(isinstance(t, cls) for t in (q, k, v)) or bound.get("attn_mask") is not None
-            or bound.get("dropout_p", 0.0) != 0.0 or q.dim() != 4):
-        return None
-    options = {key: bound[key] for key in ("is_causal", "scale", "enable_gqa") if key in bound}
-    return base.dispatch_explicit("scaled_dot_product_attention", (q, k, v),
-                                  lambda ql, kl, vl: F.scaled_dot_product_attention(ql, kl, vl, **options))
-
-
-def _cross_entropy(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``F.cross_entropy`` of ``[N, C]`` DTensor logits against a ``[N]`` DTensor target
-    (no class weights, no label smoothing) whole, above autograd, through core's
-    ``cross_entropy`` dispatch: vocabulary parallel when the classes are sharded (see
-    [Note: vocabulary-parallel cross-entropy]), else per-row losses under the
-    ``cross_entropy`` rule, reduced as torch reduces (``ignore_index`` honoured); ``None``
-    for other calls (they decompose into ``log_softmax`` and ``nll_loss``)."""
-    if base.dispatch_skipped():
-        return None
-    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    logits, target = bound.get("input"), bound.get("target")
-    if (not isinstance(logits, cls) or not isinstance(target, cls) or logits.dim() != 2
-            or bound.get("weight") is not None or bound.get("label_smoothing", 0.0) != 0.0
-            or bound.get("size_average") is not None or bound.get("reduce") is not None
-            or target.dim() != 1):
-        return None
-    reduction = bound.get("reduction", "mean")
-    ignore_index = int(bound.get("ignore_index", -100))
-
-    def local(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        # per-row losses (0 for ignored rows); core reduces them across the ranks
-        return F.cross_entropy(x, t, ignore_index=ignore_index, reduction="none")
-
-    return base.dispatch_explicit("cross_entropy", (logits, target), local,
-                                  {"reduction": reduction, "ignore_index": ignore_index})
 
 
 def _view(func: Any) -> Callable[..., Any]:
@@ -416,30 +365,32 @@ def _view(func: Any) -> Callable[..., Any]:
 def build_dtensor_type(base: type) -> type:
     """The torch DTensor class over core's ``base`` (see [Note: torch DTensor dispatch])."""
 
-    # The torch functions __torch_function__ does not pass straight on, each to its
-    # handler: one dict lookup per call for the others (most calls, and every attribute
-    # read not in _PLAIN_ATTRIBUTES).
-    special: dict[Any, Callable[..., Any]] = {
-        torch.matmul: _batched_matmul, torch.Tensor.matmul: _batched_matmul, torch.Tensor.__matmul__: _batched_matmul,
-        F.scaled_dot_product_attention: _attention, F.cross_entropy: _cross_entropy,
-        # reads of a DTensor as plain values: [Note: DTensors and torch's state-dict functions]
-        torch.Tensor.numpy: _refuse_plain_read, torch.Tensor.tolist: _refuse_plain_read,
-    }
-
     class DTensor(torch.Tensor, base):  # type: ignore[misc, valid-type]
         # autograd records ops on the wrappers; their aten ops run below it
         wrapper_autograd = True
 
-        @classmethod
-        def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
-                               kwargs: dict[str, Any] | None = None) -> Any:
-            handler = special.get(func)
-            if handler is not None:
-                routed = handler(cls, base, func, args, kwargs or {})
-                if routed is not None:
-                    return routed
-            # everything else straight on (what torch's DTensor has as __torch_function__)
-            return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+        # torch's disabled one, which torch's C++ skips: every torch function goes
+        # straight on to autograd and the aten ops (what torch's DTensor does)
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        def __matmul__(self, other: Any) -> Any:
+            routed = _batched_matmul(type(self), base, (self, other))
+            return torch.Tensor.__matmul__(self, other) if routed is None else routed
+
+        def __rmatmul__(self, other: Any) -> Any:
+            routed = _batched_matmul(type(self), base, (other, self))
+            return torch.Tensor.__rmatmul__(self, other) if routed is None else routed
+
+        def matmul(self, other: Any) -> Any:
+            routed = _batched_matmul(type(self), base, (self, other))
+            return torch.Tensor.matmul(self, other) if routed is None else routed
+
+        # reads of a DTensor as plain values: [Note: DTensors and torch's state-dict functions]
+        def numpy(self, *, force: bool = False) -> Any:
+            dcp_protocol.refuse_plain_read(self, "numpy()")
+
+        def tolist(self) -> Any:
+            dcp_protocol.refuse_plain_read(self, "tolist()")
 
         @staticmethod
         def __new__(cls, local: torch.Tensor, spec: Any) -> DTensor:
@@ -495,8 +446,7 @@ def build_dtensor_type(base: type) -> type:
             if skipped():
                 return _run_skipped(cls, func, args, kwargs or {})
             kwargs = kwargs or {}
-            key = _flat_key(cls, func, args, kwargs)
-            if key is None and args and type(args[0]) is list:
+            if args and type(args[0]) is list:
                 # a list of tensors first: a _foreach_* op (an optimizer's step) goes
                 # straight to its path, with what it needs of the op read once; cat and
                 # stack go on to _run_op
@@ -505,6 +455,7 @@ def build_dtensor_type(base: type) -> type:
                     op = foreach_ops[func] = _foreach_op(func)
                 if op is not None:
                     return _run_foreach(cls, func, op, args, kwargs, foreach_fits)
+            key = _flat_key(cls, func, args, kwargs)
             entry = plans.get(key) if key is not None else None
             if entry is not None:
                 rule, params, inplace, positions, local, shaped, shape, strides = entry
@@ -536,8 +487,7 @@ def build_dtensor_type(base: type) -> type:
     # view or an expand, which takes this rank's size) of the ops that run as they are or
     # with their size: the translation, the frozen params and such a plan are computed
     # once per such key; bounded (cleared when full).
-    for name in _PLAIN_ATTRIBUTES:
-        setattr(DTensor, name, _plain_attribute(name))
+    DTensor.__torch_function__ = torch._C._disabled_torch_function_impl
     plans: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     # aten ops whose first argument was a list -> their _ForeachOp (None: not a foreach
     # op); one entry per op overload, so unbounded
@@ -546,41 +496,6 @@ def build_dtensor_type(base: type) -> type:
     foreach_fits: dict[tuple[Any, ...], tuple[Any, bool]] = {}
     skipped = base.skip_depth()
     return DTensor
-
-
-# [Note: attribute reads of a torch DTensor]
-# A class with a Python ``__torch_function__`` receives every read of a tensor attribute
-# (``p.grad``, ``p.device``) there too, and passes it on: about 1 us per read for the C
-# call into Python and back, against 0.15 us on a plain tensor or torch's DTensor (whose
-# ``__torch_function__`` is torch's disabled one, which torch skips). torch's optimizers
-# read several per parameter per step (AdamW(foreach=True): ``grad`` 3 times,
-# ``is_sparse``, ``device``). For the attributes below the class has a property doing
-# what passing on does, without the round trip: the tensor's own attribute (get, set,
-# delete) with ``__torch_function__`` of subclasses disabled (torch function modes
-# still see it, as before). Values, errors and warnings are the tensor's own.
-_PLAIN_ATTRIBUTES = ("grad", "is_sparse", "device", "dtype", "shape", "requires_grad")
-
-
-def _plain_attribute(name: str) -> property:
-    """A property reading, writing and deleting ``torch.Tensor``'s attribute ``name``
-    without the ``__torch_function__`` round trip (see [Note: attribute reads of a
-    torch DTensor])."""
-    attribute = vars(torch._C.TensorBase)[name]  # a C getset descriptor
-    no_subclass_function = torch._C.DisableTorchFunctionSubclass
-
-    def get(self: torch.Tensor) -> Any:
-        with no_subclass_function():
-            return attribute.__get__(self, type(self))
-
-    def set_(self: torch.Tensor, value: Any) -> None:
-        with no_subclass_function():
-            attribute.__set__(self, value)
-
-    def delete(self: torch.Tensor) -> None:
-        with no_subclass_function():
-            attribute.__delete__(self)
-
-    return property(get, set_, delete, attribute.__doc__)
 
 
 def _flat_key(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -677,6 +592,9 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
             return dcp_protocol.copy_from_full(args[0], args[1], non_blocking)
         if not is_dtensor(args[0]):
             dcp_protocol.refuse_plain_read(args[1], "copy_ into a plain torch.Tensor")
+    routed = fused_ops.route(cls, name, func, args, kwargs, lambda f, leaves: _check_mixed(f, leaves, is_dtensor))
+    if routed is not fused_ops.NOT_ROUTED:
+        return routed
     rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs, is_dtensor)
     dtensors, call = _local_call(func, args, kwargs, is_dtensor)
     if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand") and not kwargs:
