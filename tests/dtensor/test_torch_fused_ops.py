@@ -66,21 +66,24 @@ def _sharded_leaf(full, mesh, placements):
     return distribute_tensor(full.detach(), mesh, placements).requires_grad_(True)
 
 
-def check_attention(mesh_shape: tuple[int, ...], causal: bool, masked: bool) -> None:
+def check_attention(mesh_shape: tuple[int, ...], causal: bool, masked: bool, kv_heads: int = 4) -> None:
     import torch
     import torch.nn.functional as F
 
     mesh = _mesh(mesh_shape)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 6, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     mask = torch.randn(2, 4, 6, 6, dtype=torch.float64) if masked else None
     grad = torch.randn(2, 4, 6, 8, dtype=torch.float64)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    gqa = {"enable_gqa": True} if kv_heads != 4 else {}
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
     ref.backward(grad)
     placements = [Shard(1)] if len(mesh_shape) == 1 else [Shard(0), Shard(1)]
     qd, kd, vd = (_sharded_leaf(t, mesh, placements) for t in (q, k, v))
     maskd = None if mask is None else distribute_tensor(mask, mesh, placements)
-    out, count = _collectives(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=maskd, is_causal=causal))
+    out, count = _collectives(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=maskd, is_causal=causal,
+                                                                     **gqa))
     assert count == 0, f"the forward issued {count} collectives"
     assert isinstance(out, DTensor) and tuple(out.placements) == tuple(placements), out
     np.testing.assert_allclose(out.full_tensor().detach().numpy(), ref.detach().numpy(), **TOL)
@@ -99,6 +102,13 @@ def test_scaled_dot_product_attention(run_on_ranks, mesh_shape, causal, masked) 
     if causal and masked:
         pytest.skip("torch's SDPA takes a mask or is_causal, not both")
     run_on_ranks(check_attention, mesh_shape, causal, masked, world_size=int(np.prod(mesh_shape)), timeout_s=300)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["tp2", "dp2xtp2"])
+def test_grouped_query_attention(run_on_ranks, mesh_shape) -> None:
+    """4 query heads over 2 key/value heads, the heads split in two: each rank's query
+    head group stays with its key/value head."""
+    run_on_ranks(check_attention, mesh_shape, True, False, 2, world_size=int(np.prod(mesh_shape)), timeout_s=300)
 
 
 def check_softmax_over_sharded_dim(mesh_shape: tuple[int, ...], dtype_name: str) -> None:

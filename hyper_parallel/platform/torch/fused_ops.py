@@ -70,7 +70,9 @@ def _attention(cls: type, name: str, func: Any, args: tuple[Any, ...], kwargs: d
     ruled = [positions.index(first + j) for j in range(3)]
     follow = [ruled.index(k_) if k_ in ruled else (0 if t.dim() >= 3 else None) for k_, t in enumerate(dtensors)]
     lead_shape = (int(q.shape[0]), int(q.shape[1]))
-    bias = args[4] if name == "_scaled_dot_product_efficient_attention_backward" else None
+    # the backward ops that return the bias's gradient take the bias fifth
+    bias = args[4] if name in ("_scaled_dot_product_efficient_attention_backward",
+                               "_scaled_dot_product_fused_attention_overrideable_backward") else None
 
     def local_fn(*locals_: Any) -> Sequence[Any]:
         filled = list(flat)
@@ -86,7 +88,7 @@ def _attention(cls: type, name: str, func: Any, args: tuple[Any, ...], kwargs: d
                 entries.append(None)
             elif backward and index < 3:
                 entries.append((tuple((q, k, v)[index].shape), index))
-            elif backward and index == 3 and isinstance(bias, cls):
+            elif backward and index == 3 and isinstance(bias, cls) and value.dim() == bias.dim():
                 entries.append((tuple(bias.shape), 0))
             elif not backward and index == 0:
                 entries.append((tuple(q.shape[:-1]) + (int(v.shape[-1]),), 0))
