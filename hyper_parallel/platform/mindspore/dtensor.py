@@ -71,6 +71,13 @@ _PRIMITIVES: dict[str, tuple[str, str]] = {
     "TransposeExtView": ("transpose", "transpose"), "TransposeExt": ("transpose", "transpose"),
     "Transpose": ("permute", "permute"), "Concat": ("cat", "cat"), "LinalgVectorNorm": ("norm", "norm"),
     "Square": ("square", "pointwise"), "ReduceSum": ("sum", "reduce"), "Gather": ("embedding", "gather"),
+    # new tensors shaped like the input, not reading its values (Cell.to_empty's empty_like
+    # of a meta parameter; the reset_parameter fills)
+    "EmptyLike": ("empty_like", "pointwise"), "ZerosLikeExt": ("zeros_like", "pointwise"),
+    "ZerosLike": ("zeros_like", "pointwise"), "OnesLikeExt": ("ones_like", "pointwise"),
+    "OnesLike": ("ones_like", "pointwise"), "FullLike": ("full_like", "pointwise"),
+    "InplaceFillScalar": ("fill", "inplace"), "InplaceFillTensor": ("fill", "inplace"),
+    "InplaceZero": ("zeros_like", "inplace"),
 }
 
 
@@ -138,7 +145,7 @@ def build_dtensor_type(base: type, ms: Any) -> type:
             ``value_and_grad`` differentiates with respect to the ``Parameter`` object, so
             the ops must read that object, and its current values (``set_data`` and the
             optimizers' ``Assign`` write the parameter, not the tensor it was made from)."""
-            if isinstance(self, Parameter):
+            if isinstance(self, Parameter) and not self.is_meta:  # a meta tensor has no values to read
                 with NoFallbackGuard():
                     return ms.mint.reshape(self, tuple(self._local_tensor.shape))
             return self._local_tensor
