@@ -165,6 +165,26 @@ class HSDPModule:
         for state in _units(self, recurse):
             state.set_reduce_op_type(reduce_op)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every parameter of this module and below it, as
+        ``torch.nn.Module.zero_grad`` does, and the float32 ``param.main_grad`` that
+        ``MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)`` adds each reduced
+        gradient onto (set to ``None``; the next backward makes it anew): without this
+        the main gradients of one step would carry into the next. MindFormers' trainer
+        calls it after every optimizer step. ``param.grad``: the framework module's own
+        ``zero_grad(set_to_none)`` where it has one (torch), else set to ``None``
+        (MindSpore's ``Cell`` has none)."""
+        params = [param for _, param in get_platform().named_parameters(self)]
+        for param in params:
+            if getattr(param, "main_grad", None) is not None:
+                param.main_grad = None
+        original = super()
+        if hasattr(original, "zero_grad"):
+            original.zero_grad(set_to_none)
+            return
+        for param in params:
+            param.grad = None
+
 
 def _units(module: Any, recurse: bool) -> list[HSDPState]:
     """The unit of ``module``, and with ``recurse`` those of every fully sharded module
