@@ -35,10 +35,11 @@ import warnings
 from typing import Any
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, _joint_mesh
-from hyper_parallel.core.dtensor.dtensor import DTensor, dtensor_class, make_dtensor
+from hyper_parallel.core.dtensor.dtensor import DTensor, dtensor_class, make_dtensor, wrap_local
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard, chunk_bounds
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy
+from hyper_parallel.core.tensor_parallel.style import LOCAL_FORWARD
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import CustomFunction, ReduceOp
 
@@ -68,6 +69,8 @@ class HSDPParam:
         # holds that object shares the weight with the unit (tied across units).
         self.source_id: int = id(param)
         tp = param.spec if isinstance(param, DTensor) else None
+        # [Note: a tensor-parallel parameter in a DTensor forward]
+        self.tp_spec: DTensorSpec | None = tp
         if tp is not None:
             with p.no_grad():
                 param = param.to_local()
@@ -127,6 +130,22 @@ class HSDPParam:
         self.sequence_parallel_group: Any = None
 
     # -- views ---------------------------------------------------------------------------
+    def presented(self, full: Any, owner: Any) -> Any:
+        """What ``owner``'s forward reads for this parameter, given the gathered tensor.
+
+        [Note: a tensor-parallel parameter in a DTensor forward]
+        This package's own tensor-parallel styles run the module's forward on local
+        tensors (they mark the module ``LOCAL_FORWARD``), so they get the gathered tp
+        piece itself. A module whose forward computes on DTensors (torch's styles,
+        MindFormers' ``distribute_module``: their hooks hand DTensor activations in) gets
+        it as a DTensor on the tensor-parallel mesh with the tp placements (a
+        differentiable ``from_local``, as FSDP2's unsharded parameter is): its gradient
+        comes back laid out as the parameter (a Partial one of a sequence-parallel norm
+        all-reduced over tp) and reaches the gather's backward as a local tensor."""
+        if self.tp_spec is None or getattr(owner, LOCAL_FORWARD, False):
+            return full
+        return wrap_local(full, self.tp_spec)
+
     def to_home(self, tensor: Any) -> Any:
         """``tensor`` where the shard lives: host memory under ``CPUOffloadPolicy``
         (a copy through ``platform.to_device``), else ``tensor`` itself."""

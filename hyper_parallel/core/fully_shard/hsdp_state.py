@@ -102,6 +102,7 @@ from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
 from hyper_parallel.core.dtensor.device_mesh import _axis_lines
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam, WaitReduce
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
@@ -343,7 +344,7 @@ class HSDPState:
             if self.reshard_after_forward:
                 hp.drop_unsharded()  # the module reads ``full``, a copy (see GatherParam)
             for owner, name in hp.uses:
-                vars(owner)[name] = full
+                vars(owner)[name] = hp.presented(full, owner)
         self._grads_pending = len(self.params)
         if self.reshard_after_forward and self.params and phase is None:
             # The tensors the module reads (GatherParam's outputs) are what its operations
@@ -377,7 +378,7 @@ class HSDPState:
             for owner, name in hp.uses:
                 full = vars(owner).pop(name, None)
             if self.block_size is not None and full is not None:
-                hp.keep_block(full, self.block_size)
+                hp.keep_block(full._local if isinstance(full, DTensor) else full, self.block_size)
         if self.reshard_after_forward:
             self._drop_gathered()  # an int keeps the blocks just taken
         self.training_state = TrainingState.IDLE
@@ -417,6 +418,7 @@ class HSDPState:
         for hp, name in entries:  # [Note: recomputation and gathered parameters]
             self._gathered(hp)
             full = p.apply_function(GatherParam, hp.grad_source(), hp, self)
+            full = hp.presented(full, module)
             vars(module)[name] = full
             self._recomputed[(id(module), name)] = full
         return None

@@ -43,6 +43,10 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.platform import get_platform
 
+#: set (True) on a module by a tensor-parallel style whose forward computes on local
+#: tensors (see [Note: a tensor-parallel parameter in a DTensor forward])
+LOCAL_FORWARD = "_hyper_parallel_local_forward"
+
 #: Set on a SequenceParallel module: the tp group its replicated parameters' gradients
 #: are all-reduced over (fully_shard, whose gathered tensor the module then computes with,
 #: all-reduces the gathered parameter's gradient over it).
@@ -120,7 +124,10 @@ class _LocalParameters:
                 del self.mine[(owner, name)]
 
     def register_pre(self, module: Any) -> None:
-        """Before the style's input hook: the substitution is in place for all of it."""
+        """Before the style's input hook: the substitution is in place for all of it.
+        Marks the module: fully_shard substitutes its gathered tensor-parallel pieces as
+        local tensors (see [Note: a tensor-parallel parameter in a DTensor forward])."""
+        setattr(module, LOCAL_FORWARD, True)
         get_platform().register_forward_pre_hook(module, self.put)
 
     def register_post(self, module: Any) -> None:

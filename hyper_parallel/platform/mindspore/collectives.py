@@ -176,6 +176,12 @@ class MindSporeCollectives(CollectivesSection):
         if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < len(ranks):
             raise ValueError(f"broadcast: src={src!r} is not a rank of the group (size {len(ranks)}); "
                              f"use a group rank in [0, {len(ranks)})")
+        if getattr(tensor, "is_meta", False):
+            # a meta tensor has no values to send (MindSpore refuses it as a kernel input):
+            # every rank gets a meta tensor of its shape and dtype, as torch's broadcast of
+            # a meta tensor does; MindFormers distributes parameters under ms.DeviceCtx("meta")
+            with self._ms.DeviceCtx("meta"):
+                return CompletedWork(self._mint.empty(tuple(tensor.shape), dtype=tensor.dtype))
         buf = self._wire(self._fresh(tensor)) if me == src else self._receive_buffer(tensor)
         if buf.numel() == 0:  # see _gather: empty buffers are not sent
             return CompletedWork(self._unwire(buf, tensor.dtype))

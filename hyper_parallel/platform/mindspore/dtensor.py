@@ -250,8 +250,11 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
             else:
                 call_args[i][j] = local
         call_args = [type(args[i])(a) if isinstance(args[i], (list, tuple)) else a for i, a in enumerate(call_args)]
-        if local_shape is not None:
-            call_args = [call_args[0], *local_shape] if kind == "reshape" else call_args
+        if local_shape is not None and kind == "reshape":
+            # the shape as the call gave it: one tuple (the Reshape primitive, under
+            # mint.reshape / ops.reshape) or spread out (Tensor.reshape(*shape))
+            shape_as_one = len(args) == 2 and isinstance(args[1], (list, tuple))
+            call_args = [call_args[0], tuple(local_shape)] if shape_as_one else [call_args[0], *local_shape]
         return call_op(op, call_args, kwargs)
 
     x = args[0] if args else None

@@ -1,0 +1,231 @@
+"""Tensor parallelism on the tiny MindFormers ``GPTModel`` of ``test_gptmodel`` through
+MindFormers' own ``parallelize_gptmodel`` (``apply_non_moe_tp``): tensor_parallel=2 on 2
+ranks, and tensor_parallel=2 x data_parallel=2 (FSDP) on 4, against the 1-rank run.
+
+The model is wrapped as MindFormers' causal-LM classes wrap it (``self.model = GPTModel``):
+``apply_non_moe_tp`` reads ``model.model.embedding`` etc. MindFormers' plan then shards
+the embedding by vocabulary rows (``RowwiseParallel``, output sequence-sharded), keeps the
+norms sequence-sharded (``SequenceParallel(0)``), gathers the sequence before attention
+and the MLP (``PrepareModuleInput``), shards ``linear_proj`` / ``linear_fc2`` by rows
+(reduce-scatter to the sequence) and ``linear_fc1`` / ``output_layer`` by columns, and
+hands q/k/v to the test-local core attention as DTensors, heads sharded
+(``PrepareModuleInput(desired_input_layouts=(Shard(2),) * 3)``). The loss's
+``log_softmax`` / ``nll_loss`` get MindFormers' ``PrepareModuleInputOutput``.
+
+Found on the way (MindFormers 2.0.0, MindSpore 2.10 CPU):
+
+- ``apply_non_moe_tp`` plans multi-latent attention only (``_apply_layers_tp`` reads
+  ``config.q_lora_rank``, ``self_attention.q_rank`` and plans ``linear_kvb`` /
+  ``apply_rotary_emb_q``; parallelize.py:738, 789-806): the model here is the MLA variant
+  of ``test_gptmodel``'s (``multi_latent_attention=True``, ``qk_layernorm=True``,
+  ``q_lora_rank`` set), no RoPE as there.
+- MindSpore 2.10 CPU differentiates ``mint.cat`` of ``mint.split`` views wrongly (MLA
+  concatenates ``q_nope`` / ``q_pe``): ``MLASelfAttention.split`` is replaced on the
+  instance by a split whose pieces pass through ``* 1.0``.
+- MindFormers' ``PrepareModuleInput`` trusts its declared ``input_layouts`` for a DTensor
+  input (style.py:655, no redistribute when declared == desired), so a DTensor that
+  arrives Replicate is handed on Replicate.
+- hyper_parallel fixes made for this path: a broadcast of a meta tensor (``distribute_tensor``
+  under ``ms.DeviceCtx("meta")``), ``mint.reshape`` of a DTensor, and fully_shard handing
+  a tensor-parallel parameter to a DTensor forward as a DTensor on the tp mesh.
+- Still open: no DTensor rule for split (see ``_SPLIT_RULE``): both tests xfail, strict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from tests.mindformers.test_gptmodel import BATCH, batch, pytestmark  # noqa: F401
+
+
+QK_HEAD, QK_POS, V_HEAD, Q_LORA, KV_LORA = 12, 4, 16, 32, 32
+
+
+def build_mla_gpt():
+    """``test_gptmodel``'s tiny ``GPTModel`` with MindFormers' multi-latent attention
+    (``get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)``, the
+    only attention ``apply_non_moe_tp`` plans), the same test-local CPU cells in the spec,
+    wrapped as MindFormers' causal-LM classes hold it (``self.model = GPTModel``, which
+    ``apply_non_moe_tp`` reads). Weights as ``build_gpt``'s: a seeded normal per name."""
+    import mindspore as ms
+    from mindformers.parallel_core.transformer_config import MLATransformerConfig
+    from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
+    from mindformers.pynative.transformers.transformer_block import TransformerBlockSubmodules
+    from mindspore import mint, nn
+
+    from tests.mindformers.test_gptmodel import FFN, HEADS, HIDDEN, LAYERS, SEQ, VOCAB, _cpu_classes
+
+    from hyper_parallel import DTensor
+
+    cpu = _cpu_classes()
+
+    class TPCoreAttention(cpu["attention"]):
+        """``CPUCoreAttention`` on the DTensor q/k/v that MindFormers' ``PrepareModuleInput``
+        hands in under tensor parallelism (heads sharded, ``Shard(2)`` of SBND): attention
+        per head on this rank's heads, the SBH output ``Shard(2)`` (heads merged). It
+        stands in for the DTensor rule of ``FlashAttentionScore`` (Ascend-only);
+        ``hyper_parallel.scaled_dot_product_attention`` takes local tensors only."""
+
+        def construct(self, query, key, value, attention_mask=None, **kwargs):
+            if not isinstance(query, DTensor):
+                return super().construct(query, key, value, attention_mask, **kwargs)
+            assert [str(pl) for pl in query.placements] == ["Shard(dim=2)"], query.placements
+            out = super().construct(query.to_local(), key.to_local(), value.to_local(), attention_mask, **kwargs)
+            return DTensor.from_local(out, query.device_mesh, query.placements)
+
+    config = MLATransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+        vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ, compute_dtype="float32",
+        params_dtype="float32", layernorm_compute_dtype="float32", use_flash_attention=False,
+        position_embedding_type="none", normalization="RMSNorm", gated_linear_unit=True, hidden_act="silu",
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, multi_latent_attention=True,
+        q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_head_dim=QK_HEAD, qk_pos_emb_head_dim=QK_POS,
+        v_head_dim=V_HEAD, qk_layernorm=True)
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True, multi_latent_attention=True)
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=TPCoreAttention, q_layernorm=cpu["norm"], k_layernorm=cpu["norm"]))
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(
+        layer.submodules, input_layernorm=cpu["norm"], pre_mlp_layernorm=cpu["norm"], self_attention=attention))
+    block = TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=cpu["norm"])
+
+    def split(tensor, sizes, dim=0):
+        # MindSpore 2.10 CPU differentiates mint.cat / permute of mint.split views wrongly
+        # (MLA concatenates its q_nope / q_pe split views): an arithmetic op on each piece
+        return tuple(piece * 1.0 for piece in mint.split(tensor, sizes, dim=dim))
+
+    class CausalLM(nn.Cell):
+        def __init__(self):
+            super().__init__(auto_prefix=False)
+            self.model = GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ,
+                                  position_embedding_type="none")
+            self.model.loss = cpu["loss"]()
+            for mla in self.model.decoder.layers:
+                mla.self_attention.split = split  # on the instance (MLASelfAttention.split = mint.split)
+
+        def construct(self, input_ids, labels=None):
+            return self.model(input_ids, labels=labels)
+
+    model = CausalLM()
+    for name, param in model.parameters_and_names():
+        if name.endswith("norm.weight"):
+            value = np.ones(param.shape, np.float32)
+        else:
+            seed = sum(ord(c) * (i + 1) for i, c in enumerate(name))
+            value = (np.random.default_rng(seed).standard_normal(param.shape) * 0.05).astype(np.float32)
+        param.set_data(ms.Tensor(value))
+    model.set_train(True)
+    return model
+
+
+def check_mla_one_rank() -> dict:
+    """Forward + loss + gradients of the whole batch on 1 rank."""
+    import mindspore as ms
+
+    model = build_mla_gpt()
+    ids, labels = batch()
+    named = list(model.parameters_and_names())
+
+    def loss_fn(i, l):
+        return model(i, labels=l)[0]
+
+    loss, grads = ms.value_and_grad(loss_fn, grad_position=None, weights=[q for _, q in named])(
+        ms.Tensor(ids), ms.Tensor(labels))
+    return {"loss": float(loss.asnumpy().reshape(-1)[0]),
+            "grads": {name: g.asnumpy() for (name, _), g in zip(named, grads)}}
+
+
+def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool = False) -> dict:
+    """MindFormers' ``ParallelDims.from_config`` + ``parallelize_gptmodel`` with the given
+    degrees on the wrapped model built under meta; this rank's pieces of the 1-rank
+    weights written in; loss and ``value_and_grad``."""
+    import mindspore as ms
+    from mindformers.pynative.base_models.gpt.parallelize import parallelize_gptmodel
+    from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
+                                                    SwapConfig)
+    from mindformers.pynative.distributed.parallel_dims import ParallelDims
+
+    from hyper_parallel import DTensor
+    from hyper_parallel.core.dtensor.layout import Layout
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    world, me = p.world_size(), p.rank()
+    assert world == data_parallel * tensor_parallel
+    full = {name: param.asnumpy() for name, param in build_mla_gpt().parameters_and_names()}
+    with ms.DeviceCtx("meta"):
+        model = build_mla_gpt()
+    parallelism = ParallelismConfig()
+    parallelism.data_parallel = data_parallel
+    parallelism.tensor_parallel = tensor_parallel
+    parallelism.enable_loss_parallel = loss_parallel
+    dims = ParallelDims.from_config(parallelism, world)
+    parts, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
+                                     SwapConfig())
+    model = parts[0]
+    model.to_empty(device="CPU")
+    named = list(model.parameters_and_names())
+    for name, param in named:
+        assert isinstance(param, DTensor) and not param.is_meta, name
+        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
+        param.to_local().copy_(ms.Tensor(full[name][tuple(slice(b, e) for b, e in area)]))
+    ids, labels = batch()
+    dp = me // tensor_parallel  # dense mesh (pp, dp_replicate, fsdp, tp): tp innermost
+    rows = slice(dp * BATCH // data_parallel, (dp + 1) * BATCH // data_parallel)
+
+    def loss_fn(i, l):
+        loss = model(i, labels=l)[0]
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    loss, grads = ms.value_and_grad(loss_fn, grad_position=None, weights=[q for _, q in named])(
+        ms.Tensor(ids[rows]), ms.Tensor(labels[rows]))
+    out = {}
+    for (name, param), grad in zip(named, grads):
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
+        out[name] = {"placements": [str(pl) for pl in param.placements], "area": area, "grad": local.asnumpy()}
+    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
+
+
+def _compare(one: dict, ranks: list, data_parallel: int) -> None:
+    # every data-parallel rank has BATCH * SEQ / dp unmasked tokens: the mean of their means
+    np.testing.assert_allclose(np.mean([r["loss"] for r in ranks]), one["loss"], rtol=1e-5)
+    for name, want in one["grads"].items():
+        for me, r in enumerate(ranks):
+            got = r["params"][name]
+            piece = want[tuple(slice(b, e) for b, e in got["area"])]
+            # fully_shard's reduce op "sum": the data-parallel ranks' gradients add up
+            np.testing.assert_allclose(got["grad"] / data_parallel, piece, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{name} rank {me} {got['placements']}")
+
+
+def test_mla_gptmodel_one_rank(run_on_ranks) -> None:
+    out = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
+    assert np.isfinite(out["loss"]) and 3.0 < out["loss"] < 7.0, out["loss"]  # ~ln(128) at init
+    assert all(np.isfinite(g).all() and np.abs(g).sum() > 0 for g in out["grads"].values()), \
+        [n for n, g in out["grads"].items() if not np.abs(g).sum() > 0]
+
+
+_SPLIT_RULE = pytest.mark.xfail(strict=True, reason=(
+    "hyper_parallel has no DTensor rule for split (MindSpore's SplitWithSizeView falls back to Replicate, "
+    "op_rules.OP_RULES has no 'split'): MLA's q_nope/q_pe split of linear_qb's head-sharded output arrives at "
+    "core_attention Replicate while MindFormers' PrepareModuleInput declares it Shard(2) and does not "
+    "redistribute"))
+
+
+@_SPLIT_RULE
+def test_gptmodel_tp_two_ranks(run_on_ranks) -> None:
+    one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
+    two = run_on_ranks(check_gpt_tp, 1, 2, world_size=2, timeout_s=600)
+    _compare(one, two, 1)
+
+
+@_SPLIT_RULE
+def test_gptmodel_tp_fsdp_four_ranks(run_on_ranks) -> None:
+    one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
+    four = run_on_ranks(check_gpt_tp, 2, 2, world_size=4, timeout_s=600)
+    _compare(one, four, 2)
