@@ -131,11 +131,12 @@ def gpt_config(**overrides):
     return TransformerConfig(**fields)
 
 
-def build_gpt(config=None, core_attention=None):
+def build_gpt(config=None, core_attention=None, self_attention=None):
     """The tiny ``GPTModel`` from MindFormers' ``get_gpt_layer_local_spec`` with the CPU
     cells in its spec, float32, deterministic weights (a seeded normal per parameter
     name, norms at one). ``config`` defaults to ``gpt_config()``; ``core_attention``
-    (a class for the spec's ``core_attention``) to ``CPUCoreAttention``."""
+    (a class for the spec's ``core_attention``) to ``CPUCoreAttention``; ``self_attention``
+    (for the spec's ``self_attention`` module) to MindFormers' ``SelfAttention``."""
     import mindspore as ms
     from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
@@ -145,8 +146,9 @@ def build_gpt(config=None, core_attention=None):
     config = gpt_config() if config is None else config
     layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
     attention = layer.submodules.self_attention
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, core_attention=core_attention or cpu["attention"]))
+    attention = dataclasses.replace(attention, module=self_attention or attention.module,
+                                    submodules=dataclasses.replace(attention.submodules,
+                                                                   core_attention=core_attention or cpu["attention"]))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=cpu["norm"], pre_mlp_layernorm=cpu["norm"], self_attention=attention))
     block = TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=cpu["norm"])
