@@ -1,7 +1,8 @@
 """Context parallelism on the tiny MindFormers 2.0.0 ``GPTModel`` (``test_gptmodel``) on
 MindSpore CPU, through MindFormers' own ``parallelize_gptmodel``: ``context_parallel=2``
 on 2 ranks and ``context_parallel=2 x data_parallel=2`` (FSDP over ``dp_shard * cp``) on 4,
-loss and gradients against one rank.
+loss and gradients against one rank; also its "ulysses" (the same meshes) and "hybrid"
+(cp 4, Ulysses 2) methods (``test_gptmodel_cp_ulysses``), each causal and with packed documents.
 
 What runs is MindFormers' default ("colossal") path, as its trainer sets it up:
 
@@ -62,7 +63,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.mindformers.test_gptmodel import BATCH, HIDDEN, SEQ, batch, build_gpt, gpt_config
+from tests.mindformers.test_gptmodel import BATCH, HEADS, HIDDEN, SEQ, batch, build_gpt, gpt_config
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("mindformers") is None,
@@ -90,8 +91,9 @@ def _attention_classes():
 
         Layouts: without context parallelism SBND q/k/v in, SBH out (``input_layout``
         ``"BNSD"``), or TND in and out (``"TND"``, EOD compression); under MindFormers'
-        colossal CP hooks (``_mf_runtime_input_already_in_fa_layout`` with ``"BSH"``) BSH
-        ``(batch, seq / cp, heads * head_dim)`` in and out. Masks: ``attention_mask`` is
+        CP hooks (``_mf_runtime_input_already_in_fa_layout``) colossal BSH
+        ``(batch, seq / cp, heads * head_dim)`` in and out, Ulysses / hybrid BNSD, or TND
+        with EOD compression, in and out. Masks: ``attention_mask`` is
         MindFormers' compressed causal mask, ``sparse_mode=2`` (causal) or ``3`` (causal
         within the packed documents whose cumulative ends ``actual_seq_qlen`` gives, over
         the whole flattened sequence: ``cu_seqlens``); the positions of this rank's chunk
@@ -123,6 +125,14 @@ def _attention_classes():
                 return hyper_parallel.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                                    cu_seqlens=cu_seqlens)
 
+            if self.input_layout == "TND":  # EOD without CP, or under Ulysses / hybrid CP: TND in and out
+                out = attend(*(mint.unsqueeze(t.astype(ms.float32), 0) for t in (query, key, value)))
+                return out[0]
+            if getattr(self, "_mf_runtime_input_already_in_fa_layout", False) and self.input_layout == "BNSD":
+                # Ulysses / hybrid CP: whole sequences (hybrid: 1 / cp_kv of them) of heads / ulysses heads
+                return hyper_parallel.scaled_dot_product_attention(
+                    *(t.astype(ms.float32) for t in (query, key, value)), is_causal=True, scale=self.scale,
+                    cu_seqlens=cu_seqlens, layout="BNSD")
             if getattr(self, "_mf_runtime_input_already_in_fa_layout", False):
                 if self.input_layout != "BSH":
                     raise NotImplementedError(f"CPUFlashAttention: input_layout {self.input_layout!r} under CP")
@@ -130,10 +140,6 @@ def _attention_classes():
                 out = attend(*(mint.reshape(t.astype(ms.float32), (batch, seq, self.head_num, -1))
                                for t in (query, key, value)))
                 return mint.reshape(out, (batch, seq, -1))
-            if self.input_layout == "TND":
-                tokens = query.shape[0]
-                out = attend(*(mint.unsqueeze(t.astype(ms.float32), 0) for t in (query, key, value)))
-                return mint.reshape(out, (tokens, -1))
             seq, batch = query.shape[:2]  # SBND
             out = attend(*(mint.permute(t.astype(ms.float32), (1, 0, 2, 3)) for t in (query, key, value)))
             return mint.reshape(mint.permute(out, (1, 0, 2, 3)), (seq, batch, -1))
@@ -225,11 +231,12 @@ def check_one_rank(eod: bool = False) -> dict:
             "grads": {name: g.asnumpy() for (name, _), g in zip(model.parameters_and_names(), grads)}}
 
 
-def check_cp(cp: int, eod: bool = False) -> dict:
+def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int | None = None) -> dict:
     """MindFormers' ``ParallelDims.from_config`` + ``parallelize_gptmodel`` with
     ``context_parallel=cp`` and ``data_parallel = world / cp`` (FSDP), the model built under
     meta as the trainer does, this rank's batch rows (dataloading mesh ``(pp, batch, cp,
-    tp)``: rank ``= batch_index * cp + cp_index``); the root hook cuts the sequence."""
+    tp)``: rank ``= batch_index * cp + cp_index``); the root hook cuts the sequence.
+    ``method`` / ``ulysses``: ``context_parallel_method`` / ``ulysses_degree_in_cp``."""
     import mindspore as ms
     from mindformers.pynative.base_models.gpt.parallelize import parallelize_gptmodel
     from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
@@ -245,11 +252,14 @@ def check_cp(cp: int, eod: bool = False) -> dict:
     attention = _attention_classes()
     parallelism = ParallelismConfig()
     parallelism.context_parallel = cp
+    parallelism.context_parallel_method = method
+    parallelism.ulysses_degree_in_cp = ulysses
     parallelism.data_parallel = world // cp  # the trainer stores world // (tp * pp * cp) here
     full = {name: param.asnumpy() for name, param in build_gpt(cp_config(eod=eod), *attention).parameters_and_names()}
     with ms.DeviceCtx("meta"):
         model = build_gpt(cp_config(parallelism, eod), *attention)
-    assert model.config.input_layout == "BSH" and model.config.context_parallel_size == cp
+    if method == "colossal":
+        assert model.config.input_layout == "BSH" and model.config.context_parallel_size == cp
     dims = ParallelDims.from_config(parallelism, world)
     parts, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
                                      SwapConfig())
@@ -261,9 +271,17 @@ def check_cp(cp: int, eod: bool = False) -> dict:
     dp_index, dp = me // cp, world // cp
     rows = slice(dp_index * BATCH // dp, (dp_index + 1) * BATCH // dp)
     loss, grads = _loss_and_grads(model, cp_batch(rows, eod))
-    # BSH: this rank's rows and its 1/cp of the sequence; with EOD (TND data) the root hook
-    # flattens the rows into one sequence first
-    want = (1, BATCH // dp * SEQ // cp, HIDDEN) if eod else (BATCH // dp, SEQ // cp, HIDDEN)
+    # colossal, BSH: this rank's rows and its 1/cp of the sequence (with EOD the root hook
+    # flattens the rows into one sequence first); Ulysses / hybrid, BNSD: heads / ud of
+    # cp_kv times as much sequence
+    if method == "colossal":
+        want = (1, BATCH // dp * SEQ // cp, HIDDEN) if eod else (BATCH // dp, SEQ // cp, HIDDEN)
+    elif eod:  # TND, the rows flattened into one sequence
+        ud = ulysses or cp
+        want = (BATCH // dp * SEQ // cp * ud, HEADS // ud, HIDDEN // HEADS)
+    else:
+        ud = ulysses or cp
+        want = (BATCH // dp, HEADS // ud, SEQ // cp * ud, HIDDEN // HEADS)
     for layer in model.decoder.layers:
         assert layer.self_attention.core_attention.seen == want, (layer.self_attention.core_attention.seen, want)
     out = {}
@@ -307,3 +325,18 @@ def test_gptmodel_cp_dp_four_ranks(run_on_ranks, eod) -> None:
     one = run_on_ranks(check_one_rank, eod, world_size=1, timeout_s=300)[0]
     four = run_on_ranks(check_cp, 2, eod, world_size=4, timeout_s=600)
     _compare(one, four)
+
+
+@pytest.mark.parametrize("eod", [False, True], ids=["causal", "eod"])
+@pytest.mark.parametrize("cp,ulysses,world", [(2, None, 2), (2, None, 4), (4, 2, 4)],
+                         ids=["ulysses-cp2", "ulysses-cp2-dp2", "hybrid-cp4-u2"])
+def test_gptmodel_cp_ulysses(run_on_ranks, cp, ulysses, world, eod) -> None:
+    """MindFormers' ``context_parallel_method`` "ulysses" / "hybrid": its pre-hook hands BNSD
+    q/k/v (with EOD compression, TND ``[tokens, heads, head_dim]`` as they are) to this
+    package's ``ContextParallel(seq_dim=2, head_dim=1)`` (TND: ``seq_dim=0, head_dim=1``),
+    whose all-to-all gives the core attention whole sequences (hybrid: half of them, K/V
+    all-gathered over the other axis) of a share of the heads."""
+    one = run_on_ranks(check_one_rank, eod, world_size=1, timeout_s=300)[0]
+    ranks = run_on_ranks(check_cp, cp, eod, "ulysses" if ulysses is None else "hybrid", ulysses,
+                         world_size=world, timeout_s=600)
+    _compare(one, ranks)
