@@ -132,3 +132,16 @@ def bsh_attention(p: Any, *, heads: int, causal: bool) -> Any:
         return hp.scaled_dot_product_attention(*four, is_causal=causal).reshape(b, s, hd)
 
     return _qkv_module(p, forward, "BSHAttention")
+
+
+def tnd_attention(p: Any, *, causal: bool, cu_seqlens: Any) -> Any:
+    """A module taking 3-D ``[tokens, heads, head_dim]`` q/k/v (TND, MindFormers' layout
+    for packed documents), viewing them as BSHD with batch 1 for
+    ``hp.scaled_dot_product_attention`` and returning TND."""
+
+    def forward(q: Any, k: Any, v: Any) -> Any:
+        four = [t.reshape(1, *t.shape) for t in (q, k, v)]
+        out = hp.scaled_dot_product_attention(*four, is_causal=causal, cu_seqlens=cu_seqlens)
+        return out.reshape(*out.shape[1:])
+
+    return _qkv_module(p, forward, "TNDAttention")

@@ -288,3 +288,34 @@ def check_bsh() -> int:
 
 def test_bsh_qkv(run_on_ranks) -> None:
     assert run_on_ranks(check_bsh, world_size=2, timeout_s=300) == [4, 4]
+
+
+def check_tnd() -> int:
+    """3-D TND q/k/v (``[tokens, heads, head_dim]``, MindFormers' packed-document layout:
+    ``seq_dim=0, head_dim=1``) with packed documents, causal, in every mode (Ulysses,
+    all-gather, ring; hybrid on 4 ranks) against the float64 reference."""
+    p = get_platform()
+    cp, r = p.world_size(), p.rank()
+    mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
+    rng = np.random.default_rng(6)
+    count = 0
+    modes = [(cp, "allgather"), (1, "allgather"), (1, "ring")] + ([(2, "ring")] if cp == 4 else [])
+    for ulysses, exchange in modes:
+        style = hp.ContextParallel(seq_dim=0, head_dim=1, ulysses_degree=ulysses, kv_exchange=exchange)
+        module = style.apply(_models.tnd_attention(p, causal=True, cu_seqlens=DOCS), mesh)
+        q, k, v, dout = (rng.standard_normal((1, S, H, D)) for _ in range(4))
+        ref = reference(q, k, v, dout, reference_mask(S, True, DOCS))
+        shards = hp.context_parallel_shard([p.from_numpy(a[0]) for a in (q, k, v, dout)], [0] * 4, mesh)
+        out, back = p.vjp(module, shards[:3])
+        grads, _ = back([shards[3]])
+        pos = positions(S, cp, r, False)
+        for name, value, want in zip(("out", "dq", "dk", "dv"), [out, *grads], ref):
+            np.testing.assert_allclose(p.to_numpy(value), want[0, pos], **_tol(p),
+                                       err_msg=f"{name}: TND ulysses={ulysses} {exchange}")
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tnd_qkv(run_on_ranks, world) -> None:
+    assert run_on_ranks(check_tnd, world_size=world, timeout_s=300) == [3 + (world == 4)] * world

@@ -116,31 +116,44 @@ def _cpu_classes() -> dict:
     return {"norm": CPURMSNorm, "attention": CPUCoreAttention, "loss": CPUCrossEntropyLoss}
 
 
-def build_gpt():
-    """The tiny ``GPTModel`` from MindFormers' ``get_gpt_layer_local_spec`` with the CPU
-    cells in its spec, float32, deterministic weights (a seeded normal per parameter
-    name, norms at one)."""
-    import mindspore as ms
+def gpt_config(**overrides):
+    """The tiny model's ``TransformerConfig`` (float32, no RoPE); ``overrides`` replace or
+    add its fields (built in the ranks: it imports MindSpore)."""
     from mindformers.parallel_core.transformer_config import TransformerConfig
-    from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
-    from mindformers.pynative.transformers.transformer_block import TransformerBlockSubmodules
 
-    cpu = _cpu_classes()
-    config = TransformerConfig(
+    fields = dict(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
         vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ, compute_dtype="float32",
         params_dtype="float32", layernorm_compute_dtype="float32", use_flash_attention=False,
         position_embedding_type="none", normalization="RMSNorm", gated_linear_unit=True, hidden_act="silu",
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_gpt(config=None, core_attention=None, self_attention=None):
+    """The tiny ``GPTModel`` from MindFormers' ``get_gpt_layer_local_spec`` with the CPU
+    cells in its spec, float32, deterministic weights (a seeded normal per parameter
+    name, norms at one). ``config`` defaults to ``gpt_config()``; ``core_attention``
+    (a class for the spec's ``core_attention``) to ``CPUCoreAttention``; ``self_attention``
+    (for the spec's ``self_attention`` module) to MindFormers' ``SelfAttention``."""
+    import mindspore as ms
+    from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
+    from mindformers.pynative.transformers.transformer_block import TransformerBlockSubmodules
+
+    cpu = _cpu_classes()
+    config = gpt_config() if config is None else config
     layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=False)
     attention = layer.submodules.self_attention
-    attention = dataclasses.replace(
-        attention, submodules=dataclasses.replace(attention.submodules, core_attention=cpu["attention"]))
+    attention = dataclasses.replace(attention, module=self_attention or attention.module,
+                                    submodules=dataclasses.replace(attention.submodules,
+                                                                   core_attention=core_attention or cpu["attention"]))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=cpu["norm"], pre_mlp_layernorm=cpu["norm"], self_attention=attention))
     block = TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=cpu["norm"])
-    model = GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="none")
+    model = GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     position_embedding_type=config.position_embedding_type)
     model.loss = cpu["loss"]()
     for name, param in model.parameters_and_names():
         if name.endswith("norm.weight"):

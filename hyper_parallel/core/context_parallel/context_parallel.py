@@ -44,11 +44,15 @@ class ContextParallel(ParallelStyle):
         seq_dim: the sequence dim of q, k, v and of the output (1 for BSHD, 2 for BNSD).
         head_dim: their head dim (2 for BSHD, 1 for BNSD).
 
-    [Note: 3-D q/k/v] q, k, v may also be 3-D ``[batch, seq, heads * head_dim]`` (BSH,
-    MindFormers' colossal layout: ``seq_dim=1``) when ``ulysses_degree`` is 1: the hooks
-    only check them and open the context frame, and the module views them as 4-D before
-    calling ``hyper_parallel.scaled_dot_product_attention``, which exchanges K/V. Ulysses
-    needs the head dim, so 3-D inputs with ``ulysses_degree > 1`` raise.
+    [Note: 3-D q/k/v] q, k, v may also be 3-D, in MindFormers' two layouts:
+    ``[batch, seq, heads * head_dim]`` (BSH, colossal: ``seq_dim=1, head_dim=2``) when
+    ``ulysses_degree`` is 1, and ``[tokens, heads, head_dim]`` (TND, packed documents:
+    ``seq_dim=0, head_dim=1``) in every mode. The hooks check them, run the Ulysses
+    all-to-all along ``seq_dim`` / ``head_dim`` (TND) and open the context frame; the module
+    views them as 4-D before calling ``hyper_parallel.scaled_dot_product_attention``, which
+    exchanges K/V, and returns its output in the layout it got. A 3-D tensor whose
+    ``head_dim`` is its last dim holds heads and head features merged (BSH), which the
+    all-to-all cannot split by head, so that case with ``ulysses_degree > 1`` raises.
         ulysses_degree: ranks of the all-to-all axis; ``None`` means all of ``cp``
             (pure Ulysses). On a 2-D mesh it must equal the mesh's second axis.
         kv_exchange: ``"allgather"`` or ``"ring"``: how K/V are exchanged when
@@ -216,14 +220,16 @@ class ContextParallel(ParallelStyle):
         rank, before any collective); returns the global sequence length."""
         s, h = self.seq_dim, self.head_dim
         if q.ndim == 3:
-            # [Note: 3-D q/k/v]: only the K/V exchange runs here, along seq_dim; the module
-            # views them as 4-D before hyper_parallel.scaled_dot_product_attention
-            if plan.ulysses_size > 1:
-                raise ValueError(f"ContextParallel on {name}: 3-D q/k/v {tuple(q.shape)} need ulysses_degree=1 "
-                                 f"(got {plan.ulysses_size}): the all-to-all splits the head dim, which a "
-                                 "[batch, seq, heads * head_dim] tensor does not expose; pass 4-D q/k/v")
-            if s > 2:
-                raise ValueError(f"ContextParallel on {name}: seq_dim={s} is out of range for 3-D q/k/v")
+            # [Note: 3-D q/k/v]: BSH (heads merged into the last dim) or TND; the module views
+            # them as 4-D before hyper_parallel.scaled_dot_product_attention
+            if s > 2 or h > 2:
+                raise ValueError(f"ContextParallel on {name}: seq_dim={s}, head_dim={h} are out of range for 3-D "
+                                 "q/k/v (BSH: seq_dim=1, head_dim=2; TND: seq_dim=0, head_dim=1)")
+            if plan.ulysses_size > 1 and h == 2:
+                raise ValueError(f"ContextParallel on {name}: 3-D q/k/v {tuple(q.shape)} with head_dim=2 (BSH, "
+                                 f"[batch, seq, heads * head_dim]) need ulysses_degree=1 (got {plan.ulysses_size}): "
+                                 "the all-to-all splits the head dim, which such a tensor does not expose; pass 4-D "
+                                 "q/k/v, or TND [tokens, heads, head_dim] (seq_dim=0, head_dim=1)")
         if not q.shape[s] == k.shape[s] == v.shape[s]:
             raise ValueError(f"ContextParallel on {name}: q, k, v sequence lengths {q.shape[s]}, {k.shape[s]}, "
                              f"{v.shape[s]} differ; context parallelism shards self-attention")
