@@ -78,6 +78,10 @@ _PRIMITIVES: dict[str, tuple[str, str]] = {
     "OnesLike": ("ones_like", "pointwise"), "FullLike": ("full_like", "pointwise"),
     "InplaceFillScalar": ("fill", "inplace"), "InplaceFillTensor": ("fill", "inplace"),
     "InplaceZero": ("zeros_like", "inplace"),
+    # (x, sizes or size or chunks, dim): a tuple of pieces along dim
+    "SplitWithSizeView": ("split", "split"), "SplitWithSize": ("split", "split"),
+    "SplitTensorView": ("split", "split"), "SplitTensor": ("split", "split"), "ChunkView": ("split", "split"),
+    "Chunk": ("split", "split"),
 }
 
 
@@ -258,6 +262,8 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
         return call_op(op, call_args, kwargs)
 
     x = args[0] if args else None
+    if kind == "split" and is_dtensor(x) and not any(is_dtensor(a) for a in args[1:]):
+        return _split(op, x, args, kwargs, call_op)
     params: dict[str, Any] = {}
     inplace = None
     with_local_shape = False
@@ -325,3 +331,37 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
     if with_local_shape:
         return base.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
     return base.dispatch_explicit(rule, tensors, local_call, params, inplace)
+
+
+def _split(op: Any, x: Any, args: list[Any], kwargs: dict[str, Any], call_op: Callable[..., Any]) -> tuple[Any, ...]:
+    """``mint.split`` / ``mint.chunk`` / ``Tensor.split`` of a DTensor along ``dim``
+    (``(x, sizes | size | chunks, dim)``): the pieces of the local tensor, each with the
+    input's placements, when no mesh axis shards ``dim``; otherwise ``dim`` is gathered
+    on those axes first (``redistribute`` to ``Replicate`` there, differentiable) and the
+    pieces are ``Replicate`` on them; so are axes that would leave a rank an empty piece. A split is linear, so a ``Partial`` stays. Above
+    autograd: the pieces' gradients reach the local tensor through MindSpore's own."""
+    from hyper_parallel.core.dtensor.dispatch import _has_empty_piece
+    from hyper_parallel.core.dtensor.dtensor import wrap_local
+    from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec
+    from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+
+    ndim = len(x.shape)
+    dim = int(args[2] if len(args) > 2 else kwargs.get("dim", kwargs.get("axis", 0))) % ndim
+    placements = [Replicate() if isinstance(pl, Shard) and pl.dim % ndim == dim else pl for pl in x.placements]
+    mesh = x.device_mesh
+    # [Note: no empty pieces] in core/dtensor/dispatch.py: MindSpore's CPU slice kernels
+    # fail on a zero-size piece (5 rows over 4 ranks), so such axes go replicated
+    for axis in reversed(range(mesh.ndim)):
+        if not _has_empty_piece(x.shape, placements, mesh.shape):
+            break
+        placements[axis] = Replicate()
+    placements = tuple(placements)
+    if placements != tuple(x.placements):
+        x = x.redistribute(mesh, placements)
+    shape = list(x.shape)
+    pieces = call_op(op, [x.to_local(), *args[1:]], kwargs)
+    out = []
+    for piece in pieces:
+        shape[dim] = int(piece.shape[dim])  # dim is whole on this rank: the piece's size is global
+        out.append(wrap_local(piece, DTensorSpec(mesh, placements, tuple(shape))))
+    return tuple(out)
