@@ -137,7 +137,6 @@ def build_gpt(config=None, core_attention=None, self_attention=None):
     name, norms at one). ``config`` defaults to ``gpt_config()``; ``core_attention``
     (a class for the spec's ``core_attention``) to ``CPUCoreAttention``; ``self_attention``
     (for the spec's ``self_attention`` module) to MindFormers' ``SelfAttention``."""
-    import mindspore as ms
     from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
     from mindformers.pynative.transformers.transformer_block import TransformerBlockSubmodules
@@ -155,6 +154,15 @@ def build_gpt(config=None, core_attention=None, self_attention=None):
     model = GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ,
                      position_embedding_type=config.position_embedding_type)
     model.loss = cpu["loss"]()
+    seed_weights(model)
+    return model
+
+
+def seed_weights(model) -> None:
+    """Deterministic weights, the same on every rank and in every build: a seeded normal
+    (scale 0.05) per parameter name, norms at one; the cell set to training."""
+    import mindspore as ms
+
     for name, param in model.parameters_and_names():
         if name.endswith("norm.weight"):
             value = np.ones(param.shape, np.float32)
@@ -163,7 +171,19 @@ def build_gpt(config=None, core_attention=None, self_attention=None):
             value = (np.random.default_rng(seed).standard_normal(param.shape) * 0.05).astype(np.float32)
         param.set_data(ms.Tensor(value))
     model.set_train(True)
-    return model
+
+
+def load_pieces(model, full: dict, rank: int) -> None:
+    """Write this rank's piece of each ``full[name]`` (numpy, the 1-rank values) into the
+    local tensor of the materialised DTensor parameter: what MindFormers' ``init_states``
+    would have filled, whose fills have no CPU kernels."""
+    import mindspore as ms
+
+    from hyper_parallel.core.dtensor.layout import Layout
+
+    for name, param in model.parameters_and_names():
+        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(rank)
+        param.to_local().copy_(ms.Tensor(full[name][tuple(slice(b, e) for b, e in area)]))
 
 
 def batch() -> tuple[np.ndarray, np.ndarray]:
@@ -204,7 +224,6 @@ def check_gpt_fsdp() -> dict:
     from mindformers.pynative.distributed.parallel_dims import ParallelDims
 
     from hyper_parallel import DTensor
-    from hyper_parallel.core.dtensor.layout import Layout
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
@@ -227,8 +246,7 @@ def check_gpt_fsdp() -> dict:
     model.to_empty(device="CPU")
     for name, param in model.parameters_and_names():
         assert isinstance(param, DTensor) and not param.is_meta, name
-        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
-        param.to_local().copy_(ms.Tensor(full[name][tuple(slice(b, e) for b, e in area)]))
+    load_pieces(model, full, me)
     ids, labels = batch()
     rows = slice(me * BATCH // world, (me + 1) * BATCH // world)
     named = list(model.parameters_and_names())
@@ -257,6 +275,7 @@ def test_gptmodel_fsdp_two_ranks(run_on_ranks) -> None:
     for name, want in one["grads"].items():
         got = [r["params"][name] for r in two]
         assert got[0]["placements"] == ["Shard(dim=0)"], (name, got[0]["placements"])
-        # reduce op "sum" (set_reduce_op_type): the ranks' gradients add up, each of its mean loss
+        # reduce op "sum" (set_reduce_op_type): the ranks' gradients add up, each of its mean loss;
+        # rtol 1e-4: float32 gradients summed in another order over two half batches
         np.testing.assert_allclose(np.concatenate([g["grad"] for g in got]) / 2, want, rtol=1e-4, atol=1e-6,
                                    err_msg=name)

@@ -57,21 +57,12 @@ Test-local classes, through the layer spec (MindFormers and MindSpore are not pa
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
-from tests.mindformers.test_gptmodel import BATCH, HEADS, HIDDEN, SEQ, batch, build_gpt, gpt_config
+from tests.mindformers.test_gptmodel import (BATCH, HEADS, HIDDEN, SEQ, batch, build_gpt, gpt_config, load_pieces,
+                                             pytestmark)  # noqa: F401
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("mindformers") is None,
-                       reason="MindFormers is not installed: the mindformers-cpu matrix entry "
-                              "(platform/mindformers-cpu/README.md) installs it"),
-    pytest.mark.skipif(not os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
-                       reason="MindFormers runs on MindSpore"),
-]
 
 #: ``seq_length`` that ``use_attn_mask_compression`` needs (``CausalMaskGenerate``).
 COMPRESSED_MASK_SEQ = 2048
@@ -265,9 +256,7 @@ def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int 
                                      SwapConfig())
     model = parts[0]
     model.to_empty(device="CPU")  # as in test_gptmodel.check_gpt_fsdp
-    for name, param in model.parameters_and_names():
-        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
-        param.to_local().copy_(ms.Tensor(full[name][tuple(slice(b, e) for b, e in area)]))
+    load_pieces(model, full, me)
     dp_index, dp = me // cp, world // cp
     rows = slice(dp_index * BATCH // dp, (dp_index + 1) * BATCH // dp)
     loss, grads = _loss_and_grads(model, cp_batch(rows, eod))

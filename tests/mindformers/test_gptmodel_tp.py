@@ -42,7 +42,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.mindformers.test_gptmodel import BATCH, batch, pytestmark  # noqa: F401
+from tests.mindformers.test_gptmodel import BATCH, batch, load_pieces, pytestmark, seed_weights  # noqa: F401
 
 
 QK_HEAD, QK_POS, V_HEAD, Q_LORA, KV_LORA = 12, 4, 16, 32, 32
@@ -54,7 +54,6 @@ def build_mla_gpt():
     only attention ``apply_non_moe_tp`` plans), the same test-local CPU cells in the spec,
     wrapped as MindFormers' causal-LM classes hold it (``self.model = GPTModel``, which
     ``apply_non_moe_tp`` reads). Weights as ``build_gpt``'s: a seeded normal per name."""
-    import mindspore as ms
     from mindformers.parallel_core.transformer_config import MLATransformerConfig
     from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
@@ -115,14 +114,7 @@ def build_mla_gpt():
             return self.model(input_ids, labels=labels)
 
     model = CausalLM()
-    for name, param in model.parameters_and_names():
-        if name.endswith("norm.weight"):
-            value = np.ones(param.shape, np.float32)
-        else:
-            seed = sum(ord(c) * (i + 1) for i, c in enumerate(name))
-            value = (np.random.default_rng(seed).standard_normal(param.shape) * 0.05).astype(np.float32)
-        param.set_data(ms.Tensor(value))
-    model.set_train(True)
+    seed_weights(model)
     return model
 
 
@@ -175,8 +167,7 @@ def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool =
     named = list(model.parameters_and_names())
     for name, param in named:
         assert isinstance(param, DTensor) and not param.is_meta, name
-        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
-        param.to_local().copy_(ms.Tensor(full[name][tuple(slice(b, e) for b, e in area)]))
+    load_pieces(model, full, me)
     ids, labels = batch()
     dp = me // tensor_parallel  # dense mesh (pp, dp_replicate, fsdp, tp): tp innermost
     rows = slice(dp * BATCH // data_parallel, (dp + 1) * BATCH // data_parallel)

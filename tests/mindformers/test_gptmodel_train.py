@@ -15,21 +15,10 @@ the test takes gradients with ``mindspore.value_and_grad`` and does not clip.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
-import pytest
 
-from tests.mindformers.test_gptmodel import BATCH, batch, build_gpt
+from tests.mindformers.test_gptmodel import BATCH, batch, build_gpt, load_pieces, pytestmark  # noqa: F401
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("mindformers") is None,
-                       reason="MindFormers is not installed: the mindformers-cpu matrix entry "
-                              "(platform/mindformers-cpu/README.md) installs it"),
-    pytest.mark.skipif(not os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
-                       reason="MindFormers runs on MindSpore"),
-]
 
 STEPS, LR = 3, 1e-2
 
@@ -80,7 +69,6 @@ def check_train_fsdp() -> list[float]:
                                                     SwapConfig)
     from mindformers.pynative.distributed.parallel_dims import ParallelDims
 
-    from hyper_parallel.core.dtensor.layout import Layout
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
@@ -95,9 +83,7 @@ def check_train_fsdp() -> list[float]:
                                      SwapConfig())
     model = parts[0]
     model.to_empty(device="CPU")
-    for name, param in model.parameters_and_names():
-        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
-        param.to_local().copy_(ms.Tensor(full[name][tuple(slice(b, e) for b, e in area)]))
+    load_pieces(model, full, me)
     return _train(model, slice(me * BATCH // world, (me + 1) * BATCH // world), world)
 
 
