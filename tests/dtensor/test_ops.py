@@ -161,6 +161,54 @@ def check_fallback() -> None:
                                **TOL, err_msg="gradient through the fallback")
 
 
+def check_replicated_operands(mesh_shape: tuple[int, ...]) -> None:
+    """[Note: framework tensors among replicated DTensors]: a framework tensor among
+    DTensors replicated on every axis is a replicated DTensor of that mesh (MindFormers'
+    loss times its plain input mask): values, placements and the DTensor's gradient equal
+    one process, broadcasting both ways, through operators and the explicit calls. Among
+    a sharded or a Partial DTensor, and as the tensor an in-place op writes, it is refused."""
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, mesh_shape)
+    replicate = [Replicate()] * len(mesh_shape)
+    rng = np.random.default_rng(5)
+    loss, mask, row = rng.standard_normal((2, 3)), rng.standard_normal((2, 3)), rng.standard_normal(3)
+    g = rng.standard_normal((2, 3))
+
+    def fn(t):
+        x = DTensor.from_local(t, mesh, replicate)
+        out = x * p.from_numpy(mask) + F.add(p.from_numpy(row), x) - x / p.from_numpy(mask + 4.0)
+        assert out.placements == tuple(replicate) and tuple(out.shape) == (2, 3), repr(out)
+        return out.to_local()
+
+    out, backward = p.vjp(fn, [p.from_numpy(loss)])
+    np.testing.assert_allclose(p.to_numpy(out), loss * mask + row + loss - loss / (mask + 4.0), **TOL)
+    (grad,), _ = backward([p.from_numpy(g)])
+    np.testing.assert_allclose(p.to_numpy(grad), g * (mask + 1.0 - 1.0 / (mask + 4.0)), **TOL)
+    # the DTensor broadcast to the framework tensor's larger shape
+    scalar_row = DTensor.from_local(p.from_numpy(row), mesh, replicate)
+    wide = scalar_row * p.from_numpy(mask)
+    assert tuple(wide.shape) == (2, 3) and wide.placements == tuple(replicate), repr(wide)
+    np.testing.assert_allclose(p.to_numpy(wide.to_local()), row * mask, **TOL)
+
+    mixed_error = RuntimeError if p.framework == "torch" else TypeError
+    sharded = DTensor.from_local(p.from_numpy(loss), mesh, [Shard(0)] + replicate[1:], shape=(2 * mesh_shape[0], 3))
+    partial = DTensor.from_local(p.from_numpy(loss), mesh, [Partial("sum")] + replicate[1:])
+    plain = p.from_numpy(mask)
+    for call, error in ((lambda: sharded * plain, mixed_error), (lambda: F.add(sharded, plain), TypeError),
+                        (lambda: partial * plain, mixed_error), (lambda: F.add(partial, plain), TypeError)):
+        try:
+            call()
+        except error as err:
+            assert "not every DTensor is Replicate on every mesh axis" in str(err), str(err)
+        else:
+            raise AssertionError(f"no {error.__name__} for a framework tensor among a sharded or Partial DTensor")
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["1d", "2x2"])
+def test_replicated_operands(run_on_ranks, mesh_shape: tuple[int, ...]) -> None:
+    run_on_ranks(check_replicated_operands, mesh_shape, world_size=int(np.prod(mesh_shape)))
+
+
 def check_bad_input() -> None:
     p = get_platform()
     mesh = init_device_mesh(p.device_type, (2,))

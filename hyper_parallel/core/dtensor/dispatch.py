@@ -113,19 +113,50 @@ def _has_empty_piece(shape: Sequence[int], placements: Sequence[Placement], mesh
                for coordinate in itertools.product(*(range(size) for size in mesh_shape)))
 
 
-def _check_inputs(op: str, tensors: Sequence[Any]) -> list[DTensor]:
+def replicated_operands(dtensors: Sequence[Any]) -> bool:
+    """Whether framework tensors may join ``dtensors`` as operands of one op.
+
+    [Note: framework tensors among replicated DTensors]
+    A framework tensor (with dims) among DTensor inputs that are all ``Replicate`` on
+    every axis of one mesh is taken as a DTensor replicated on that mesh: every rank holds
+    that same whole tensor. That is what upstream hyper_parallel's "a framework tensor is
+    the local operand" gives for such inputs, which MindFormers relies on (its loss
+    multiplies the replicated per-token loss by the plain input mask), and what torch's
+    ``implicit_replication()`` gives. With any ``Shard`` or ``Partial`` input the
+    framework tensor could be a piece or the whole, so the op is refused; wrap it with
+    ``DTensor.from_local`` saying which. The framework tensor is trusted to be equal on
+    the mesh's ranks (checking would cost a collective per op), as a ``Replicate``
+    ``from_local(..., run_check=False)`` is."""
+    if not dtensors:
+        return False
+    mesh = dtensors[0].device_mesh
+    return all(t.device_mesh == mesh and all(pl.is_replicate() for pl in t.placements) for t in dtensors)
+
+
+def mixed_operand_message(op: str, kinds: Sequence[str]) -> str:
+    """The refusal of framework tensors among DTensors that are not all replicated."""
+    return (f"{op}: inputs {list(kinds)} mix DTensors and {get_platform().framework} tensors, and not every "
+            "DTensor is Replicate on every mesh axis, so it is unknown whether a framework tensor is this rank's "
+            "piece or the whole tensor; wrap it as a DTensor first, e.g. DTensor.from_local(t, mesh, "
+            "[Replicate()] * mesh.ndim) for a tensor every rank holds whole "
+            "(see [Note: framework tensors among replicated DTensors])")
+
+
+def _check_inputs(op: str, tensors: Sequence[Any], inplace: int | None = None) -> list[DTensor]:
+    """The inputs as DTensors on one mesh: framework tensors among replicated DTensors
+    are replicated DTensors too (see [Note: framework tensors among replicated DTensors]),
+    except one an in-place op writes."""
     dtensors = [t for t in tensors if isinstance(t, DTensor)]
-    if len(dtensors) != len(tensors):
-        p = get_platform()
-        kinds = [type(t).__name__ for t in tensors]
-        raise TypeError(f"{op}: inputs {kinds} mix DTensors and {p.framework} tensors; wrap each tensor as a "
-                        "DTensor, e.g. DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim) for a tensor every "
-                        "rank holds whole")
     mesh = dtensors[0].device_mesh
     for t in dtensors[1:]:
         if t.device_mesh != mesh:
             raise ValueError(f"{op}: inputs live on different meshes ({mesh} and {t.device_mesh}); "
                              "redistribute them onto one mesh first")
+    if len(dtensors) != len(tensors):
+        if not replicated_operands(dtensors) or (inplace is not None and not isinstance(tensors[inplace], DTensor)):
+            raise TypeError(mixed_operand_message(op, [type(t).__name__ for t in tensors]))
+        replicate = [Replicate()] * mesh.ndim
+        return [t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, replicate) for t in tensors]
     return dtensors
 
 
@@ -261,9 +292,10 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
 
     Args:
         op: the op's name (a key of ``OP_RULES``; any other name takes the fallback).
-        tensors: the op's tensor inputs in order: all DTensors on one mesh, or all
+        tensors: the op's tensor inputs in order: DTensors on one mesh, or all
             framework tensors (then ``local_fn(*tensors)`` is returned as is, so the same
-            model code runs unsharded).
+            model code runs unsharded); framework tensors among DTensors only as
+            [Note: framework tensors among replicated DTensors] allows.
         local_fn: the op on local tensors, called with one local tensor per input.
         params: the op's other arguments as the rule family reads them (``dim``,
             ``keepdim``, ``shape``, ...).
@@ -282,12 +314,12 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
     ``DTensor.redistribute``), none when the inputs already fit.
 
     Raises:
-        TypeError: DTensors mixed with framework tensors.
+        TypeError: framework tensors among DTensors that are not all replicated.
         ValueError: inputs on different meshes, or shapes the op rejects.
     """
     if not any(isinstance(t, DTensor) for t in tensors):
         return local_fn(*tensors)
-    dtensors = _check_inputs(op, tensors)
+    dtensors = _check_inputs(op, tensors, inplace)
     if dispatch_skipped():
         out = local_fn(*[t.to_local() for t in dtensors])
         return dtensors[inplace] if inplace is not None else out

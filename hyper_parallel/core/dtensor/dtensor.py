@@ -319,6 +319,17 @@ class DTensor:
         return _dispatch.dispatch(op, tensors, local_fn, params, inplace=inplace, with_local_shape=with_local_shape)
 
     @staticmethod
+    def replicated_operands(dtensors: Sequence[DTensor]) -> bool:
+        """``dispatch.replicated_operands``: whether framework tensors may join these
+        DTensors as replicated operands."""
+        return _dispatch.replicated_operands(dtensors)
+
+    @staticmethod
+    def mixed_operand_message(op: str, kinds: Sequence[str]) -> str:
+        """``dispatch.mixed_operand_message``."""
+        return _dispatch.mixed_operand_message(op, kinds)
+
+    @staticmethod
     def dispatch_skipped() -> bool:
         """Whether ``SkipDTensorDispatch`` is active (ops then run on local tensors)."""
         return _dispatch.dispatch_skipped()

@@ -31,10 +31,12 @@ without planning again: most ops of a training step (an optimizer's in-place upd
 the element-wise ops between matmuls, their backward ops) take this path.
 
 Arguments: Python numbers and 0-dim framework tensors (torch wraps Python scalars into
-those) stay in the local call as they are; a framework tensor with dims mixed with
-DTensors raises ``RuntimeError``, as torch's DTensor does (a ``TypeError`` would turn
-into Python's generic "unsupported operand" inside a binary operator): wrap it with
-``DTensor.from_local`` first.
+those) stay in the local call as they are; a framework tensor with dims among DTensors
+that are all replicated is a replicated DTensor (core's [Note: framework tensors among
+replicated DTensors]; torch's DTensor asks for ``implicit_replication()`` there);
+among others it raises ``RuntimeError``, as torch's DTensor does (a ``TypeError``
+would turn into Python's generic "unsupported operand" inside a binary operator): wrap
+it with ``DTensor.from_local`` first.
 
 ``_foreach_*`` ops (the optimizers' and ``clip_grad_norm_``'s multi-tensor paths) run
 as one aten call on the local tensors when, at every list index, the DTensors share one
@@ -214,9 +216,30 @@ def _check_mixed(func: Any, leaves: Sequence[Any], is_dtensor: Callable[[Any], b
             hint = ("; an optimizer state loaded from a full state dict by torch's set_optimizer_state_dict is "
                     "such a tensor: load it with hyper_parallel.platform.torch.state_dict.set_optimizer_state_dict"
                     if name.startswith("_foreach_") or name.endswith("_") else "")
-            raise RuntimeError(f"{func}: got a torch.Tensor of shape {tuple(leaf.shape)} together with DTensors; "
-                               "wrap it as a DTensor first, e.g. DTensor.from_local(t, mesh, [Replicate()] * "
-                               f"mesh.ndim) for a tensor every rank holds whole{hint}")
+            kinds = ["DTensor" if is_dtensor(x) else f"torch.Tensor{tuple(x.shape)}"
+                     for x in leaves if isinstance(x, torch.Tensor)]
+            cls = next(type(x) for x in leaves if is_dtensor(x))  # core's static methods are the class's
+            raise RuntimeError(cls.mixed_operand_message(str(func), kinds) + hint)
+
+
+def _replicate_plain(base: type, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     is_dtensor: Callable[[Any], bool], inplace: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` / ``kwargs`` with each torch.Tensor (with dims) among DTensors that are all
+    replicated made a replicated DTensor (see core's [Note: framework tensors among
+    replicated DTensors]); as they are otherwise (``_check_mixed`` then refuses them), and
+    when an in-place op would write such a tensor."""
+    flat, spec = tree_flatten((args, kwargs))
+    plain = [i for i, leaf in enumerate(flat)
+             if isinstance(leaf, torch.Tensor) and not is_dtensor(leaf) and leaf.dim() > 0]
+    if not plain or (inplace and not is_dtensor(args[0])):
+        return args, kwargs
+    dtensors = [leaf for leaf in flat if is_dtensor(leaf)]
+    if not base.replicated_operands(dtensors):
+        return args, kwargs
+    mesh = dtensors[0].device_mesh
+    for i in plain:
+        flat[i] = base.replicated(flat[i], mesh)
+    return tree_unflatten(flat, spec)
 
 
 def _unwrap_all(args: Any, is_dtensor: Callable[[Any], bool]) -> Any:
@@ -592,6 +615,7 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
             return dcp_protocol.copy_from_full(args[0], args[1], non_blocking)
         if not is_dtensor(args[0]):
             dcp_protocol.refuse_plain_read(args[1], "copy_ into a plain torch.Tensor")
+    args, kwargs = _replicate_plain(base, args, kwargs, is_dtensor, inplace)
     routed = fused_ops.route(cls, name, func, args, kwargs, lambda f, leaves: _check_mixed(f, leaves, is_dtensor))
     if routed is not fused_ops.NOT_ROUTED:
         return routed
