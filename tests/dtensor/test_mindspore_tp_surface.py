@@ -9,6 +9,12 @@
   the local call passes the local shape the same way (``Tensor.reshape(*shape)`` spreads
   it). MindFormers' ``VocabEmbedding`` reshapes the ids that ``RowwiseParallel`` made a
   DTensor.
+- the view primitives (``mint.permute`` -> ``TransposeView``, ``Tensor.view`` -> ``View``,
+  ``mint.unsqueeze`` -> ``ExpandDimsView``) keep a shard as their copying forms do:
+  MindFormers' ``GPTModel`` permutes and reshapes the vocabulary-sharded logits of its loss
+  parallelism.
+- ``CellBackwardHook``, which MindSpore puts on the outputs of a Cell with a backward
+  (pre) hook (fully_shard's pre-backward on every unit), keeps each output's placements.
 """
 
 from __future__ import annotations
@@ -133,3 +139,78 @@ def test_split(run_on_ranks, mesh_shape) -> None:
             assert values_ok, what
             assert placements_ok, what
             np.testing.assert_array_equal(grad, want_grad, err_msg=what)
+
+
+def check_view_primitives() -> list:
+    """The logits path of ``GPTModel`` under loss parallelism: ``[seq, batch, vocab]``
+    ``Shard(2)``, ``mint.permute(x, (1, 0, 2))``, ``Tensor.view(-1, vocab)``,
+    ``mint.unsqueeze``: placements, shapes and values, and the gradient of the chain."""
+    import mindspore as ms
+    from mindspore import mint
+
+    from hyper_parallel.core.dtensor import DTensor, init_device_mesh
+    from hyper_parallel.core.dtensor.placement_types import Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    me = mesh.get_coordinate()[0]
+    full = np.arange(4 * 3 * 6, dtype=np.float32).reshape(4, 3, 6)
+    local = ms.Tensor(full[:, :, 3 * me:3 * me + 3])
+
+    def chain(t):
+        x = DTensor.from_local(t, mesh, [Shard(2)])
+        y = mint.permute(x, (1, 0, 2))
+        z = y.view(-1, y.shape[-1])
+        u = mint.unsqueeze(z, 0)
+        return y, z, u, (u * u).to_local().sum()
+
+    y, z, u, _ = chain(local)
+    grad = ms.grad(lambda t: chain(t)[3])(local)
+    return [(str(t.placements), tuple(t.shape), t.to_local().asnumpy().tolist()) for t in (y, z, u)] + [
+        grad.asnumpy().tolist()]
+
+
+def test_view_primitives_keep_the_shard(run_on_ranks) -> None:
+    full = np.arange(4 * 3 * 6, dtype=np.float32).reshape(4, 3, 6)
+    for me, got in enumerate(run_on_ranks(check_view_primitives, world_size=2)):
+        piece = full.transpose(1, 0, 2)[:, :, 3 * me:3 * me + 3]
+        assert got[0] == ("(Shard(dim=2),)", (3, 4, 6), piece.tolist())
+        assert got[1] == ("(Shard(dim=1),)", (12, 6), piece.reshape(12, 3).tolist())
+        assert got[2] == ("(Shard(dim=2),)", (1, 12, 6), piece.reshape(1, 12, 3).tolist())
+        np.testing.assert_allclose(got[3], 2 * full[:, :, 3 * me:3 * me + 3])
+
+
+def check_cell_backward_hook() -> list:
+    """A Cell with a backward pre hook (as fully_shard registers on each unit) returning
+    two ``Shard(0)`` DTensors: they stay ``Shard(0)``; the hook runs once in the backward
+    with this rank's gradient pieces; the input's gradient is right."""
+    import mindspore as ms
+    from mindspore import nn
+
+    from hyper_parallel.core.dtensor import DTensor, init_device_mesh
+    from hyper_parallel.core.dtensor.placement_types import Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    heard = []
+
+    class Unit(nn.Cell):
+        def construct(self, x):
+            return x * 2.0, x + 1.0
+
+    unit = Unit()
+    unit.register_backward_pre_hook(lambda cell, grads: heard.append([tuple(g.shape) for g in grads]))
+    local = ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+
+    def loss(t):
+        a, b = unit(DTensor.from_local(t, mesh, [Shard(0)]))
+        assert [str(a.placements), str(b.placements)] == ["(Shard(dim=0),)"] * 2, (a.placements, b.placements)
+        return (a * b).to_local().sum()
+
+    grad = ms.grad(loss)(local)
+    return [heard, grad.asnumpy().tolist()]
+
+
+def test_cell_backward_hook_keeps_placements(run_on_ranks) -> None:
+    for heard, grad in run_on_ranks(check_cell_backward_hook, world_size=2):
+        assert heard == [[(2, 3), (2, 3)]], heard
+        x = np.arange(6, dtype=np.float32).reshape(2, 3)
+        np.testing.assert_allclose(grad, 2 * (x + 1) + 2 * x)  # d/dx (2x * (x + 1))

@@ -70,6 +70,8 @@ _PRIMITIVES: dict[str, tuple[str, str]] = {
     "Reshape": ("view", "reshape"), "ExpandDims": ("view", "unsqueeze"),
     "TransposeExtView": ("transpose", "transpose"), "TransposeExt": ("transpose", "transpose"),
     "Transpose": ("permute", "permute"), "Concat": ("cat", "cat"), "LinalgVectorNorm": ("norm", "norm"),
+    # the view forms (mint.permute, Tensor.view, mint.unsqueeze) take the same arguments
+    "TransposeView": ("permute", "permute"), "View": ("view", "reshape"), "ExpandDimsView": ("view", "unsqueeze"),
     "Square": ("square", "pointwise"), "ReduceSum": ("sum", "reduce"), "Gather": ("embedding", "gather"),
     # new tensors shaped like the input, not reading its values (Cell.to_empty's empty_like
     # of a meta parameter; the reset_parameter fills)
@@ -82,6 +84,8 @@ _PRIMITIVES: dict[str, tuple[str, str]] = {
     "SplitWithSizeView": ("split", "split"), "SplitWithSize": ("split", "split"),
     "SplitTensorView": ("split", "split"), "SplitTensor": ("split", "split"), "ChunkView": ("split", "split"),
     "Chunk": ("split", "split"),
+    # a Cell's backward (pre) hook on its outputs (fully_shard's pre-backward): identity
+    "CellBackwardHook": ("identity", "identity"),
 }
 
 
@@ -262,6 +266,8 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
         return call_op(op, call_args, kwargs)
 
     x = args[0] if args else None
+    if kind == "identity":
+        return _identity(op, args, kwargs, is_dtensor, call_op)
     if kind == "split" and is_dtensor(x) and not any(is_dtensor(a) for a in args[1:]):
         return _split(op, x, args, kwargs, call_op)
     params: dict[str, Any] = {}
@@ -331,6 +337,21 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
     if with_local_shape:
         return base.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
     return base.dispatch_explicit(rule, tensors, local_call, params, inplace)
+
+
+def _identity(op: Any, args: list[Any], kwargs: dict[str, Any], is_dtensor: Callable[[Any], bool],
+              call_op: Callable[..., Any]) -> Any:
+    """``CellBackwardHook([tensors])``, which MindSpore puts on the outputs of a Cell with a
+    backward (pre) hook (fully_shard's pre-backward on every unit): the hook runs on the
+    local tensors (its hook function sees their gradients, this rank's pieces) and each
+    DTensor comes back with its placements. Without this it took the fallback, which
+    all-gathered every sharded output of a fully_shard unit (MindFormers' vocabulary-sharded
+    logits, its sequence-sharded layer outputs) and handed it on replicated."""
+    items = list(args[0])
+    locals_ = [t.to_local() if is_dtensor(t) else t for t in items]
+    outs = call_op(op, [locals_], kwargs)
+    return type(outs)(type(t).from_local(o, t.device_mesh, t.placements, shape=t.shape) if is_dtensor(t) else o
+                      for o, t in zip(outs, items))
 
 
 def _split(op: Any, x: Any, args: list[Any], kwargs: dict[str, Any], call_op: Callable[..., Any]) -> tuple[Any, ...]:
