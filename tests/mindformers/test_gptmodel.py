@@ -186,8 +186,9 @@ def load_pieces(model, full: dict, rank: int) -> None:
         param.to_local().copy_(ms.Tensor(full[name][tuple(slice(b, e) for b, e in area)]))
 
 
-def batch() -> tuple[np.ndarray, np.ndarray]:
-    ids = np.random.default_rng(1).integers(1, VOCAB, (BATCH, SEQ)).astype(np.int32)  # no pad token 0
+def batch(rows: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
+    """``input_ids`` and ``labels`` (the ids shifted by one) of ``rows`` rows of ``SEQ``."""
+    ids = np.random.default_rng(1).integers(1, VOCAB, (rows, SEQ)).astype(np.int32)  # no pad token 0
     return ids, np.roll(ids, -1, 1)
 
 
@@ -213,10 +214,13 @@ def test_gptmodel_one_rank(run_on_ranks) -> None:
     assert all(np.isfinite(g).all() and np.abs(g).sum() > 0 for g in out["grads"].values())
 
 
-def check_gpt_fsdp() -> dict:
-    """Each rank its row of the batch; MindFormers' ``ParallelDims.from_config`` and
-    ``parallelize_gptmodel`` with data_parallel = world size (FSDP only), then
-    ``value_and_grad`` on the sharded parameters."""
+def parallelize(build, **degrees):
+    """MindFormers' trainer's flow (``trainer.py`` ``_create_model``) on this rank: the model
+    built by ``build(parallelism)`` under ``ms.DeviceCtx("meta")``, MindFormers'
+    ``ParallelDims.from_config`` and ``parallelize_gptmodel`` with ``degrees`` (fields of its
+    ``ParallelismConfig``: ``data_parallel``, ``tensor_parallel``, ``context_parallel``, ...),
+    materialised by ``to_empty``, this rank's pieces of ``build(None)``'s values written in.
+    Returns ``parallelize_gptmodel``'s model."""
     import mindspore as ms
     from mindformers.pynative.base_models.gpt.parallelize import parallelize_gptmodel
     from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
@@ -227,13 +231,13 @@ def check_gpt_fsdp() -> dict:
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
-    world, me = p.world_size(), p.rank()
-    full = {name: param.asnumpy() for name, param in build_gpt().parameters_and_names()}
-    with ms.DeviceCtx("meta"):  # as MindFormers' trainer builds it (trainer.py _create_model)
-        model = build_gpt()
     parallelism = ParallelismConfig()
-    parallelism.data_parallel = world  # the trainer stores world // (tp * pp * cp) here
-    dims = ParallelDims.from_config(parallelism, world)
+    for field, degree in degrees.items():
+        setattr(parallelism, field, degree)  # data_parallel: the trainer stores world // (tp * pp * cp)
+    full = {name: param.asnumpy() for name, param in build(None).parameters_and_names()}
+    with ms.DeviceCtx("meta"):
+        model = build(parallelism)
+    dims = ParallelDims.from_config(parallelism, p.world_size())
     # fully_shard runs under ms.DeviceCtx("meta") there too (parallelize.py apply_fsdp): the
     # shards are meta tensors, materialised as MindFormers' trainer does, by to_empty
     parts, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
@@ -246,7 +250,22 @@ def check_gpt_fsdp() -> dict:
     model.to_empty(device="CPU")
     for name, param in model.parameters_and_names():
         assert isinstance(param, DTensor) and not param.is_meta, name
-    load_pieces(model, full, me)
+    load_pieces(model, full, p.rank())
+    return model
+
+
+def check_gpt_fsdp() -> dict:
+    """Each rank its row of the batch; MindFormers' ``parallelize_gptmodel`` with
+    data_parallel = world size (FSDP only), then ``value_and_grad`` on the sharded
+    parameters."""
+    import mindspore as ms
+
+    from hyper_parallel import DTensor
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    world, me = p.world_size(), p.rank()
+    model = parallelize(lambda parallelism: build_gpt(), data_parallel=world)
     ids, labels = batch()
     rows = slice(me * BATCH // world, (me + 1) * BATCH // world)
     named = list(model.parameters_and_names())

@@ -60,7 +60,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.mindformers.test_gptmodel import (BATCH, HEADS, HIDDEN, SEQ, batch, build_gpt, gpt_config, load_pieces,
+from tests.mindformers.test_gptmodel import (BATCH, HEADS, HIDDEN, SEQ, batch, build_gpt, gpt_config, parallelize,
                                              pytestmark)  # noqa: F401
 
 
@@ -228,12 +228,6 @@ def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int 
     meta as the trainer does, this rank's batch rows (dataloading mesh ``(pp, batch, cp,
     tp)``: rank ``= batch_index * cp + cp_index``); the root hook cuts the sequence.
     ``method`` / ``ulysses``: ``context_parallel_method`` / ``ulysses_degree_in_cp``."""
-    import mindspore as ms
-    from mindformers.pynative.base_models.gpt.parallelize import parallelize_gptmodel
-    from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
-                                                    SwapConfig)
-    from mindformers.pynative.distributed.parallel_dims import ParallelDims
-
     from hyper_parallel import DTensor
     from hyper_parallel.core.dtensor.layout import Layout
     from hyper_parallel.platform import get_platform
@@ -241,22 +235,11 @@ def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int 
     p = get_platform()
     world, me = p.world_size(), p.rank()
     attention = _attention_classes()
-    parallelism = ParallelismConfig()
-    parallelism.context_parallel = cp
-    parallelism.context_parallel_method = method
-    parallelism.ulysses_degree_in_cp = ulysses
-    parallelism.data_parallel = world // cp  # the trainer stores world // (tp * pp * cp) here
-    full = {name: param.asnumpy() for name, param in build_gpt(cp_config(eod=eod), *attention).parameters_and_names()}
-    with ms.DeviceCtx("meta"):
-        model = build_gpt(cp_config(parallelism, eod), *attention)
+    model = parallelize(lambda parallelism: build_gpt(cp_config(parallelism, eod), *attention),
+                        context_parallel=cp, context_parallel_method=method, ulysses_degree_in_cp=ulysses,
+                        data_parallel=world // cp)
     if method == "colossal":
         assert model.config.input_layout == "BSH" and model.config.context_parallel_size == cp
-    dims = ParallelDims.from_config(parallelism, world)
-    parts, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
-                                     SwapConfig())
-    model = parts[0]
-    model.to_empty(device="CPU")  # as in test_gptmodel.check_gpt_fsdp
-    load_pieces(model, full, me)
     dp_index, dp = me // cp, world // cp
     rows = slice(dp_index * BATCH // dp, (dp_index + 1) * BATCH // dp)
     loss, grads = _loss_and_grads(model, cp_batch(rows, eod))

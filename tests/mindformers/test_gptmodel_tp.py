@@ -31,8 +31,13 @@ Found on the way (MindFormers 2.0.0, MindSpore 2.10 CPU):
 - ``mint.split`` / ``mint.chunk`` of a DTensor (MLA's ``q_nope`` / ``q_pe``) now keep the
   head sharding (``platform/mindspore/dtensor.py`` ``_split``); the forward then reaches
   the loss.
-- Still open: MindFormers' loss multiplies its DTensor loss by a plain ``input_mask`` (see
-  ``_MIXED_LOSS_MASK``): both parallel tests xfail, strict.
+- MindFormers' loss multiplies its replicated DTensor loss by a plain ``input_mask``: a
+  framework tensor among DTensors that are all ``Replicate`` is taken as replicated
+  (core's [Note: framework tensors among replicated DTensors]).
+- Loss parallelism (``enable_loss_parallel``): the logits reach the loss vocabulary-sharded
+  (the view primitives and the fully_shard unit's ``CellBackwardHook`` keep the shard);
+  MindFormers' ``_VocabParallelCrossEntropy`` then needs kernels MindSpore 2.10 has on
+  Ascend only (``test_loss_parallel_logits``).
 """
 
 from __future__ import annotations
@@ -40,9 +45,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
 
-from tests.mindformers.test_gptmodel import BATCH, batch, load_pieces, pytestmark, seed_weights  # noqa: F401
+from tests.mindformers.test_gptmodel import BATCH, batch, parallelize, pytestmark, seed_weights  # noqa: F401
 
 
 QK_HEAD, QK_POS, V_HEAD, Q_LORA, KV_LORA = 12, 4, 16, 32, 32
@@ -110,8 +114,8 @@ def build_mla_gpt():
             for mla in self.model.decoder.layers:
                 mla.self_attention.split = split  # on the instance (MLASelfAttention.split = mint.split)
 
-        def construct(self, input_ids, labels=None):
-            return self.model(input_ids, labels=labels)
+        def construct(self, input_ids, labels=None, position_ids=None):
+            return self.model(input_ids, position_ids=position_ids, labels=labels)
 
     model = CausalLM()
     seed_weights(model)
@@ -140,10 +144,6 @@ def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool =
     degrees on the wrapped model built under meta; this rank's pieces of the 1-rank
     weights written in; loss and ``value_and_grad``."""
     import mindspore as ms
-    from mindformers.pynative.base_models.gpt.parallelize import parallelize_gptmodel
-    from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
-                                                    SwapConfig)
-    from mindformers.pynative.distributed.parallel_dims import ParallelDims
 
     from hyper_parallel import DTensor
     from hyper_parallel.core.dtensor.layout import Layout
@@ -152,22 +152,9 @@ def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool =
     p = get_platform()
     world, me = p.world_size(), p.rank()
     assert world == data_parallel * tensor_parallel
-    full = {name: param.asnumpy() for name, param in build_mla_gpt().parameters_and_names()}
-    with ms.DeviceCtx("meta"):
-        model = build_mla_gpt()
-    parallelism = ParallelismConfig()
-    parallelism.data_parallel = data_parallel
-    parallelism.tensor_parallel = tensor_parallel
-    parallelism.enable_loss_parallel = loss_parallel
-    dims = ParallelDims.from_config(parallelism, world)
-    parts, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
-                                     SwapConfig())
-    model = parts[0]
-    model.to_empty(device="CPU")
+    model = parallelize(lambda parallelism: build_mla_gpt(), data_parallel=data_parallel,
+                        tensor_parallel=tensor_parallel, enable_loss_parallel=loss_parallel)
     named = list(model.parameters_and_names())
-    for name, param in named:
-        assert isinstance(param, DTensor) and not param.is_meta, name
-    load_pieces(model, full, me)
     ids, labels = batch()
     dp = me // tensor_parallel  # dense mesh (pp, dp_replicate, fsdp, tp): tp innermost
     rows = slice(dp * BATCH // data_parallel, (dp + 1) * BATCH // data_parallel)
@@ -205,22 +192,57 @@ def test_mla_gptmodel_one_rank(run_on_ranks) -> None:
         [n for n, g in out["grads"].items() if not np.abs(g).sum() > 0]
 
 
-_MIXED_LOSS_MASK = pytest.mark.xfail(strict=True, reason=(
-    "MindFormers' CrossEntropyLoss.construct (pynative/loss/loss.py:345) multiplies the loss, a DTensor "
-    "(its nll_loss PrepareModuleInputOutput keeps use_local_output=False), by input_mask, a plain mindspore "
-    "Tensor; upstream hyper-parallel takes a plain tensor among DTensors as the local operand, this package "
-    "refuses the mix (TypeError naming DTensor.from_local) rather than guess its layout"))
-
-
-@_MIXED_LOSS_MASK
 def test_gptmodel_tp_two_ranks(run_on_ranks) -> None:
     one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
     two = run_on_ranks(check_gpt_tp, 1, 2, world_size=2, timeout_s=600)
     _compare(one, two, 1)
 
 
-@_MIXED_LOSS_MASK
 def test_gptmodel_tp_fsdp_four_ranks(run_on_ranks) -> None:
     one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
     four = run_on_ranks(check_gpt_tp, 2, 2, world_size=4, timeout_s=600)
     _compare(one, four, 2)
+
+
+class _Stop(Exception):
+    """Raised by the hook that reads the loss's input, to stop the forward there."""
+
+
+def check_loss_parallel_logits() -> list:
+    """tensor_parallel=2 with ``enable_loss_parallel``: the output layer
+    (``ColwiseParallel(output_layouts=Shard(-1))``) and ``GPTModel``'s ``mint.permute`` /
+    reshape to ``[batch * seq, vocab]`` (and the fully_shard unit's backward hook on its
+    output) hand MindFormers' loss vocabulary-sharded logits, so its
+    ``vocab_parallel_shard_dim`` picks ``_VocabParallelCrossEntropy``. The forward stops
+    there: that function reduces with ``comm_func.all_reduce`` (``InnerCommAllReduce``, no
+    CPU kernel in MindSpore 2.10) and its backward scatters with ``mint.scatter_add`` (none
+    either), so MindFormers' loss parallelism is Ascend-only."""
+    import mindspore as ms
+
+    from hyper_parallel import DTensor
+
+    model = parallelize(lambda parallelism: build_mla_gpt(), data_parallel=1, tensor_parallel=2,
+                        enable_loss_parallel=True)
+    seen = []
+
+    def read(cell, inputs):
+        logits = inputs[0]
+        seen.append([str(pl) for pl in logits.placements] if isinstance(logits, DTensor) else type(logits).__name__)
+        seen.append(tuple(logits.shape))
+        raise _Stop
+
+    model.model.loss.register_forward_pre_hook(read)
+    ids, labels = batch()
+    try:
+        model(ms.Tensor(ids), labels=ms.Tensor(labels))
+    except _Stop:
+        pass
+    return seen
+
+
+def test_loss_parallel_logits(run_on_ranks) -> None:
+    from tests.mindformers.test_gptmodel import SEQ, VOCAB
+
+    for placements, shape in run_on_ranks(check_loss_parallel_logits, world_size=2, timeout_s=300):
+        assert placements in (["Shard(dim=1)"], ["Shard(dim=-1)"]) and shape == (BATCH * SEQ, VOCAB), (placements,
+                                                                                                       shape)

@@ -1,11 +1,23 @@
 """A few training steps of the tiny MindFormers ``GPTModel`` (``test_gptmodel.py``) with
 MindFormers' own ``AdamW`` (``pynative/optimizer/adamw.py``, which updates the local
-pieces inside ``SkipDTensorDispatch``): one rank, and FSDP on two ranks through
-MindFormers' ``parallelize_gptmodel``, step by step as its trainer does
-(``pynative/trainer/trainer.py``): the loss differentiated with the backward seed
-``get_loss_sense`` gives (``1 / world``), the optimizer fed ``get_grad(param)`` (the
-float32 ``param.main_grad`` under FSDP), then ``m.zero_grad()``. The losses of every step
-agree with one rank's within 1e-5 (float32; the sharded sums differ in order).
+pieces inside ``SkipDTensorDispatch``): one rank, and MindFormers' ``parallelize_gptmodel``
+on 2 and 4 ranks with FSDP, tensor parallel 2 x FSDP 2 (the MLA model of
+``test_gptmodel_tp``) and context parallel 2 x FSDP 2 (the model of ``test_gptmodel_cp``),
+step by step as its trainer does (``pynative/trainer/trainer.py``): the loss
+differentiated with a backward seed (the loss sense), the optimizer fed
+``get_grad(param)`` (the float32 ``param.main_grad`` under FSDP), then ``m.zero_grad()``.
+The losses of every step agree with one rank's within 1e-5 (float32; the sharded sums
+differ in order).
+
+The loss sense. MindFormers' ``get_loss_sense`` seeds the backward with
+``1 / (dp * tp * cp)``: under upstream hyper-parallel the backward of the all-gather
+that replicates the logits over tp sums the tp ranks' gradients (MindSpore's
+``AllGather`` bprop, a reduce-scatter), and the ``1 / tp`` undoes that (see the docstring
+of MindFormers' ``_vocab_parallel_ce_grad``). Here, as in torch's DTensor, a tensor
+replicated over tp is one value, whose gradient is replicated too: the backward of that
+all-gather takes this rank's slice, and the seed is ``1 / (dp * cp)``, one share per
+data-parallel and context-parallel piece of the batch. With MindFormers' sense the
+gradients would be ``1 / tp`` of the one-rank ones (``docs/mindformers.md``).
 
 Not MindFormers' ``Trainer`` itself: it calls ``enable_mindspore_backward_compat`` and
 ``loss.backward`` (refused here, see ``docs/mindformers.md``), and its gradient-norm
@@ -16,35 +28,59 @@ the test takes gradients with ``mindspore.value_and_grad`` and does not clip.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from tests.mindformers.test_gptmodel import BATCH, batch, build_gpt, load_pieces, pytestmark  # noqa: F401
+from tests.mindformers.test_gptmodel import SEQ, batch, build_gpt, parallelize, pytestmark  # noqa: F401
+from tests.mindformers.test_gptmodel_cp import _attention_classes, cp_config
+from tests.mindformers.test_gptmodel_tp import build_mla_gpt
 
 
-STEPS, LR = 3, 1e-2
+STEPS, LR, ROWS = 3, 1e-2, 4
 
 
-def _train(model, rows: slice, world: int) -> list[float]:
-    """``STEPS`` steps of MindFormers' AdamW on ``rows`` of the batch; this rank's losses."""
+def _inputs(rows: slice = slice(None)) -> dict:
+    """``rows`` of a batch of ``ROWS`` (four data-parallel ranks hold one each), with the
+    ``position_ids`` the CP model's learned position embedding reads."""
+    ids, labels = batch(ROWS)
+    return {"input_ids": ids[rows], "labels": labels[rows],
+            "position_ids": np.tile(np.arange(SEQ, dtype=np.int32), (len(range(ROWS)[rows]), 1))}
+
+
+def _build(model: str, parallelism):
+    """The tiny model of ``model`` ("gpt", "mla" or "cp") for ``parallelism`` (``None``:
+    one rank)."""
+    if model == "mla":
+        return build_mla_gpt()
+    if model == "cp":
+        return build_gpt(cp_config(parallelism), *_attention_classes())
+    return build_gpt()
+
+
+def _train(model, inputs: dict, sense: float, sharded: bool) -> list[float]:
+    """``STEPS`` steps of MindFormers' AdamW on ``inputs`` (``model(**inputs)``, as the
+    trainer calls it); this rank's losses."""
     import mindspore as ms
     from mindformers.pynative.optimizer.adamw import AdamW
     from mindformers.pynative.trainer.utils import get_grad
 
+    from hyper_parallel import DTensor
+
     params = list(model.trainable_params())
     optimizer = AdamW(params, learning_rate=LR, weight_decay=0.1)
-    ids, labels = batch()
-    ids, labels = ms.Tensor(ids[rows]), ms.Tensor(labels[rows])
-    sense = 1.0 / world  # get_loss_sense without pipeline stages
+    names = sorted(inputs)
 
-    def loss_fn(i, l):
-        loss = model(i, labels=l)[0]
+    def loss_fn(*values):
+        loss = model(**dict(zip(names, values)))[0]
+        if isinstance(loss, DTensor):  # replicated over tp (MindFormers' loss plan)
+            loss = loss.to_local()
         return loss * sense, loss
 
     step = ms.value_and_grad(loss_fn, grad_position=None, weights=params, has_aux=True)
     losses = []
     for _ in range(STEPS):
-        (_, loss), grads = step(ids, labels)
+        (_, loss), grads = step(*(ms.Tensor(inputs[n]) for n in names))
         losses.append(float(loss.asnumpy().reshape(-1)[0]))
-        if world > 1:
+        if sharded:
             # under fully_shard the reduced gradients are on param.main_grad (the
             # trainer's get_grad); value_and_grad's own are the unreduced pieces
             grads = tuple(get_grad(param) for param in params)
@@ -54,42 +90,35 @@ def _train(model, rows: slice, world: int) -> list[float]:
     return losses
 
 
-def check_train_one_rank() -> list[float]:
-    model = build_gpt()
-    return _train(model, slice(0, BATCH), 1)
+def check_train_one_rank(model: str) -> list[float]:
+    return _train(_build(model, None), _inputs(), 1.0, False)
 
 
-def check_train_fsdp() -> list[float]:
-    """MindFormers' FSDP (``parallelize_gptmodel`` with data_parallel = world size) on
-    a model built under ``ms.DeviceCtx("meta")``, materialised by ``to_empty`` with this
-    rank's pieces of the one-rank values (as ``check_gpt_fsdp`` does)."""
-    import mindspore as ms
-    from mindformers.pynative.base_models.gpt.parallelize import parallelize_gptmodel
-    from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
-                                                    SwapConfig)
-    from mindformers.pynative.distributed.parallel_dims import ParallelDims
-
+def check_train_parallel(model: str, data_parallel: int, tensor_parallel: int = 1,
+                         context_parallel: int = 1) -> list[float]:
+    """MindFormers' ``parallelize_gptmodel`` with these degrees (``test_gptmodel.parallelize``),
+    this rank's rows of the batch (rank ``= (dp_index * cp + cp_index) * tp + tp_index``:
+    the dense mesh ``(pp, dp_replicate, fsdp, cp, tp)``), the seed ``1 / (dp * cp)``."""
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
-    world, me = p.world_size(), p.rank()
-    full = {name: param.asnumpy() for name, param in build_gpt().parameters_and_names()}
-    with ms.DeviceCtx("meta"):
-        model = build_gpt()
-    parallelism = ParallelismConfig()
-    parallelism.data_parallel = world
-    dims = ParallelDims.from_config(parallelism, world)
-    parts, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
-                                     SwapConfig())
-    model = parts[0]
-    model.to_empty(device="CPU")
-    load_pieces(model, full, me)
-    return _train(model, slice(me * BATCH // world, (me + 1) * BATCH // world), world)
+    assert p.world_size() == data_parallel * tensor_parallel * context_parallel
+    degrees = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel,
+               "context_parallel": context_parallel}
+    parallel = parallelize(lambda parallelism: _build(model, parallelism), **degrees)
+    dp_index = p.rank() // (tensor_parallel * context_parallel)
+    rows = slice(dp_index * ROWS // data_parallel, (dp_index + 1) * ROWS // data_parallel)
+    return _train(parallel, _inputs(rows), 1.0 / (data_parallel * context_parallel), True)
 
 
-def test_adamw_steps_fsdp_two_ranks(run_on_ranks) -> None:
-    one = run_on_ranks(check_train_one_rank, world_size=1, timeout_s=300)[0]
-    two = run_on_ranks(check_train_fsdp, world_size=2, timeout_s=300)
+@pytest.mark.parametrize("model,degrees,world", [
+    ("gpt", (2,), 2), ("gpt", (4,), 4), ("mla", (2, 2), 4), ("cp", (2, 1, 2), 4)],
+    ids=["fsdp2", "fsdp4", "tp2-fsdp2", "cp2-fsdp2"])
+def test_adamw_steps(run_on_ranks, model, degrees, world) -> None:
+    one = run_on_ranks(check_train_one_rank, model, world_size=1, timeout_s=300)[0]
+    ranks = run_on_ranks(check_train_parallel, model, *degrees, world_size=world, timeout_s=600)
     assert one[-1] < one[0], one  # it trains
-    # each rank holds half the tokens: the mean of the ranks' mean losses is the batch's
-    np.testing.assert_allclose(np.mean(two, axis=0), one, rtol=1e-5)
+    # every rank holds the same number of tokens of its data-parallel and context-parallel
+    # share, none masked (tp ranks hold the same): the mean of the ranks' mean losses is
+    # the batch's
+    np.testing.assert_allclose(np.mean(ranks, axis=0), one, rtol=1e-5)
