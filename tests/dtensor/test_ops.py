@@ -202,6 +202,18 @@ def check_replicated_operands(mesh_shape: tuple[int, ...]) -> None:
             assert "not every DTensor is Replicate on every mesh axis" in str(err), str(err)
         else:
             raise AssertionError(f"no {error.__name__} for a framework tensor among a sharded or Partial DTensor")
+    # the framework tensor an in-place op would write stays refused, among replicated DTensors too
+    replicated = DTensor.from_local(p.from_numpy(loss), mesh, replicate)
+    target = p.from_numpy(mask.copy())
+    try:
+        target.mul_(replicated)
+    except (RuntimeError, TypeError) as err:
+        # MindSpore dispatches an in-place method on its first input, a plain tensor with
+        # no DTensor hook: MindSpore's own error ("Cannot found __fallback__ attr") there
+        assert ("mix DTensors" if p.framework == "torch" else "__fallback__") in str(err), str(err)
+    else:
+        raise AssertionError("no error for an in-place op writing a framework tensor with a DTensor operand")
+    np.testing.assert_array_equal(p.to_numpy(target), mask, err_msg="the refused in-place op wrote the tensor")
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["1d", "2x2"])

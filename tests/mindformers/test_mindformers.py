@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("mindformers") is None,
-                       reason="MindFormers is not installed: the mindformers-cpu matrix entry "
-                              "(platform/mindformers-cpu/README.md) installs it"),
-    pytest.mark.skipif(not os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
-                       reason="MindFormers runs on MindSpore"),
-]
+from tests.mindformers.test_gptmodel import pytestmark  # noqa: F401  (the MindFormers / MindSpore skips)
 
 #: Names MindFormers 2.0.0 imports that this package does not provide yet, each only
 #: imported inside the function of a feature not built (docs/mindformers.md lists them):

@@ -146,8 +146,23 @@ def softmax_sharded(op: str, dtensors: Sequence[DTensor], dim: int, axis: int) -
     (``[grad, y]``) over ``dim``, which mesh ``axis`` shards (see [Note: softmax over a
     sharded dim]); below autograd, the result laid out as the first input.
 
+    Args:
+        op: ``"softmax"``, ``"log_softmax"``, ``"softmax_backward"`` or
+            ``"log_softmax_backward"``.
+        dtensors: ``[x]`` (logits, any shape, e.g. ``[rows, classes]``) or ``[grad, y]``
+            (the output's gradient and the forward's output, both ``x``'s shape); floating
+            dtypes, the statistics in float32 or better (half precision is upcast, the
+            result cast back).
+        dim: the dim normalised over (non-negative).
+        axis: the mesh axis that alone shards ``dim`` (``sharded_dim_axis``).
+
+    Returns:
+        A DTensor of the first input's global shape, dtype and placements.
+
     Collectives: the inputs' other axes are left as they are; the backward's ``y`` is
-    brought to ``grad``'s placements; **all-reduce** (max, sum) or (sum) over ``axis``.
+    brought to ``grad``'s placements; **all-reduce** of ``x``'s shape with ``dim`` of size
+    1 over ``axis``: (max, sum) forward, (sum) backward. Raises nothing of its own (the
+    backend checked ``dim`` and ``axis`` when it chose this path).
     """
     p = get_platform()
     spec = dtensors[0]._spec
@@ -251,9 +266,21 @@ def nll_loss_backward(grad: DTensor, logprobs: DTensor, target: DTensor, reducti
 
     Args:
         grad: the loss's gradient (``[N]`` for ``"none"``, else a scalar).
+        logprobs: the forward's ``[N, C]`` log-probabilities (floating).
+        target: the forward's ``[N]`` integer class ids.
+        reduction: ``"none"``, ``"sum"`` or ``"mean"``, as in the forward.
+        ignore_index: the class id whose rows get no gradient.
+        total_weight: the forward's count of rows not ignored (a scalar), the divisor
+            of ``"mean"``.
         unpick: ``(values [n], ids [n], start, like [n, c]) -> [n, c]``: zeros like
             ``like`` with ``values[r]`` at ``[r, ids[r] - start]`` where that class is
             local (the framework's scatter).
+        valid: ``(ids [n], ignore_index, like) -> [n]``: 1 where the row counts, 0
+            where its id is ``ignore_index``, in ``like``'s dtype.
+
+    Returns:
+        A DTensor ``[N, C]`` of ``logprobs``' dtype, laid out as the forward used the
+        log-probabilities (rows or classes sharded).
     """
     p = get_platform()
     mesh = logprobs._spec.mesh

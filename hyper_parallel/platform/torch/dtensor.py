@@ -228,7 +228,9 @@ def _replicate_plain(base: type, args: tuple[Any, ...], kwargs: dict[str, Any],
     replicated made a replicated DTensor (see core's [Note: framework tensors among
     replicated DTensors]); as they are otherwise (``_check_mixed`` then refuses them), and
     when an in-place op would write such a tensor."""
-    flat, spec = tree_flatten((args, kwargs))
+    # flat positional arguments (most ops) without pytree, as in _local_call
+    flat_args = not kwargs and not any(isinstance(a, (list, tuple)) for a in args)
+    flat, spec = (list(args), None) if flat_args else tree_flatten((args, kwargs))
     plain = [i for i, leaf in enumerate(flat)
              if isinstance(leaf, torch.Tensor) and not is_dtensor(leaf) and leaf.dim() > 0]
     if not plain or (inplace and not is_dtensor(args[0])):
@@ -239,7 +241,7 @@ def _replicate_plain(base: type, args: tuple[Any, ...], kwargs: dict[str, Any],
     mesh = dtensors[0].device_mesh
     for i in plain:
         flat[i] = base.replicated(flat[i], mesh)
-    return tree_unflatten(flat, spec)
+    return (tuple(flat), kwargs) if flat_args else tree_unflatten(flat, spec)
 
 
 def _unwrap_all(args: Any, is_dtensor: Callable[[Any], bool]) -> Any:
