@@ -237,10 +237,41 @@ def markdown(results: list[dict], world: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def longest_rank(budget_mib: float, start: int, limit: int) -> list[dict]:
-    """Runs on every rank: the longest sequence (growing by 1.5x from ``start``, a multiple
-    of ``2 * cp``) whose forward + backward under ring attention with load balance (local
-    attention when cp = 1) keeps at most ``budget_mib`` of tensors alive per rank."""
+def _model(layers: int, hidden: int):
+    """``layers`` pre-norm transformer blocks (attention through
+    ``hp.scaled_dot_product_attention``, causal; a 4x GELU MLP), ``[1, seq, hidden]`` in
+    and out; the attention submodules are ``model.attns``."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+            self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+            self.attn = _module()
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                           torch.nn.Linear(4 * hidden, hidden))
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(self.norm1(x)).reshape(b, s, 3, SEARCH_HEADS, -1).unbind(2)
+            x = x + self.proj(self.attn(q, k, v).reshape(b, s, hidden))
+            return x + self.mlp(self.norm2(x))
+
+    model = torch.nn.Sequential(*[Block() for _ in range(layers)])
+    model.attns = [block.attn for block in model]
+    return model
+
+
+def longest_rank(budget_mib: float, start: int, limit: int, layers: int) -> list[dict]:
+    """Runs on every rank: the longest sequence (a multiple of ``256 * cp``: growing by
+    1.5x from ``start`` until over the budget, then bisected) whose training step keeps
+    at most ``budget_mib`` of tensors alive per rank (peak, torch's ``MemTracker``; the
+    largest rank's). ``layers == 0``: the step is attention alone, q/k/v
+    ``[1, seq, SEARCH_HEADS, SEARCH_HEAD_DIM]`` and a given output gradient; otherwise
+    ``_model(layers)`` on ``[1, seq, SEARCH_HEADS * SEARCH_HEAD_DIM]`` with the loss
+    ``sum(out ** 2)``. Ring attention with load balance for cp > 1, the sequence sharded
+    as ``context_parallel_shard`` lays it out."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -249,30 +280,53 @@ def longest_rank(budget_mib: float, start: int, limit: int) -> list[dict]:
 
     p = hp.get_platform()
     n = p.world_size()
-    module = _module()
+    torch.manual_seed(0)
+    hidden = SEARCH_HEADS * SEARCH_HEAD_DIM
+    model = _model(layers, hidden) if layers else None
+    attns = model.attns if layers else [_module()]
     if n > 1:
         mesh = hp.init_device_mesh(p.device_type, (n,))
-        hp.ContextParallel(ulysses_degree=1, kv_exchange="ring", load_balance=True).apply(module, mesh)
-    rows, seq = [], start
-    while seq <= limit:
+        for attn in attns:
+            hp.ContextParallel(ulysses_degree=1, kv_exchange="ring", load_balance=True).apply(attn, mesh)
+    grain = 256 * n
+
+    def peak_at(seq: int) -> float:
         rng = np.random.default_rng(seq)
         local = seq // n
-        data = [torch.from_numpy(rng.standard_normal((1, local, SEARCH_HEADS, SEARCH_HEAD_DIM)).astype(np.float32))
-                for _ in range(4)]
+        if layers:
+            x0 = torch.from_numpy(rng.standard_normal((1, local, hidden)).astype(np.float32))
 
-        def once() -> None:
-            q, k, v = (t.clone().requires_grad_(True) for t in data[:3])
-            module(q, k, v).backward(data[3])
+            def once() -> None:
+                (model(x0.clone().requires_grad_(True)) ** 2).sum().backward()
+        else:
+            data = [torch.from_numpy(rng.standard_normal((1, local, SEARCH_HEADS, SEARCH_HEAD_DIM))
+                                     .astype(np.float32)) for _ in range(4)]
+
+            def once() -> None:
+                q, k, v = (t.clone().requires_grad_(True) for t in data[:3])
+                attns[0](q, k, v).backward(data[3])
 
         dist.barrier()
-        start_s = time.perf_counter()
         peak = torch.tensor([float(peak_tensor_bytes(once))])
-        seconds = time.perf_counter() - start_s
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        rows.append({"cp": n, "seq": seq, "peak_mib": float(peak) / 2**20, "seconds": seconds})
-        if float(peak) / 2**20 > budget_mib:
+        if model is not None:
+            model.zero_grad(set_to_none=True)
+        rows.append({"cp": n, "seq": seq, "peak_mib": float(peak) / 2**20})
+        return float(peak) / 2**20
+
+    rows: list[dict] = []
+    fit, seq = 0, start // grain * grain
+    while seq <= limit and peak_at(seq) <= budget_mib:
+        fit, seq = seq, int(seq * 1.5) // grain * grain
+    over = seq
+    while over - fit > grain:
+        mid = (fit + over) // 2 // grain * grain
+        if mid in (fit, over):
             break
-        seq = int(seq * 1.5) // (2 * n) * (2 * n)
+        if peak_at(mid) <= budget_mib:
+            fit = mid
+        else:
+            over = mid
     return rows
 
 
@@ -281,6 +335,9 @@ def main() -> int:
     parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 4096, 16384])
     parser.add_argument("--budget-mib", type=float, default=24.0,
                         help="per-rank peak tensor memory budget of the longest-sequence search (0: skip it)")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the longest-sequence search's model")
+    parser.add_argument("--model-budget-mib", type=float, default=256.0,
+                        help="per-rank peak tensor memory budget of the model's longest-sequence search")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=4)
@@ -299,22 +356,37 @@ def main() -> int:
     results = summarize(per_rank)
     longest = []
     if args.budget_mib > 0:
-        for cp in (1, 2, 4):
-            rows = run_on_ranks(longest_rank, cp, args.budget_mib, 4096, 1 << 20, platform="torch-cpu",
-                                timeout_s=3600)[0]
-            fits = [r for r in rows if r["peak_mib"] <= args.budget_mib]
-            longest.append({"cp": cp, "longest_seq": fits[-1]["seq"] if fits else 0, "tried": rows})
+        for layers, budget in ((0, args.budget_mib), (args.layers, args.model_budget_mib)):
+            for cp in (1, 2, 4):
+                rows = run_on_ranks(longest_rank, cp, budget, 4096, 1 << 20, layers, platform="torch-cpu",
+                                    timeout_s=3600)[0]
+                fits = [r["seq"] for r in rows if r["peak_mib"] <= budget]
+                longest.append({"layers": layers, "budget_mib": budget, "cp": cp,
+                                "longest_seq": max(fits, default=0), "tried": rows})
     meta = {"world_size": args.world_size, "backend": "torch-cpu (gloo)", "iters": args.iters,
             "warmup": args.warmup, "shape": [BATCH, "seq", HEADS, HEAD_DIM], "causal": True,
-            "budget_mib": args.budget_mib, "search_shape": [1, "seq", SEARCH_HEADS, SEARCH_HEAD_DIM], **host_meta()}
+            "budget_mib": args.budget_mib, "model_budget_mib": args.model_budget_mib,
+            "model_layers": args.layers, "search_shape": [1, "seq", SEARCH_HEADS, SEARCH_HEAD_DIM], **host_meta()}
     table = markdown(results, args.world_size)
     if longest:
-        table += (f"\n## Longest sequence within {args.budget_mib:.0f} MiB of live tensors per rank\n\n"
-                  f"`[1, seq, {SEARCH_HEADS}, {SEARCH_HEAD_DIM}]` float32, causal, forward + backward; ring with load "
-                  "balance for cp > 1; lengths grow by 1.5x. Target: proportional to cp.\n\n"
-                  "| cp | longest seq | vs cp = 1 |\n|---:|---:|---:|\n")
+        table += ("\n## Longest sequence that trains within a per-rank memory budget\n\n"
+                  "Peak bytes of live tensors per rank (torch's MemTracker, the largest rank's) of one training "
+                  "step; ring attention with load balance for cp > 1; the longest multiple of 256 * cp under the "
+                  "budget (grown by 1.5x, then bisected). Target: proportional to cp.\n\n"
+                  f"- *attention alone*: `[1, seq, {SEARCH_HEADS}, {SEARCH_HEAD_DIM}]` float32 q/k/v, causal, "
+                  "forward + backward. Its ring keeps two blocks in flight each way (the current and the next "
+                  "K/V pair, the dK/dV accumulator sent and the one received) beside the kernel's own tensors: "
+                  "about twice a local call's memory per token, so this row stays below proportional.\n"
+                  f"- *{args.layers}-layer model*: pre-norm transformer blocks (hidden "
+                  f"{SEARCH_HEADS * SEARCH_HEAD_DIM}, {SEARCH_HEADS} heads, 4x GELU MLP), float32, loss "
+                  "`sum(out ** 2)`, forward + backward: the activations every layer keeps for backward scale "
+                  "with seq / cp, the ring's blocks in flight are one layer's at a time.\n\n"
+                  "| step | budget MiB | cp | longest seq | vs cp = 1 |\n|---|---:|---:|---:|---:|\n")
         for row in longest:
-            table += f"| {row['cp']} | {row['longest_seq']} | {row['longest_seq'] / max(longest[0]['longest_seq'], 1):.2f} |\n"
+            base = next(r for r in longest if r["layers"] == row["layers"] and r["cp"] == 1)["longest_seq"]
+            step = "attention alone" if row["layers"] == 0 else f"{row['layers']}-layer model"
+            table += (f"| {step} | {row['budget_mib']:.0f} | {row['cp']} | {row['longest_seq']} | "
+                      f"{row['longest_seq'] / max(base, 1):.2f} |\n")
     write_results(args.out, meta, results, table, longest=longest)
     return 0
 

@@ -62,6 +62,22 @@ def check_factories_and_shape_ops() -> None:
         raise AssertionError("split accepted sizes that do not add up")
 
 
+def _adds_into_part(p, a: np.ndarray, b: np.ndarray) -> bool:
+    """``x[:, 1:3] += y`` writes into ``x`` itself; the rest of ``x`` is unchanged."""
+    x, y = p.from_numpy(a.copy()), p.from_numpy(b[:, :2].copy())
+    same = x
+    x[:, 1:3] += y
+    want = a.copy()
+    want[:, 1:3] += b[:, :2]
+    return x is same and np.array_equal(p.to_numpy(x), want)
+
+
+def _iadds(p, a: np.ndarray, b: np.ndarray) -> bool:
+    x = p.from_numpy(a.copy())
+    x += p.from_numpy(b)
+    return np.array_equal(p.to_numpy(x), a + b)
+
+
 def check_tensor_methods() -> list[str]:
     """Every method core may call directly behaves like numpy on every backend."""
     p = get_platform()
@@ -92,7 +108,9 @@ def check_tensor_methods() -> list[str]:
         "log": lambda: np.allclose(p.to_numpy((t * t + 1.0).log()), np.log(a * a + 1), rtol=1e-6),
         "float": lambda: p.dtype_name(p.to_dtype(t, p.dtype("float16")).float().dtype) == "float32",
         "__getitem__": lambda: np.array_equal(p.to_numpy(t[1, :, 1:3]), a[1, :, 1:3]),
+        "__setitem__": lambda: _adds_into_part(p, a, b),
         "__add__": lambda: np.allclose(p.to_numpy(t + u), a + b),
+        "__iadd__": lambda: _iadds(p, a, b),
         "__sub__": lambda: np.allclose(p.to_numpy(t - u), a - b),
         "__mul__": lambda: np.allclose(p.to_numpy(t * u), a * b),
         "__truediv__": lambda: np.allclose(p.to_numpy(t / 2.0), a / 2),

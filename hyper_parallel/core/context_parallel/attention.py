@@ -66,12 +66,7 @@ def _distributed(p: Any, frame: Frame, q: Any, k: Any, v: Any, causal: bool, cu_
     if plan.kv_size == 1:  # pure Ulysses: whole sequences, in shard order
         pos = plan.block_positions(frame.seq_len, 0)
         return _attend(p, q, k, v, pos, pos, causal, docs, scale)
-    if plan.kv_exchange == "ring":
-        return ring_attention(p, q, k, v, plan, frame.seq_len, causal, docs, scale)
-    kv = p.differentiable_all_gather(p.stack([k, v], 0).contiguous(), 2, group=plan.kv_group)
-    k_pos = np.concatenate([plan.block_positions(frame.seq_len, j) for j in range(plan.kv_size)])
-    return _attend(p, q, kv[0], kv[1], plan.block_positions(frame.seq_len, plan.kv_index), k_pos, causal, docs,
-                   scale)
+    return ring_attention(p, q, k, v, plan, frame.seq_len, causal, docs, scale)
 
 
 def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False, scale: float | None = None,

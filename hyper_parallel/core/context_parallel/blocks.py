@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.core.context_parallel.masks import BlockCall, RunPlan
-from hyper_parallel.platform.attention_pieces import LSE_FLOOR, merge, stat_dtype, sum_by_range
+from hyper_parallel.platform.attention_pieces import LSE_FLOOR, merge, stat_dtype
 from hyper_parallel.platform.contract.common import CustomFunction
 
 #: A partial result: output ``[batch, q_len, heads, head_dim]`` and log-sum-exp
@@ -83,44 +83,67 @@ def finish(p: Any, accs: list[BlockResult | None], plans: list[RunPlan], q: Any)
     return (outs[0] if len(outs) == 1 else p.cat(outs, 1)), (lses[0] if len(lses) == 1 else p.cat(lses, 2))
 
 
+def add_rows(dst: Any, start: int, src: Any) -> Any:
+    """``dst[:, start:start + len(src)] += src`` (dim 1); returns the sum. In place where
+    the framework does it (a whole-tensor ``+=`` on MindSpore makes a new tensor, which
+    is why the result is returned); a part is written through ``__setitem__``, in place
+    on every backend."""
+    n = int(src.shape[1])
+    if start == 0 and n == int(dst.shape[1]):
+        dst += src
+        return dst
+    dst[:, start:start + n] += src
+    return dst
+
+
+def _whole(call: BlockCall, q: Any, k: Any) -> bool:
+    return call.q_start == 0 and call.q_len == int(q.shape[1]) and call.k_runs == ((0, int(k.shape[1])),)
+
+
 def backward_calls(p: Any, plans: list[RunPlan], dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
-                   scale: float | None, *, accumulate: bool = True) -> tuple[Any, Any, Any] | None:
+                   scale: float | None, *, dq: Any = None, accumulate: bool = True) -> tuple[Any, Any, Any] | None:
     """This key tensor's share of the gradients: ``(dq [like q], dk, dv [like k])`` in
     ``max(float32, dtype)``, or ``None`` when no call reads it; ``out``/``lse`` are the
-    merged ones over every key the queries see ([Note: block attention]). Without
-    ``accumulate`` (nothing is added to the result later) a single call's gradients stay
-    in the input dtype: a bfloat16 kernel's gradients are not widened to be narrowed back.
-    The calls' gradients are summed per row and key range and laid out once, so the
-    working set stays one gradient of ``q`` and one of ``k``/``v`` beyond the calls'."""
-    single = not accumulate and sum(len(run.calls) for run in plans) == 1
-    dtype = q.dtype if single else stat_dtype(p, q.dtype)
-    dqs: dict[tuple[int, int], Any] = {}
-    dks: dict[tuple[int, int], Any] = {}
-    dvs: dict[tuple[int, int], Any] = {}
+    merged ones over every key the queries see ([Note: block attention]).
 
-    def add(parts: dict[tuple[int, int], Any], key: tuple[int, int], value: Any) -> None:
-        parts[key] = value if key not in parts else parts[key] + value
-
-    for run in plans:
-        for call in run.calls:
-            rows = (call.q_start, call.q_len)
-            cq, ck, cv = _rows(p, q, 1, *rows), key_runs(p, k, call), key_runs(p, v, call)
-            gq, gk, gv = p.attention_backward(_rows(p, dout, 1, *rows), cq, ck, cv, _rows(p, out, 1, *rows),
-                                              _rows(p, lse, 2, *rows), scale=scale, mask=call.mask)
-            add(dqs, rows, p.to_dtype(gq, dtype))
-            gk, gv = p.to_dtype(gk, dtype), p.to_dtype(gv, dtype)
-            offset = 0
-            for start, n in call.k_runs:
-                whole = n == int(gk.shape[1])
-                add(dks, (start, n), gk if whole else p.narrow(gk, 1, offset, n))
-                add(dvs, (start, n), gv if whole else p.narrow(gv, 1, offset, n))
-                offset += n
-    if not dks:
+    Each call's gradients are added into the result as soon as the kernel returns them
+    (``add_rows``), so the working set is the three results and one call's gradients,
+    not every call's. ``dq``, when given, is an accumulator of ``max(float32, dtype)``
+    the queries' share is added into (in place where the framework does it; the sum is
+    returned either way). Without ``accumulate`` (nothing is added to the result later)
+    a single call over everything keeps the kernel's gradients in the input dtype: a
+    bfloat16 kernel's gradients are not widened to be narrowed back."""
+    calls = [call for run in plans for call in run.calls]
+    if not calls:
         return None
-    b, sq, h, d = (int(x) for x in q.shape)
-    sk, kh = int(k.shape[1]), int(k.shape[2])
-    return (sum_by_range(p, dqs, sq, (b, sq, h, d), dtype), sum_by_range(p, dks, sk, (b, sk, kh, d), dtype),
-            sum_by_range(p, dvs, sk, (b, sk, kh, d), dtype))
+    dtype = stat_dtype(p, q.dtype)
+
+    def kernel(call: BlockCall) -> tuple[Any, Any, Any]:
+        rows = (call.q_start, call.q_len)
+        return p.attention_backward(_rows(p, dout, 1, *rows), _rows(p, q, 1, *rows), key_runs(p, k, call),
+                                    key_runs(p, v, call), _rows(p, out, 1, *rows), _rows(p, lse, 2, *rows),
+                                    scale=scale, mask=call.mask)
+
+    if len(calls) == 1 and _whole(calls[0], q, k):
+        gq, gk, gv = kernel(calls[0])
+        if not accumulate and dq is None:
+            return gq, gk, gv
+        gq = p.to_dtype(gq, dtype)
+        return (gq if dq is None else add_rows(dq, 0, gq)), p.to_dtype(gk, dtype), p.to_dtype(gv, dtype)
+    dq = p.zeros(tuple(q.shape), dtype) if dq is None else dq
+    dk, dv = p.zeros(tuple(k.shape), dtype), p.zeros(tuple(v.shape), dtype)
+    for call in calls:
+        gq, gk, gv = kernel(call)
+        dq = add_rows(dq, call.q_start, p.to_dtype(gq, dtype))
+        gk, gv = p.to_dtype(gk, dtype), p.to_dtype(gv, dtype)
+        offset = 0
+        for start, n in call.k_runs:
+            whole = n == int(gk.shape[1])
+            dk = add_rows(dk, start, gk if whole else p.narrow(gk, 1, offset, n))
+            dv = add_rows(dv, start, gv if whole else p.narrow(gv, 1, offset, n))
+            offset += n
+        del gq, gk, gv
+    return dq, dk, dv
 
 
 def keep_for_backward(ctx: Any, p: Any, spec: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:

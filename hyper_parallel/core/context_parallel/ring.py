@@ -31,6 +31,23 @@ before the block's gradient is computed and the accumulator's send right after, 
 overlap computation; the accumulators are ``max(float32, dtype)`` whatever the input dtype. Every rank
 runs every step and every shift in the same order, including steps whose block it
 skips (a zero contribution is sent on), so sends and receives always match.
+
+Each block's gradient is added into the accumulator received for it (in place where the
+framework does it, ``blocks.add_rows``), and a send reads its tensor without a copy, so
+the backward's working set is this rank's tensors, two key/value blocks (the current one
+and the next, in flight), two accumulators (the one sent and the one received) and one
+block's gradients: ``O(seq / n)``, with no term growing with ``n``.
+
+[Note: all-gather as a ring source]
+``kv_exchange="allgather"`` runs the same function with the blocks taken from one
+all-gather of the stacked ``[2, batch, kv_seq, kv_heads, dim]`` pair instead of ``n - 1``
+shifts (torch's ``_AllGatherRotater``). The gather starts before step 0, whose block
+is this rank's own, so it overlaps that block's attention. Nothing gathered is saved: the
+backward gathers again, and the dK/dV accumulators travel the ring as above (torch's
+ring backward does the same for both rotation methods). Where a reduce-scatter of
+full-length dK/dV would hold ``2 n`` blocks of gradients at once, the accumulators hold
+two, so all-gather's per-rank memory is ``O(seq)`` only transiently (the gathered
+blocks, one layer at a time) and its saved activations are ``O(seq / n)``, like the ring's.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ import numpy as np
 
 from hyper_parallel.core.context_parallel.blocks import (
     BlockResult,
+    add_rows,
     backward_calls,
     finish,
     forward_calls,
@@ -95,31 +113,63 @@ def _finish(works: list[Work]) -> list[Any]:
     return [work.wait() for work in works[half:]]
 
 
+class _Blocks:
+    """The key/value block a rank holds at each step of the ring: this rank's own at step
+    0, then that of exchange rank ``(g - step) mod n``. ``"ring"``: each is received from
+    the previous rank while the current one is attended to (``n - 1`` shifts).
+    ``"allgather"``: one all-gather of the stacked pair, started before step 0 (this
+    rank's own block needs none) and waited for at step 1; blocks are views of it."""
+
+    def __init__(self, p: Any, k: Any, v: Any, spec: RingSpec) -> None:
+        self.p, self.spec, self.kv = p, spec, [k, v]
+        self.gathered: Work | None = None
+        self.works: list[Work] | None = None
+        plan = spec.plan
+        if plan.kv_exchange == "allgather" and plan.kv_size > 1:
+            self.gathered = p.all_gather_into_tensor(p.stack([k, v], 0), group=plan.kv_group, async_op=True)
+
+    def current(self, step: int) -> list[Any]:
+        """The block of ``step``; in ring mode, starts receiving the next one."""
+        plan = self.spec.plan
+        n, g = plan.kv_size, plan.kv_index
+        if self.gathered is not None:
+            if step == 0:
+                return self.kv
+            both = self.gathered.wait()  # [2 n, batch, kv_seq, kv_heads, head_dim]
+            j = (g - step) % n
+            return [both[2 * j], both[2 * j + 1]]
+        if self.works is not None:
+            self.kv = _finish(self.works)
+            self.works = None
+        if step < n - 1:
+            self.works = _shift(self.p, self.kv, plan.kv_group, (g + 1) % n, (g - 1) % n)
+        return self.kv
+
+
 class RingAttention(CustomFunction):
-    """The ring of [Note: the ring and its backward] as one autograd function.
+    """The ring of [Note: the ring and its backward] as one autograd function, with the
+    key/value blocks shifted around the ring or all-gathered at once (``_Blocks``).
 
     ``forward(ctx, p, q, k, v, spec)``: ``q`` ``[batch, q_seq, heads, dim]``, ``k``/``v``
     ``[batch, kv_seq, kv_heads, dim]`` (BSHD, this rank's shard) -> the output
     ``[batch, q_seq, heads, dim]`` in ``q``'s dtype. Saves ``ctx.saved = (q, k, v, out,
-    lse)`` and nothing else of tensor size, until its backward runs (once). Collectives:
-    ``n - 1`` shifts of the ``[batch, kv_seq, kv_heads, dim]`` pair ``k``, ``v`` (one
-    batch of two messages each way) forward; ``n - 1`` of it and ``n`` of its
-    ``max(float32, dtype)`` gradient pair backward, point-to-point over
-    ``spec.plan.kv_group``.
+    lse)`` and nothing else of tensor size, until its backward runs (once). Collectives,
+    over ``spec.plan.kv_group``: ring: ``n - 1`` point-to-point shifts of the ``k``, ``v``
+    pair (one batch of two messages each way) forward and again backward; all-gather: one
+    all-gather of ``[2, batch, kv_seq, kv_heads, dim]`` forward and again backward. Both:
+    ``n`` shifts of the ``max(float32, dtype)`` dK/dV accumulator pair backward.
     """
 
     @staticmethod
     def forward(ctx: Any, p: Any, q: Any, k: Any, v: Any, spec: RingSpec) -> Any:
-        plan = spec.plan
-        n, g, group = plan.kv_size, plan.kv_index, plan.kv_group
-        q_pos = plan.block_positions(spec.seq_len, g)
+        q_pos = spec.plan.block_positions(spec.seq_len, spec.plan.kv_index)
         accs: list[BlockResult | None] = [None] * len(segments(q_pos))
-        kv = [k, v]
-        for step in range(n):
-            works = _shift(p, kv, group, (g + 1) % n, (g - 1) % n) if step < n - 1 else None
+        blocks = _Blocks(p, k, v, spec)
+        for step in range(spec.plan.kv_size):
+            kv = blocks.current(step)
             forward_calls(p, accs, spec.calls(q_pos, step), q, kv[0], kv[1], spec.scale, merge_all=True)
-            if works is not None:
-                kv = _finish(works)
+            del kv
+        del blocks
         out, lse = finish(p, accs, spec.calls(q_pos, 0), q)
         keep_for_backward(ctx, p, spec, q, k, v, out, lse)
         return out
@@ -138,25 +188,29 @@ class RingAttention(CustomFunction):
         q_pos = plan.block_positions(spec.seq_len, g)
         dtype = stat_dtype(p, q.dtype)
         dq = None
-        kv = [k, v]
+        blocks = _Blocks(p, k, v, spec)
         incoming: list[Work] | None = None  # the shift of the accumulator received last step
         dkv: list[Any] = []
         for step in range(n):
-            kv_works = _shift(p, kv, group, nxt, prev) if step < n - 1 else None
-            grads = backward_calls(p, spec.calls(q_pos, step), dout, q, kv[0], kv[1], out, lse, spec.scale)
-            if grads is None:
-                mine = [p.zeros(tuple(k.shape), dtype), p.zeros(tuple(v.shape), dtype)]
-            else:
-                dq = grads[0] if dq is None else dq + grads[0]
-                mine = [grads[1], grads[2]]
-            del grads
+            kv = blocks.current(step)
+            grads = backward_calls(p, spec.calls(q_pos, step), dout, q, kv[0], kv[1], out, lse, spec.scale, dq=dq)
+            del kv
+            if grads is not None:
+                dq = grads[0]
             # Waiting for the last shift also ends its send: the accumulator sent then
-            # (the previous ``dkv``) is released here, not a step later.
-            dkv = mine if incoming is None else [a + b for a, b in zip(mine, _finish(incoming))]
-            del mine
+            # (the previous ``dkv``) is released here, not a step later. The block's
+            # share is added into the received accumulator, in place where the
+            # framework does it.
+            if incoming is None:
+                dkv = [p.zeros(tuple(k.shape), dtype), p.zeros(tuple(v.shape), dtype)] if grads is None \
+                    else [grads[1], grads[2]]
+            else:
+                dkv = _finish(incoming)
+                if grads is not None:
+                    dkv = [add_rows(dkv[0], 0, grads[1]), add_rows(dkv[1], 0, grads[2])]
+            del grads
             incoming = _shift(p, dkv, group, nxt, prev) if n > 1 else None
-            if kv_works is not None:
-                kv = _finish(kv_works)
+        del blocks
         home = dkv if incoming is None else _finish(incoming)  # the last hop: each accumulator home
         if dq is None:
             dq = p.zeros(tuple(q.shape), dtype)

@@ -101,6 +101,9 @@ class CollectivesSection(ABC):
     def isend(self, tensor: Any, dst: int, group: Any = None) -> Work:
         """Start sending ``tensor`` to group rank ``dst``; ``wait()`` returns ``None``.
 
+        The send reads ``tensor`` itself (no copy, as torch's and MindSpore's own
+        ``isend``) until ``wait()``: the caller must not write it before then.
+
         Raises:
             ValueError: ``dst`` is this rank or not in ``group``.
         """
@@ -118,7 +121,8 @@ class CollectivesSection(ABC):
     @abstractmethod
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         """Start a batch of sends and receives so that no ordering of the batch among
-        the peers deadlocks; returns one Work per op, in order.
+        the peers deadlocks; returns one Work per op, in order. A send reads its tensor
+        until its ``wait()``, as ``isend``.
 
         Raises:
             ValueError: an op's peer is this rank or outside its group.

@@ -15,12 +15,15 @@ import numpy as np
 
 #: Tensor attributes and methods core may use directly on a framework tensor.
 #: ``__getitem__`` takes basic slices, and an int64 index tensor on dim 0 (rows, repeats
-#: allowed, differentiable).
+#: allowed, differentiable). ``__setitem__`` writes a tensor into basic slices in place
+#: (``x[:, a:b] += y`` adds into a part of ``x`` on every backend); ``__iadd__`` gives
+#: ``x + y``, in place where the framework does it (torch; MindSpore returns a new
+#: tensor), so use its result. Neither is for tensors autograd records.
 TENSOR_METHODS: tuple[str, ...] = (
     "shape", "dtype", "ndim", "dim", "numel", "reshape", "view", "permute", "transpose",
     "contiguous", "is_contiguous", "unsqueeze", "squeeze", "flatten", "sum", "mean",
-    "amax", "exp", "log", "float", "__getitem__",
-    "__add__", "__sub__", "__mul__", "__truediv__", "__neg__", "__matmul__",
+    "amax", "exp", "log", "float", "__getitem__", "__setitem__",
+    "__add__", "__iadd__", "__sub__", "__mul__", "__truediv__", "__neg__", "__matmul__",
 )
 
 #: The framework functions ``local_op(name)`` returns, with the signature each one has

@@ -135,7 +135,7 @@ class TorchCollectives:
 
     def isend(self, tensor: Any, dst: int, group: Any = None) -> Work:
         self._check_p2p(dst, group, "dst")
-        buf = _buffer(tensor)
+        buf = _source(tensor)
         native = dist.isend(buf, group=self._group(group), group_dst=dst)
         return HandleWork([native], _keep_alive(buf))
 
@@ -146,12 +146,12 @@ class TorchCollectives:
         return HandleWork([native], lambda: buf)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
-        native_ops, results = [], []
+        native_ops, results, bufs = [], [], []
         for op in ops:
             self._check_p2p(op.peer, op.group, "P2POp.peer")
         for op in ops:
             if op.op == "isend":
-                buf, result = _buffer(op.tensor), None
+                buf, result = _source(op.tensor), None
                 native_ops.append(dist.P2POp(dist.isend, buf, group=self._group(op.group), group_peer=op.peer))
             else:
                 buf = op.tensor if op.tensor.is_contiguous() else torch.empty_like(
@@ -159,11 +159,13 @@ class TorchCollectives:
                 result = buf
                 native_ops.append(dist.P2POp(dist.irecv, buf, group=self._group(op.group), group_peer=op.peer))
             results.append(result)
+            bufs.append(buf)
         handles = dist.batch_isend_irecv(native_ops) if native_ops else []
+        # Each Work holds its buffer until waited: a send reads it until then.
         if len(handles) != len(results):
             # NCCL/HCCL coalesce a batch into fewer handles; each op then waits on all.
-            return [HandleWork(handles, (lambda r=r: r)) for r in results]
-        return [HandleWork([h], (lambda r=r: r)) for h, r in zip(handles, results)]
+            return [HandleWork(handles, (lambda r=r, keep=b: r)) for r, b in zip(results, bufs)]
+        return [HandleWork([h], (lambda r=r, keep=b: r)) for h, r, b in zip(handles, results, bufs)]
 
     def barrier(self, group: Any = None, async_op: bool = False) -> Work:
         native = dist.barrier(group=self._group(group), async_op=async_op)
