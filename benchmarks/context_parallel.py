@@ -15,8 +15,9 @@ rank (``hp.scaled_dot_product_attention`` outside context parallelism: the fused
 the memory reference; ``one rank's share`` is the same kernel on ``seq / cp`` positions,
 the reference for peak memory per rank (the peak bytes of live tensors during one untimed
 call, by torch's ``MemTracker``; RSS of a reused process is blurred by the allocator). A
-second table searches the longest sequence whose forward + backward keeps at most
-``--budget-mib`` of tensors alive per rank, cp = 1, 2, 4.
+second table searches the longest sequence whose training step keeps at most a budget of
+tensors alive per rank, cp = 1, 2, 4: attention alone (``--budget-mib``) and a
+``--layers``-layer transformer (``--model-budget-mib``), see ``longest_rank``.
 
 torch's ring attention: ``torch.distributed.tensor.experimental`` dispatches SDPA to its
 ring templates (``_templated_ring_attention`` and its backward) only for the CUDA kernels
@@ -28,6 +29,7 @@ default (on), so its data is in the same head-tail layout as ours with
 ``load_balance=True``.
 
     python benchmarks/context_parallel.py [--seqs 2048 4096 16384] [--iters 3] [--budget-mib 24]
+        [--layers 4] [--model-budget-mib 256]
 """
 
 from __future__ import annotations

@@ -220,10 +220,12 @@ def _saved_bytes(p, ctx) -> int:
     return total
 
 
-def check_ring_saved_state() -> list[int]:
-    """Ring attention keeps for backward this rank's q, k, v, output and float32 lse, and
-    nothing else of tensor size: the bytes kept halve from cp = 2 to cp = 4 for one global
-    sequence (keeping the K/V blocks of other ranks would keep them constant)."""
+def check_ring_saved_state(exchange: str) -> list[int]:
+    """Ring attention, and all-gather attention (the same function with gathered blocks,
+    [Note: all-gather as a ring source]), keep for backward this rank's q, k, v, output
+    and float32 lse, and nothing else of tensor size: the bytes kept halve from cp = 2 to
+    cp = 4 for one global sequence (keeping the K/V blocks of other ranks would keep them
+    constant)."""
     from types import SimpleNamespace
 
     from hyper_parallel.core.context_parallel.ring import RingAttention, RingSpec
@@ -235,7 +237,7 @@ def check_ring_saved_state() -> list[int]:
     measured = []
     for mesh in (world["cp"], init_device_mesh(p.device_type, (4,), mesh_dim_names=("cp",))):
         cp = mesh.size()
-        plan = hp.ContextParallel(ulysses_degree=1, kv_exchange="ring", load_balance=True).resolve(mesh)
+        plan = hp.ContextParallel(ulysses_degree=1, kv_exchange=exchange, load_balance=True).resolve(mesh)
         q = p.from_numpy(rng.standard_normal((B, seq // cp, H, D)).astype(np.float32))
         k, v = (p.from_numpy(rng.standard_normal((B, seq // cp, kv_heads, D)).astype(np.float32)) for _ in "kv")
         ctx = SimpleNamespace()
@@ -248,9 +250,10 @@ def check_ring_saved_state() -> list[int]:
     return measured
 
 
-def test_ring_saves_only_local_blocks(run_on_ranks) -> None:
+@pytest.mark.parametrize("exchange", ["ring", "allgather"])
+def test_ring_saves_only_local_blocks(run_on_ranks, exchange: str) -> None:
     per_rank = (B * 16 * (2 * H + 2 * 2) * D + B * H * 16) * 4  # cp = 2: q, out, k, v, lse of 16 positions
-    assert run_on_ranks(check_ring_saved_state, world_size=4) == [[per_rank, per_rank // 2]] * 4
+    assert run_on_ranks(check_ring_saved_state, exchange, world_size=4) == [[per_rank, per_rank // 2]] * 4
 
 
 def check_bsh() -> int:

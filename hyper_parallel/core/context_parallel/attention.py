@@ -79,10 +79,10 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = Fa
     of each backend and dtype). Outside a module hooked by ``ContextParallel`` this is
     one kernel call (``is_causal`` aligned top-left, as torch's). Inside one, ``q``/``k``/``v`` are the tensors that module
     received (sequence-sharded, or head-sharded after the Ulysses all-to-all of its
-    hooks) and the module's algorithm runs: all-gather of K/V (one
-    ``differentiable_all_gather`` over the exchange axis; backward reduce-scatter), ring
-    attention (``n - 1`` point-to-point shifts, see ``ring``), or local attention over
-    whole sequences (Ulysses). Masks follow the global positions each rank holds, so
+    hooks) and the module's algorithm runs: all-gather of K/V (one all-gather over the
+    exchange axis, forward and again backward; dK/dV accumulated around the ring, see
+    [Note: all-gather as a ring source] in ``ring``), ring attention (``n - 1``
+    point-to-point shifts), or local attention over whole sequences (Ulysses). Masks follow the global positions each rank holds, so
     causal offsets, load balance and documents are exact in every mode.
 
     Args:
