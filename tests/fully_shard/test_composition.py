@@ -20,7 +20,8 @@ import os
 import numpy as np
 import pytest
 
-from hyper_parallel.core.dtensor import Replicate, Shard, init_device_mesh
+from hyper_parallel.core.dtensor import (DTensor, Replicate, Shard, distribute_module, distribute_parameter,
+                                         init_device_mesh)
 from hyper_parallel.core.fully_shard import (full_state_dict, fully_shard, hsdp_state, load_full_state_dict,
                                              load_sharded_state_dict, save_sharded_state_dict)
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
@@ -77,10 +78,33 @@ def _dp_mesh(mesh):
     return mesh["replicate", "shard"] if mesh.ndim == 3 else mesh["dp"]
 
 
-def _tp_fully_shard(p, kind: str, mesh, values: dict) -> tuple:
-    """parallelize_module over tp, then fully_shard over dp; ``(model, units)``."""
+def _distribute(model, tp_mesh, kind: str) -> None:
+    """``PLANS[kind]``'s parameter placements through ``distribute_module``: the module
+    computes on DTensors (torch's and MindFormers' tensor-parallel styles do), its input
+    a replicated DTensor, its output made replicated and local."""
+
+    def partition(fqn, submodule, device_mesh):
+        for pattern, style in PLANS[kind].items():
+            if fqn and fnmatch.fnmatchcase(fqn, pattern):
+                for name, placement in style.parameter_placements().items():
+                    distribute_parameter(submodule, name, device_mesh, [placement])
+
+    def output(mod, out, device_mesh):
+        return out.redistribute(device_mesh, [Replicate()]).to_local()
+
+    distribute_module(model, tp_mesh, partition,
+                      input_fn=lambda mod, args, m: (DTensor.from_local(args[0], m, [Replicate()]),),
+                      output_fn=output)
+
+
+def _tp_fully_shard(p, kind: str, mesh, values: dict, dtensor_forward: bool = False) -> tuple:
+    """parallelize_module over tp (or, ``dtensor_forward``, its placements through
+    ``distribute_module``), then fully_shard over dp; ``(model, units)``."""
     model = build(p, kind, values)
-    parallelize_module(model, mesh["tp"], PLANS[kind])
+    if dtensor_forward:
+        _distribute(model, mesh["tp"], kind)
+    else:
+        parallelize_module(model, mesh["tp"], PLANS[kind])
     dp_mesh = _dp_mesh(mesh)
     units = []
     if kind == "mlp":  # a unit on a module that also carries tensor-parallel hooks
@@ -129,8 +153,11 @@ def _hsdp_params(p, model) -> list:
     return [managed[id(param)] for _, param in p.named_parameters(model)]
 
 
-def check_tp_fully_shard(path: str) -> None:
-    """World 4: (dp 2, tp 2); world 8: HSDP x TP, (replicate 2, shard 2, tp 2)."""
+def check_tp_fully_shard(path: str, dtensor_forward: bool = False) -> None:
+    """World 4: (dp 2, tp 2); world 8: HSDP x TP, (replicate 2, shard 2, tp 2).
+    ``dtensor_forward``: the MLP only, its forward on DTensors ([Note: a tensor-parallel
+    parameter in a DTensor forward] in ``hsdp_param``): fc1 must read its gathered
+    weight as a DTensor on the tp mesh, ``Shard(0)``, of the full shape."""
     p = get_platform()
     if p.world_size() == 8:
         mesh = init_device_mesh(p.device_type, (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
@@ -140,10 +167,15 @@ def check_tp_fully_shard(path: str) -> None:
         dp, ndp = mesh.get_local_rank("dp"), 2
     tp, rows = mesh.get_local_rank("tp"), 4 // ndp
     # CI budget (MindSpore pays ~35 s per kind on 8 ranks): the MLP, the simplest, on 4 only.
-    for kind in ("mlp", "attention", "sp_block") if ndp == 2 else ("attention", "sp_block"):
+    kinds = ("mlp", "attention", "sp_block") if ndp == 2 else ("attention", "sp_block")
+    for kind in ("mlp",) if dtensor_forward else kinds:
         sp = kind == "sp_block"
         ref_losses, ref_grads, ref_params = _reference(p, kind)
-        model, units = _tp_fully_shard(p, kind, mesh, weights(kind))
+        model, units = _tp_fully_shard(p, kind, mesh, weights(kind), dtensor_forward)
+        read: list = []
+        if kind == "mlp":
+            p.register_forward_pre_hook(model.fc1, lambda m, args: read.append(
+                (type(m.weight), getattr(m.weight, "placements", None), tuple(m.weight.shape))))
         managed = {id(hp.sharded): hp for unit in units for hp in hsdp_state(unit).params}
         names = [name for name, _ in p.named_parameters(model)]
         placements = _placements(kind, names)
@@ -153,6 +185,14 @@ def check_tp_fully_shard(path: str) -> None:
             if sp:  # this tp rank's half of the sequence; its loss is half of the dp batch's mean
                 x = x[:, 2 * tp:2 * tp + 2]
             loss = trainer.backward(x, 0.5 if sp else 1.0)
+            if step == 0 and kind == "mlp":
+                # what fc1's forward reads: the gathered tp piece itself (local forward), or
+                # a DTensor of the tp mesh with the tp placement and the full shape
+                full = weights(kind)["fc1.weight"].shape
+                if dtensor_forward:
+                    assert issubclass(read[0][0], DTensor) and tuple(read[0][1]) == (Shard(0),) and read[0][2] == full, read[0]
+                else:
+                    assert not issubclass(read[0][0], DTensor) and read[0][2] == (chunk(full[0], 2, tp)[1], full[1]), read[0]
             if step == 0:
                 for name, param, grad in zip(names, trainer.params, trainer.grad_arrays()):
                     hp = managed[id(param)]
@@ -180,3 +220,7 @@ def check_tp_fully_shard(path: str) -> None:
 @pytest.mark.parametrize("world", [4, 8], ids=["dp2_tp2", "hsdp2x2_tp2"])
 def test_tp_then_fully_shard(run_on_ranks, tmp_path, world: int) -> None:
     run_on_ranks(check_tp_fully_shard, str(tmp_path), world_size=world, timeout_s=600)
+
+
+def test_dtensor_forward_then_fully_shard(run_on_ranks, tmp_path) -> None:
+    run_on_ranks(check_tp_fully_shard, str(tmp_path), True, world_size=4, timeout_s=600)

@@ -78,14 +78,16 @@ def _resolve_device(device: str | None) -> str:
 
 
 class _SavedToken:
-    """What ``release_saved_tensors`` stores for a released tensor: the source index and
-    the view geometry (shape, stride, storage offset)."""
+    """What ``release_saved_tensors`` stores for a released tensor: the source index, the
+    view geometry (shape, stride, storage offset) and, for a DTensor whose piece is the
+    view, its type and spec to wrap the rebuilt piece in."""
 
-    __slots__ = ("index", "view")
+    __slots__ = ("index", "view", "wrap")
 
-    def __init__(self, index: int, view: tuple[Any, ...]) -> None:
+    def __init__(self, index: int, view: tuple[Any, ...], wrap: tuple[type, Any] | None = None) -> None:
         self.index = index
         self.view = view
+        self.wrap = wrap
 
 
 class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
@@ -203,19 +205,26 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         keys = {src.untyped_storage().data_ptr(): i for i, src in enumerate(sources) if src.numel() > 0}
 
         def pack(tensor: Any) -> Any:
-            index = keys.get(tensor.untyped_storage().data_ptr()) if tensor.numel() > 0 else None
+            # A DTensor (a module computing on DTensors saves them: [Note: a
+            # tensor-parallel parameter in a DTensor forward]) has no storage of its own;
+            # its piece is what may be a view of a source.
+            piece = vars(tensor).get("_local") if type(tensor) is not torch.Tensor else None
+            inner = tensor if piece is None else piece
+            index = keys.get(inner.untyped_storage().data_ptr()) if inner.numel() > 0 else None
             if index is None:
                 # Not the tensor itself: an op that saves its own output (exp, amax, softmax)
                 # would then hold its grad_fn through the packed object, a C++ reference cycle
                 # that gc cannot break; a graph branch backward never runs (attention's
                 # detached row max) then leaks each step. ``detach`` shares storage and version.
                 return tensor.detach()
-            return _SavedToken(index, (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()))
+            return _SavedToken(index, (tuple(inner.shape), tuple(inner.stride()), inner.storage_offset()),
+                               None if piece is None else (type(tensor), tensor._spec))
 
         def unpack(packed: Any) -> Any:
             if not isinstance(packed, _SavedToken):
                 return packed
-            return reload(packed.index).as_strided(*packed.view)
+            rebuilt = reload(packed.index).as_strided(*packed.view)
+            return rebuilt if packed.wrap is None else packed.wrap[0](rebuilt, packed.wrap[1])
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
