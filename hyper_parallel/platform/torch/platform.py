@@ -208,7 +208,8 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             # A DTensor (a module computing on DTensors saves them: [Note: a
             # tensor-parallel parameter in a DTensor forward]) has no storage of its own;
             # its piece is what may be a view of a source.
-            piece = vars(tensor).get("_local") if type(tensor) is not torch.Tensor else None
+            piece = getattr(tensor, "_local", None) if type(tensor) is not torch.Tensor else None
+            piece = piece if isinstance(piece, torch.Tensor) else None
             inner = tensor if piece is None else piece
             index = keys.get(inner.untyped_storage().data_ptr()) if inner.numel() > 0 else None
             if index is None:
