@@ -83,11 +83,13 @@ def _distribute(model, tp_mesh, kind: str) -> None:
     computes on DTensors (torch's and MindFormers' tensor-parallel styles do), its input
     a replicated DTensor, its output made replicated and local."""
 
+    placements = _placements(kind, [name for name, _ in get_platform().named_parameters(model)])
+
     def partition(fqn, submodule, device_mesh):
-        for pattern, style in PLANS[kind].items():
-            if fqn and fnmatch.fnmatchcase(fqn, pattern):
-                for name, placement in style.parameter_placements().items():
-                    distribute_parameter(submodule, name, device_mesh, [placement])
+        for name, placement in placements.items():
+            module_name, _, leaf = name.rpartition(".")
+            if module_name == fqn:
+                distribute_parameter(submodule, leaf, device_mesh, [placement])
 
     def output(mod, out, device_mesh):
         return out.redistribute(device_mesh, [Replicate()]).to_local()

@@ -84,7 +84,8 @@ def finish(p: Any, accs: list[BlockResult | None], plans: list[RunPlan], q: Any)
 
 
 def add_rows(dst: Any, start: int, src: Any) -> Any:
-    """``dst[:, start:start + len(src)] += src`` (dim 1); returns the sum. In place where
+    """``dst[:, start:start + n] += src`` for ``dst`` ``[batch, seq, ...]`` and ``src``
+    ``[batch, n, ...]`` of ``dst``'s dtype (outside autograd); returns the sum. In place where
     the framework does it (a whole-tensor ``+=`` on MindSpore makes a new tensor, which
     is why the result is returned); a part is written through ``__setitem__``, in place
     on every backend."""
