@@ -131,12 +131,14 @@ def gpt_config(**overrides):
     return TransformerConfig(**fields)
 
 
-def build_gpt(config=None, core_attention=None, self_attention=None):
+def build_gpt(config=None, core_attention=None, self_attention=None, **stage):
     """The tiny ``GPTModel`` from MindFormers' ``get_gpt_layer_local_spec`` with the CPU
     cells in its spec, float32, deterministic weights (a seeded normal per parameter
     name, norms at one). ``config`` defaults to ``gpt_config()``; ``core_attention``
     (a class for the spec's ``core_attention``) to ``CPUCoreAttention``; ``self_attention``
-    (for the spec's ``self_attention`` module) to MindFormers' ``SelfAttention``."""
+    (for the spec's ``self_attention`` module) to MindFormers' ``SelfAttention``;
+    ``stage``: ``GPTModel``'s pipeline-stage arguments (``layer_start``, ``layer_end``,
+    ``pre_process``, ``post_process``, ``stage_idx``, ``vp_size``)."""
     from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
     from mindformers.pynative.transformers.transformer_block import TransformerBlockSubmodules
@@ -150,9 +152,9 @@ def build_gpt(config=None, core_attention=None, self_attention=None):
                                                                    core_attention=core_attention or cpu["attention"]))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=cpu["norm"], pre_mlp_layernorm=cpu["norm"], self_attention=attention))
-    block = TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=cpu["norm"])
+    block = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=cpu["norm"])
     model = GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ,
-                     position_embedding_type=config.position_embedding_type)
+                     position_embedding_type=config.position_embedding_type, **stage)
     model.loss = cpu["loss"]()
     seed_weights(model)
     return model
@@ -214,13 +216,14 @@ def test_gptmodel_one_rank(run_on_ranks) -> None:
     assert all(np.isfinite(g).all() and np.abs(g).sum() > 0 for g in out["grads"].values())
 
 
-def parallelize(build, **degrees):
+def parallelize(build, gradient_accumulation_steps: int = 1, **degrees):
     """MindFormers' trainer's flow (``trainer.py`` ``_create_model``) on this rank: the model
     built by ``build(parallelism)`` under ``ms.DeviceCtx("meta")``, MindFormers'
     ``ParallelDims.from_config`` and ``parallelize_gptmodel`` with ``degrees`` (fields of its
     ``ParallelismConfig``: ``data_parallel``, ``tensor_parallel``, ``context_parallel``, ...),
     materialised by ``to_empty``, this rank's pieces of ``build(None)``'s values written in.
-    Returns ``parallelize_gptmodel``'s model."""
+    Returns ``parallelize_gptmodel``'s model; under pipeline parallelism
+    (``pipeline_parallel`` in ``degrees``) its ``(model_parts, schedule)``."""
     import mindspore as ms
     from mindformers.pynative.base_models.gpt.parallelize import parallelize_gptmodel
     from mindformers.pynative.config.config import (ParallelismConfig, RecomputeCommConfig, RecomputeConfig,
@@ -240,18 +243,18 @@ def parallelize(build, **degrees):
     dims = ParallelDims.from_config(parallelism, p.world_size())
     # fully_shard runs under ms.DeviceCtx("meta") there too (parallelize.py apply_fsdp): the
     # shards are meta tensors, materialised as MindFormers' trainer does, by to_empty
-    parts, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
-                                     SwapConfig())
-    model = parts[0]
-    assert all(param.is_meta for _, param in model.parameters_and_names())
-    # the trainer calls m.to_empty(), whose device=None keeps a meta tensor meta on MindSpore
-    # 2.10 CPU; then m.init_states(), whose reset_parameter fills (fill_, zero_, normal_)
-    # have no CPU kernels: this rank's pieces of the same values as one rank instead
-    model.to_empty(device="CPU")
-    for name, param in model.parameters_and_names():
-        assert isinstance(param, DTensor) and not param.is_meta, name
-    load_pieces(model, full, p.rank())
-    return model
+    parts, schedule, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
+                                               SwapConfig(), gradient_accumulation_steps)
+    for model in parts:
+        assert all(param.is_meta for _, param in model.parameters_and_names())
+        # the trainer calls m.to_empty(), whose device=None keeps a meta tensor meta on MindSpore
+        # 2.10 CPU; then m.init_states(), whose reset_parameter fills (fill_, zero_, normal_)
+        # have no CPU kernels: this rank's pieces of the same values as one rank instead
+        model.to_empty(device="CPU")
+        for name, param in model.parameters_and_names():
+            assert isinstance(param, DTensor) and not param.is_meta, name
+        load_pieces(model, full, p.rank())
+    return (parts, schedule) if schedule is not None else parts[0]
 
 
 def check_gpt_fsdp() -> dict:

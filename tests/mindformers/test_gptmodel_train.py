@@ -2,7 +2,10 @@
 MindFormers' own ``AdamW`` (``pynative/optimizer/adamw.py``, which updates the local
 pieces inside ``SkipDTensorDispatch``): one rank, and MindFormers' ``parallelize_gptmodel``
 on 2 and 4 ranks with FSDP, tensor parallel 2 x FSDP 2 (the MLA model of
-``test_gptmodel_tp``) and context parallel 2 x FSDP 2 (the model of ``test_gptmodel_cp``),
+``test_gptmodel_tp``), context parallel 2 x FSDP 2 (the model of ``test_gptmodel_cp``)
+and pipeline parallel 2 (x FSDP 2) through MindFormers' ``apply_pp`` (its
+``ScaledLossPipelineStage`` on our ``PipelineStage``, our ``Schedule1F1B`` run as its
+trainer's ``compute_pp_loss`` does: ``schedule.run(**batch)``, the loss ``output[0]``),
 step by step as its trainer does (``pynative/trainer/trainer.py``): the loss
 differentiated with a backward seed (the loss sense), the optimizer fed
 ``get_grad(param)`` (the float32 ``param.main_grad`` under FSDP), then ``m.zero_grad()``.
@@ -31,8 +34,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.mindformers.test_gptmodel import SEQ, batch, build_gpt, parallelize, pytestmark  # noqa: F401
+from tests.mindformers.test_gptmodel import SEQ, batch, build_gpt, gpt_config, parallelize, pytestmark  # noqa: F401
 from tests.mindformers.test_gptmodel_cp import _attention_classes, cp_config
+from tests.mindformers.test_gptmodel_pp import MICROBATCHES, causal_lm_class
 from tests.mindformers.test_gptmodel_tp import build_mla_gpt
 
 
@@ -54,6 +58,8 @@ def _build(model: str, parallelism):
         return build_mla_gpt()
     if model == "cp":
         return build_gpt(cp_config(parallelism), *_attention_classes())
+    if model == "pp":
+        return causal_lm_class()(gpt_config())
     return build_gpt()
 
 
@@ -91,33 +97,67 @@ def _train(model, inputs: dict, sense: float, sharded: bool) -> list[float]:
     return losses
 
 
+def _train_pipeline(parts: list, schedule, inputs: dict) -> list[float] | None:
+    """``STEPS`` steps as MindFormers' trainer runs a pipeline (``compute_pp_loss``):
+    ``schedule.run(**batch)`` does this rank's forwards and backwards (seeded by its stages'
+    ``loss_scale``), the loss is the mean of the last stage's ``output[0]``; then the optimizer
+    on ``get_grad(param)`` and ``zero_grad``. The losses on the last stage's ranks, else ``None``."""
+    import mindspore as ms
+    from mindformers.pynative.optimizer.adamw import AdamW
+    from mindformers.pynative.trainer.utils import get_grad
+
+    params = [param for part in parts for param in part.trainable_params()]
+    optimizer = AdamW(params, learning_rate=LR, weight_decay=0.1)
+    losses = []
+    for _ in range(STEPS):
+        outputs = schedule.run(**{name: ms.Tensor(value) for name, value in inputs.items()})
+        if outputs:
+            losses.append(float(np.mean([out[0].asnumpy() for out in outputs])))
+        optimizer(tuple(get_grad(param) for param in params))
+        for part in parts:
+            part.zero_grad()
+    return losses or None
+
+
 def check_train_one_rank(model: str, sense: float = 1.0) -> list[float]:
     return _train(_build(model, None), _inputs(), sense, False)
 
 
-def check_train_parallel(model: str, data_parallel: int, tensor_parallel: int = 1,
-                         context_parallel: int = 1) -> list[float]:
+def check_train_parallel(model: str, data_parallel: int, tensor_parallel: int = 1, context_parallel: int = 1,
+                         pipeline_parallel: int = 1) -> list[float] | None:
     """MindFormers' ``parallelize_gptmodel`` with these degrees (``test_gptmodel.parallelize``),
-    this rank's rows of the batch (rank ``= (dp_index * cp + cp_index) * tp + tp_index``:
-    the dense mesh ``(pp, dp_replicate, fsdp, cp, tp)``), the seed ``1 / (dp * cp)``."""
+    this rank's rows of the batch (rank ``= ((pp_index * dp + dp_index) * cp + cp_index) * tp
+    + tp_index``: the dense mesh ``(pp, dp_replicate, fsdp, cp, tp)``), the seed
+    ``1 / (dp * cp)``; under pipeline parallelism the stages' own seed (MindFormers'
+    ``loss_scale``, ``1 / (dp * microbatches)`` with ``gradient_accumulation_steps``
+    = microbatches, as its trainer sets them)."""
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
-    assert p.world_size() == data_parallel * tensor_parallel * context_parallel
+    inner = data_parallel * tensor_parallel * context_parallel
+    assert p.world_size() == inner * pipeline_parallel
     degrees = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel,
                "context_parallel": context_parallel}
+    if pipeline_parallel > 1:
+        degrees.update(pipeline_parallel=pipeline_parallel, pipeline_parallel_microbatch_size=MICROBATCHES,
+                       gradient_accumulation_steps=MICROBATCHES)
     parallel = parallelize(lambda parallelism: _build(model, parallelism), **degrees)
-    dp_index = p.rank() // (tensor_parallel * context_parallel)
+    dp_index = p.rank() % inner // (tensor_parallel * context_parallel)
     rows = slice(dp_index * ROWS // data_parallel, (dp_index + 1) * ROWS // data_parallel)
+    if pipeline_parallel > 1:
+        return _train_pipeline(*parallel, _inputs(rows))
     return _train(parallel, _inputs(rows), 1.0 / (data_parallel * context_parallel), True)
 
 
 @pytest.mark.parametrize("model,degrees,world", [
-    ("gpt", (2,), 2), ("gpt", (4,), 4), ("mla", (2, 2), 4), ("cp", (2, 1, 2), 4)],
-    ids=["fsdp2", "fsdp4", "tp2-fsdp2", "cp2-fsdp2"])
+    ("gpt", (2,), 2), ("gpt", (4,), 4), ("mla", (2, 2), 4), ("cp", (2, 1, 2), 4), ("pp", (1, 1, 1, 2), 2),
+    ("pp", (2, 1, 1, 2), 4)],
+    ids=["fsdp2", "fsdp4", "tp2-fsdp2", "cp2-fsdp2", "pp2", "pp2-fsdp2"])
 def test_adamw_steps(run_on_ranks, model, degrees, world) -> None:
     one = run_on_ranks(check_train_one_rank, model, world_size=1, timeout_s=300)[0]
-    ranks = run_on_ranks(check_train_parallel, model, *degrees, world_size=world, timeout_s=600)
+    ranks = [losses for losses in run_on_ranks(check_train_parallel, model, *degrees, world_size=world,
+                                               timeout_s=600) if losses is not None]  # pp: the last stage's
+    assert len(ranks) == world // (degrees[3] if len(degrees) > 3 else 1), ranks
     assert one[-1] < one[0], one  # it trains
     # One rank's own reproducibility: AdamW's first steps are close to sign descent at this
     # learning rate, so a gradient component that is a sum cancelling to rounding level

@@ -102,8 +102,16 @@ def check_bad_input() -> None:
     stage = PipelineStage(chain, 0, 1)
     with pytest.raises(ValueError, match="one stage per rank, but num_stages=2"):
         ScheduleGPipe(PipelineStage(chain, 0, 2), 2, mse)
-    with pytest.raises(TypeError, match="loss_fn=None is not callable"):
-        Schedule1F1B(stage, 2, None)
+    with pytest.raises(TypeError, match="loss_fn='mse' is not callable"):
+        Schedule1F1B(stage, 2, "mse")
+    with pytest.raises(TypeError, match="has no loss_fn .* call run"):
+        Schedule1F1B(stage, 2).step(p.from_numpy(np.zeros((2, DIM), np.float32)))
+    with pytest.raises(TypeError, match="has a loss_fn; call step"):
+        Schedule1F1B(stage, 2, mse).run(p.from_numpy(np.zeros((2, DIM), np.float32)))
+    with pytest.raises(ValueError, match=r"give the number of stages once, as num_stages \(got 2\) or as stage_num"):
+        PipelineStage(chain, 0, 2, stage_num=2)
+    with pytest.raises(ValueError, match="device='gpu' is not a device of this platform"):
+        PipelineStage(chain, 0, stage_num=1, device="gpu")
     with pytest.raises(ValueError, match="n_microbatches=0 must both be >= 1"):
         Schedule1F1B(stage, 0, mse)
     schedule = ScheduleGPipe(stage, 4, mse)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import P2POp, Platform, Work
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 
@@ -46,13 +47,17 @@ def spec_of(platform: Platform, tensors: Sequence[Any], what: str) -> tuple[Tens
 
     Raises:
         TypeError: a value is not a floating-point tensor (only those carry gradients
-            between stages), or there are more than ``MAX_TENSORS`` of them / a tensor
+            between stages) or is a ``DTensor``, or there are more than ``MAX_TENSORS`` of them / a tensor
             has more than ``MAX_DIMS`` dims.
     """
     specs = []
     if len(tensors) > MAX_TENSORS:
         raise TypeError(f"{what}: {len(tensors)} tensors; a stage passes at most {MAX_TENSORS} to the next")
     for i, tensor in enumerate(tensors):
+        if isinstance(tensor, DTensor):
+            raise TypeError(f"{what}[{i}] is a DTensor ({tuple(tensor.placements)}); stages exchange framework "
+                            "tensors: return its to_local() piece (and rebuild it with DTensor.from_local in the "
+                            "next stage) or full_tensor()")
         if not platform.is_tensor(tensor) or platform.dtype_name(tensor.dtype) not in FLOAT_DTYPES:
             kind = platform.dtype_name(tensor.dtype) if platform.is_tensor(tensor) else type(tensor).__name__
             raise TypeError(f"{what}[{i}] is {kind}; a stage's outputs must be floating-point tensors (a tensor or a "

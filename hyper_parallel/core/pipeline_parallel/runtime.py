@@ -14,6 +14,15 @@ the input-gradient matmuls and stores the weight gradients' operands for ``W``; 
 parameters use ``vjp``'s ``part="input"``/``part="weight"``. Gradients of a step are summed over
 microbatches, scaled by ``1 / n_microbatches`` by default (a mean loss over the batch
 then gives the unpipelined model's gradients).
+
+[Note: the loss inside the last stage] A schedule built without ``loss_fn`` follows
+upstream hyper-parallel's and MindFormers' convention instead of torch.distributed.pipelining's:
+``run(*args, **kwargs)`` hands every stage the microbatch's keyword arguments (a causal
+LM's last stage reads its labels there and returns its loss), stage 0 also the
+positional ones; the last stage's outputs are seeded by its ``get_last_stage_sens``
+(which carries any loss scale: MindFormers' ``ScaledLossPipelineStage`` multiplies in
+``1 / (data-parallel size x microbatches)``), and gradients are summed over microbatches
+unless ``scale_grads=True``.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from hyper_parallel.platform import Work
 A = ActionType
 #: loss_fn(last stage's output for one microbatch, that microbatch's target) -> scalar tensor
 LossFn = Callable[[Any, Any], Any]
+Microbatch = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class PipelineSchedule:
@@ -49,20 +59,24 @@ class PipelineSchedule:
         stages: the stages this rank runs (stage ``s`` on group rank ``s % group_size``),
             all of one pipeline (same ``num_stages`` and group).
         n_microbatches: microbatches per step; the batch size must be a multiple of it.
-        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage, per microbatch.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage, per microbatch
+            (``step``); ``None``: the last stage's output is its loss (``run``, see
+            [Note: the loss inside the last stage]).
         compute: ``{rank: [Action, ...]}`` compute actions of every rank of the group.
-        scale_grads: multiply gradients by ``1 / n_microbatches`` (default True).
+        scale_grads: multiply gradients by ``1 / n_microbatches`` (default: with a
+            ``loss_fn``; without one the stages' seeds carry the scale).
         overlap: runs ``OVERLAP_B_F`` actions (required when the schedule has them).
 
     Raises:
         ValueError: no stages; stages of different pipelines; ``stages`` differ from the
             stages the schedule puts on this rank; ``n_microbatches < 1``.
-        TypeError: ``loss_fn`` is not callable.
+        TypeError: ``loss_fn`` is neither callable nor ``None``.
         ScheduleError: the lowered schedule is invalid (see ``validate``).
     """
 
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, compute: Schedule,
-                 *, scale_grads: bool = True, overlap: CommComputeOverlap | None = None) -> None:
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None,
+                 compute: Schedule, *, scale_grads: bool | None = None,
+                 overlap: CommComputeOverlap | None = None) -> None:
         stages = list(stages)
         if not stages:
             raise ValueError(f"{type(self).__name__}: no stages; pass the PipelineStage(s) this rank runs")
@@ -72,13 +86,13 @@ class PipelineSchedule:
                              "group)")
         if n_microbatches < 1:
             raise ValueError(f"{type(self).__name__}: n_microbatches={n_microbatches} must be >= 1")
-        if not callable(loss_fn):
+        if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"{type(self).__name__}: loss_fn={loss_fn!r} is not callable; give "
-                            "loss_fn(output, target) -> scalar tensor")
+                            "loss_fn(output, target) -> scalar tensor, or None when the last stage returns its loss")
         self.platform = first.platform
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
-        self.scale_grads = scale_grads
+        self.scale_grads = loss_fn is not None if scale_grads is None else scale_grads
         #: runs ``OVERLAP_B_F`` actions (its wrap_dispatch/wrap_combine hooks pair them)
         self.overlap = overlap
         self.num_stages = first.num_stages
@@ -110,6 +124,12 @@ class PipelineSchedule:
         """This rank's lowered action list."""
         return self.schedule[self._rank]
 
+    @property
+    def exec_order(self) -> Schedule:
+        """Every rank's lowered action list (``self.schedule``), under upstream
+        hyper-parallel's name (MindFormers logs it)."""
+        return self.schedule
+
     def _incoming_messages(self) -> dict[int, list[MessageKey]]:
         """Per peer, the messages it sends to this rank, in its send order."""
         incoming: dict[int, list[MessageKey]] = {}
@@ -127,17 +147,18 @@ class PipelineSchedule:
         assert spec is not None, "specs are inferred before the first message"
         return spec
 
-    def _infer_specs(self, first: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+    def _infer_specs(self, first: Microbatch, every_kwargs: dict[str, Any] | None = None) -> None:
         """The shapes crossing each stage boundary, from microbatch 0: every stage, in
         stage order, runs its forward without recording and sends its output's specs,
         then the output, to the next stage (which runs on it in turn). Pairs of ranks see
-        their messages in stage order, so no reordering is needed here."""
+        their messages in stage order, so no reordering is needed here. ``every_kwargs``:
+        microbatch 0's keyword arguments for the stages after the first (``run``)."""
         p = self.platform
         works: list[Work] = []
         local: tuple[Any, ...] = ()
         for s in sorted(self._stages):
             stage = self._stages[s]
-            args, kwargs = first if s == 0 else (local, {})
+            args, kwargs = first if s == 0 else (local, every_kwargs or {})
             if s > 0 and self._place(s - 1) != self._rank:
                 meta = receive(p, [TensorSpec((META_LEN,), "int64")], self._place(s - 1), self.group)[0]
                 args = receive(p, decode_specs(p, meta), self._place(s - 1), self.group)
@@ -179,9 +200,12 @@ class PipelineSchedule:
             ValueError: stage 0's rank got no inputs, the last stage's rank no target, or
                 a batch size not divisible by ``n_microbatches``.
         """
+        if self.loss_fn is None:
+            raise TypeError(f"{type(self).__name__}.step: this schedule has no loss_fn (its last stage returns the "
+                            "loss); call run(*args, **kwargs), or build it with loss_fn=")
         p, n = self.platform, self.n_microbatches
         last = self.num_stages - 1
-        microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        microbatches: list[Microbatch] = []
         targets: list[Any] = []
         if 0 in self._stages:
             if not args and not kwargs:
@@ -193,33 +217,76 @@ class PipelineSchedule:
                 raise ValueError(f"{type(self).__name__}.step: rank {self._rank} runs the last stage and needs "
                                  "target= for loss_fn")
             targets = [mb[0][0] for mb in split_microbatches(p, (target,), {}, n)]
-        if not self._specs_known:
-            self._infer_specs(microbatches[0] if microbatches else ((), {}))
-        for stage in self._stages.values():
-            stage._reset_grads()
-        run = _StepState(self, microbatches, targets)
-        self.peak_activations = 0
-        for action in self.actions:
-            run.execute(action)
-            self.peak_activations = max(self.peak_activations, len(run.backward))
-        for work in run.sends:
-            work.wait()
+        run = self._execute(microbatches, targets, None)
         if last not in self._stages:
             return None
         if losses is not None:
             losses.extend(run.losses[m] for m in range(n))
         return merge_microbatches(p, [run.outputs[m] for m in range(n)])
 
+    def run(self, *args: Any, **kwargs: Any) -> list[Any]:
+        """Run one training step's forwards and backwards over ``n_microbatches``, the
+        loss computed by the last stage ([Note: the loss inside the last stage]; upstream
+        hyper-parallel's ``run``, which MindFormers' trainer calls as ``run(**batch)``).
+
+        Args:
+            *args: stage 0's positional inputs, ``[batch, ...]`` tensors split along dim 0.
+            **kwargs: every stage's keyword inputs, split the same way (non-tensors go to
+                every microbatch); a stage after the first takes the previous stage's
+                outputs positionally, then these.
+
+        Returns:
+            On the rank running the last stage, its outputs per microbatch (detached, in
+            microbatch order; MindFormers reads the loss as ``output[0]``); ``[]``
+            elsewhere. Gradients are in each stage's ``param_grads()`` (and, on torch,
+            ``param.grad``; under fully_shard, where its hooks put them).
+
+        Raises:
+            TypeError: the schedule was built with a ``loss_fn`` (use ``step``).
+            ValueError: stage 0's rank got no inputs, or a batch size not divisible by
+                ``n_microbatches``.
+        """
+        if self.loss_fn is not None:
+            raise TypeError(f"{type(self).__name__}.run: this schedule has a loss_fn; call step(*args, target=...), "
+                            "or build it with loss_fn=None for a last stage that returns its loss")
+        if 0 in self._stages and not args and not kwargs:
+            raise ValueError(f"{type(self).__name__}.run: rank {self._rank} runs stage 0 and needs the batch "
+                             "(run(**batch))")
+        n = self.n_microbatches
+        split = split_microbatches(self.platform, args, kwargs, n) if args or kwargs else [((), {})] * n
+        every_kwargs = [mb_kwargs for _, mb_kwargs in split]
+        run = self._execute(split if 0 in self._stages else [], [], every_kwargs)
+        if self.num_stages - 1 not in self._stages:
+            return []
+        return [run.outputs[m] for m in range(n)]
+
+    def _execute(self, microbatches: list[Microbatch], targets: list[Any],
+                 every_kwargs: list[dict[str, Any]] | None) -> _StepState:
+        if not self._specs_known:
+            self._infer_specs(microbatches[0] if microbatches else ((), {}),
+                              every_kwargs[0] if every_kwargs else None)
+        for stage in self._stages.values():
+            stage._reset_grads()
+        run = _StepState(self, microbatches, targets, every_kwargs)
+        self.peak_activations = 0
+        for action in self.actions:
+            run.execute(action)
+            self.peak_activations = max(self.peak_activations, len(run.backward))
+        for work in run.sends:
+            work.wait()
+        return run
+
 
 class _StepState:
     """What one step holds between actions, keyed by (stage, microbatch)."""
 
-    def __init__(self, schedule: PipelineSchedule, microbatches: list[tuple[tuple[Any, ...], dict[str, Any]]],
-                 targets: list[Any]) -> None:
+    def __init__(self, schedule: PipelineSchedule, microbatches: list[Microbatch], targets: list[Any],
+                 every_kwargs: list[dict[str, Any]] | None = None) -> None:
         self.schedule = schedule
         self.p = schedule.platform
         self.microbatches = microbatches
         self.targets = targets
+        self.every_kwargs = every_kwargs  # run(): each microbatch's kwargs, for every stage
         self.mailbox = Mailbox(self.p, schedule.group, schedule._incoming, schedule._message_spec)
         self.inputs: dict[tuple[int, int], tuple[Any, ...]] = {}  # F's inputs (received or handed over)
         # vjp backward of each F (None after an I that left W nothing to re-walk)
@@ -265,7 +332,10 @@ class _StepState:
     def forward(self, s: int, m: int) -> None:
         sched, p = self.schedule, self.p
         stage = sched._stages[s]
-        args, kwargs = self.microbatches[m] if s == 0 else (self.inputs.pop((s, m)), {})
+        if s == 0:
+            args, kwargs = self.microbatches[m]
+        else:
+            args, kwargs = self.inputs.pop((s, m)), self.every_kwargs[m] if self.every_kwargs else {}
         params = [param for _, param in stage.named_params]
         split = stage.weight_split
         capture = None if split is None else Capture()
@@ -278,7 +348,14 @@ class _StepState:
             with split.recording(capture):  # also on a recompute inside a MindSpore backward
                 return stage.submodule(*xs, **kwargs)
 
-        if stage.is_last:
+        if stage.is_last and sched.loss_fn is None:  # [Note: the loss inside the last stage]
+            result, backward = p.vjp(module, args, params)
+            if isinstance(result, (tuple, list)):
+                self.outputs[m] = type(result)(p.detach(t) for t in result)
+            else:
+                self.outputs[m] = p.detach(result)
+            self.last_outputs[m] = (None, [self.outputs[m]])
+        elif stage.is_last:
             target = self.targets[m]
 
             def fn(*xs: Any) -> Any:
@@ -312,6 +389,10 @@ class _StepState:
         if s == self.schedule.num_stages - 1:
             loss, outs = self.last_outputs.pop(m)
             scale = 1.0 / self.schedule.n_microbatches if self.schedule.scale_grads else 1.0
+            if loss is None:  # the stage's output is the loss: seeded by the stage
+                seeds = self.schedule._stages[s].get_last_stage_sens(outs[0])
+                seeds = list(seeds) if isinstance(seeds, (tuple, list)) else [seeds]
+                return seeds if scale == 1.0 else [seed * scale for seed in seeds]
             # the loss starts the backward; the outputs returned beside it take no gradient
             return [p.full(tuple(loss.shape), scale, loss.dtype)] + [p.zeros(tuple(o.shape), o.dtype) for o in outs]
         return list(self.output_grads.pop((s, m)))
@@ -368,7 +449,9 @@ class _StepState:
                            for grad, param in zip(grads, params)])
 
 
-def _single_stage(name: str, stage: PipelineStage) -> list[PipelineStage]:
+def _single_stage(name: str, stage: PipelineStage | Sequence[PipelineStage]) -> list[PipelineStage]:
+    if isinstance(stage, (list, tuple)) and len(stage) == 1:  # upstream hyper-parallel passes [stage]
+        stage = stage[0]
     if not isinstance(stage, PipelineStage):
         raise TypeError(f"{name}: stage is {type(stage).__name__}, not a PipelineStage (interleaved schedules take a "
                         "list of stages)")
@@ -382,10 +465,10 @@ class ScheduleGPipe(PipelineSchedule):
     """GPipe (Huang et al., 2019): all forwards, then all backwards; holds
     ``n_microbatches`` microbatches of activations on every rank. One stage per rank."""
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn, *,
-                 scale_grads: bool = True) -> None:
+    def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: LossFn | None = None, *, scale_grads: bool | None = None) -> None:
         stages = _single_stage("ScheduleGPipe", stage)
-        super().__init__(stages, n_microbatches, loss_fn, gpipe(stage.group_size, n_microbatches),
+        super().__init__(stages, n_microbatches, loss_fn, gpipe(stages[0].group_size, n_microbatches),
                          scale_grads=scale_grads)
 
 
@@ -394,10 +477,10 @@ class Schedule1F1B(PipelineSchedule):
     and one backward in turn; holds at most ``num_stages - rank`` microbatches of
     activations. One stage per rank."""
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn, *,
-                 scale_grads: bool = True) -> None:
+    def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: LossFn | None = None, *, scale_grads: bool | None = None) -> None:
         stages = _single_stage("Schedule1F1B", stage)
-        super().__init__(stages, n_microbatches, loss_fn, one_f_one_b(stage.group_size, n_microbatches),
+        super().__init__(stages, n_microbatches, loss_fn, one_f_one_b(stages[0].group_size, n_microbatches),
                          scale_grads=scale_grads)
 
 
@@ -418,8 +501,8 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
             of stages for this rank.
     """
 
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
-                 scale_grads: bool = True, overlap_b_f: bool = False,
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None = None, *,
+                 scale_grads: bool | None = None, overlap_b_f: bool = False,
                  overlap: CommComputeOverlap | None = None) -> None:
         stages = list(stages)
         if not stages or not all(isinstance(s, PipelineStage) for s in stages):
@@ -455,8 +538,8 @@ class ScheduleInterleavedZeroBubble(PipelineSchedule):
             the group size when ``v > 1``; a wrong number of stages for this rank.
     """
 
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
-                 scale_grads: bool = True) -> None:
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None = None, *,
+                 scale_grads: bool | None = None) -> None:
         stages = _stages_list("ScheduleInterleavedZeroBubble", stages, "loop")
         size = stages[0].group_size
         compute = interleaved_zero_bubble(size, stages[0].num_stages // size, n_microbatches)
@@ -474,8 +557,8 @@ class ScheduleZBVZeroBubble(PipelineSchedule):
         ValueError: stages not in the V placement; not this rank's two stages.
     """
 
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
-                 scale_grads: bool = True) -> None:
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None = None, *,
+                 scale_grads: bool | None = None) -> None:
         stages = _stages_list("ScheduleZBVZeroBubble", stages, "v")
         super().__init__(stages, n_microbatches, loss_fn, zbv_zero_bubble(stages[0].group_size, n_microbatches),
                          scale_grads=scale_grads)
@@ -496,8 +579,8 @@ class ScheduleDualPipeV(PipelineSchedule):
         ValueError: stages not in the V placement; ``n_microbatches < 2 * group_size``.
     """
 
-    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn, *,
-                 scale_grads: bool = True, overlap: CommComputeOverlap | None = None) -> None:
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None = None, *,
+                 scale_grads: bool | None = None, overlap: CommComputeOverlap | None = None) -> None:
         stages = _stages_list("ScheduleDualPipeV", stages, "v")
         super().__init__(stages, n_microbatches, loss_fn, dualpipe_v(stages[0].group_size, n_microbatches),
                          scale_grads=scale_grads, overlap=overlap or CommComputeOverlap())

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
 from hyper_parallel.core.pipeline_parallel.weight_grad import LinearWeightSplit
 from hyper_parallel.platform import Platform, get_platform
@@ -30,9 +31,16 @@ class PipelineStage:
         submodule: a torch ``nn.Module`` or MindSpore ``Cell``; its parameters are this
             stage's (gradients in ``param_grads()`` after a step).
         stage_index: this stage, ``0 <= stage_index < num_stages``.
-        num_stages: stages in the pipeline, a multiple of the pipeline group size.
-        group: the pipeline process group (``None``: the world). Sends and receives use
-            it (``batch_isend_irecv``).
+        num_stages: stages in the pipeline, a multiple of the pipeline group size
+            (``stage_num=``: upstream hyper-parallel's and MindFormers' spelling).
+        device: where the stage runs (torch's ``PipelineStage`` argument): ``None``, or a
+            device type the platform's meshes take (``"cuda"``, ``torch.device("cuda:0")``;
+            on MindSpore ``"npu"``/``"ascend"``, which places tensors by its context).
+            Buffers are made on the platform's current device; this checks it agrees.
+        group: the pipeline process group (``None``: the world, or ``mesh``'s group).
+            Sends and receives use it (``batch_isend_irecv``).
+        mesh: the pipeline's 1-D ``DeviceMesh`` (MindFormers passes its ``pp`` mesh);
+            its group is the stage's group, kept as ``self.mesh``.
         placement: ``"loop"`` (stage ``s`` on group rank ``s % group_size``) or ``"v"``
             (``num_stages = 2 * group_size``; rank ``r`` runs stages ``r`` and
             ``2 * group_size - 1 - r``; for ``ScheduleZBVZeroBubble``).
@@ -47,12 +55,17 @@ class PipelineStage:
     Raises:
         ValueError: ``stage_index`` outside ``[0, num_stages)``; ``num_stages`` not a
             multiple of the group size; the stage does not belong on this rank under
-            ``placement``; an unknown ``placement``.
+            ``placement``; an unknown ``placement``; both or neither of ``num_stages``
+            and ``stage_num``; a ``device`` of another type than the platform's; a
+            ``mesh`` that is not 1-D or whose group is not ``group``.
     """
 
-    def __init__(self, submodule: Any, stage_index: int, num_stages: int, *, group: Any = None,
-                 placement: str = "loop") -> None:
+    def __init__(self, submodule: Any, stage_index: int, num_stages: int | None = None, device: Any = None, *,
+                 group: Any = None, mesh: Any = None, placement: str = "loop", stage_num: int | None = None) -> None:
         platform = get_platform()
+        num_stages = _one_count(num_stages, stage_num)
+        group = _mesh_group(mesh, group)
+        _check_device(platform, device)
         size, rank = platform.world_size(group), platform.rank(group)
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage: stage_index={stage_index} must be in [0, num_stages={num_stages})")
@@ -77,12 +90,21 @@ class PipelineStage:
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
+        self.mesh = mesh
+        self.device = device
         self.group_rank = rank
         self.input_spec: tuple[TensorSpec, ...] | None = None  # known after the first step
         self.output_spec: tuple[TensorSpec, ...] | None = None
-        self.named_params: list[tuple[str, Any]] = list(platform.named_parameters(submodule))
         self._grads: list[Any] | None = None  # per parameter: this step's accumulated gradient
         self.weight_split: LinearWeightSplit | None = None
+
+    @property
+    def named_params(self) -> list[tuple[str, Any]]:
+        """The submodule's ``(name, parameter)`` pairs, read when used: a stage may be built
+        before its module is parallelized and materialised (MindFormers' ``apply_pp``
+        builds the stages, then tensor-parallelizes and fully_shards the modules, whose
+        parameters become other objects; its trainer then materialises them)."""
+        return list(self.platform.named_parameters(self.submodule))
 
     @property
     def is_first(self) -> bool:
@@ -99,6 +121,33 @@ class PipelineStage:
         if self.placement == "v" and stage_index >= size:
             return 2 * size - 1 - stage_index
         return stage_index % size
+
+    def get_last_stage_sens(self, outputs: Any) -> Any:
+        """The backward seed of the last stage's ``outputs`` for one microbatch, for a
+        schedule built without ``loss_fn`` (the stage's output is its loss): ones shaped
+        like each output (a ``DTensor`` output gets a ``DTensor`` of ones with its mesh and
+        placements: one value per replicated loss, as torch's DTensor seeds it). One seed
+        per output when ``outputs`` is a tuple or list, else one seed. Subclasses scale it
+        (MindFormers' ``ScaledLossPipelineStage`` multiplies by its ``loss_scale``);
+        gradients are then summed over microbatches without further scaling.
+
+        Raises:
+            ValueError: an output is a ``DTensor`` with a ``Partial`` placement (reduce it
+                first: a seed of ones on every rank would count it once per rank).
+        """
+        if isinstance(outputs, (tuple, list)):
+            return [self._ones_like(out) for out in outputs]
+        return self._ones_like(outputs)
+
+    def _ones_like(self, out: Any) -> Any:
+        if isinstance(out, DTensor):
+            if any(placement.is_partial() for placement in out.placements):
+                raise ValueError(f"{self!r}: the last stage's output has placements {tuple(out.placements)}; "
+                                 "a Partial loss has no seed of ones (reduce it to Replicate in the stage)")
+            local = out.to_local()
+            ones = self.platform.full(tuple(local.shape), 1.0, local.dtype)
+            return DTensor.from_local(ones, out.device_mesh, out.placements)
+        return self.platform.full(tuple(out.shape), 1.0, out.dtype)
 
     def param_grads(self) -> dict[str, Any]:
         """``{fqn: gradient}`` of this stage's parameters from the last ``step``: the sum
@@ -125,3 +174,33 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, rank {self.group_rank}/{self.group_size})"
+
+
+def _one_count(num_stages: int | None, stage_num: int | None) -> int:
+    if (num_stages is None) == (stage_num is None):
+        raise ValueError(f"PipelineStage: give the number of stages once, as num_stages (got {num_stages}) or as "
+                         f"stage_num (got {stage_num})")
+    return num_stages if num_stages is not None else stage_num  # type: ignore[return-value]
+
+
+def _mesh_group(mesh: Any, group: Any) -> Any:
+    """The stage's group: ``group``, or the 1-D ``mesh``'s (which must agree)."""
+    if mesh is None:
+        return group
+    if mesh.ndim != 1:
+        raise ValueError(f"PipelineStage: mesh={mesh} has {mesh.ndim} axes; pass the pipeline's 1-D mesh "
+                         "(e.g. world_mesh['pp'])")
+    own = mesh.get_group()
+    if group is not None and group != own:
+        raise ValueError(f"PipelineStage: group={group!r} is not the group of mesh={mesh} ({own!r}); pass one of "
+                         "them, or the mesh's own group")
+    return own
+
+
+def _check_device(platform: Platform, device: Any) -> None:
+    if device is None:
+        return
+    kind = str(getattr(device, "type", device)).split(":")[0]
+    if kind not in platform.mesh_device_types:
+        raise ValueError(f"PipelineStage: device={device!r} is not a device of this platform "
+                         f"({platform.name}: {', '.join(platform.mesh_device_types)}); pass one of those or None")

@@ -1,0 +1,117 @@
+"""Pipeline parallelism of the tiny MindFormers ``GPTModel`` (``test_gptmodel.py``) through
+MindFormers' own ``apply_pp`` (``pynative/base_models/gpt/parallelize.py``): its
+``StageModelBuilder`` builds one stage model per pipeline stage under ``ms.DeviceCtx("meta")``
+and wraps each in its ``ScaledLossPipelineStage`` (a subclass of our ``PipelineStage``,
+built with ``stage_num=``, ``device=``, ``group=``, ``mesh=``), applies FSDP to each, sets
+the stages' ``loss_scale`` (``1 / (dp * microbatches)``) and builds our ``Schedule1F1B`` /
+``ScheduleInterleaved1F1B`` through its ``_create_schedule``; the step is its trainer's
+``schedule.run(**batch)`` ([Note: the loss inside the last stage]).
+
+One step against one rank on the whole batch: the last stage's microbatch losses average to
+the one-rank loss, and every rank's ``param.main_grad`` piece (the FSDP-reduced gradient the
+trainer's optimizer reads) equals its piece of the one-rank gradient. ``test_gptmodel_train``
+runs three AdamW steps of the same configurations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.mindformers.test_gptmodel import build_gpt, gpt_config, parallelize, pytestmark  # noqa: F401
+
+MICROBATCHES = 2  # MindFormers' pipeline_parallel_microbatch_size (a count of microbatches)
+ROWS = 4
+
+
+def causal_lm_class():
+    """A causal-LM wrapper with the interface MindFormers' ``apply_pp`` builds stages
+    from, that of its pynative DeepSeek-V3 (``models/deepseek3/modeling_deepseek_v3_pynative.py``,
+    MoE-only there): ``cls(config, layer_start=, layer_end=, pre_process=, post_process=,
+    stage_idx=, vp_size=)`` and ``construct(decoder_input=None, input_ids=None, labels=None,
+    ...)``, a stage after the first taking the previous one's hidden states as
+    ``decoder_input``. Around the dense tiny ``GPTModel`` of ``build_gpt`` (CPU cells)."""
+    from mindspore import nn
+
+    class CausalLM(nn.Cell):
+        def __init__(self, config, **stage):
+            super().__init__()
+            # a model's config in MindFormers is its Hugging Face-style config, which apply_pp
+            # reads num_hidden_layers from (the wrapper converts it to a TransformerConfig)
+            config.num_hidden_layers = config.num_layers
+            self.config = config
+            self.model = build_gpt(config, **stage)
+
+        def construct(self, decoder_input=None, input_ids=None, labels=None, position_ids=None):
+            return self.model(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
+                              labels=labels)
+
+    return CausalLM
+
+
+def _inputs(rows: slice = slice(None)) -> dict:
+    from tests.mindformers.test_gptmodel import batch
+
+    ids, labels = batch(ROWS)
+    return {"input_ids": ids[rows], "labels": labels[rows]}
+
+
+def check_one_rank(layers: int) -> dict:
+    """The whole batch's mean loss and its gradients (``mindspore.value_and_grad``)."""
+    import mindspore as ms
+
+    model = causal_lm_class()(gpt_config(num_layers=layers))
+    inputs = {name: ms.Tensor(value) for name, value in _inputs().items()}
+    named = list(model.parameters_and_names())
+    loss, grads = ms.value_and_grad(lambda: model(**inputs)[0], grad_position=None,
+                                    weights=[param for _, param in named])()
+    return {"loss": float(loss.asnumpy().reshape(-1)[0]),
+            "grads": {name: g.asnumpy() for (name, _), g in zip(named, grads)}}
+
+
+def check_pipeline(layers: int, pipeline_parallel: int, data_parallel: int, interleave: int) -> dict:
+    """MindFormers' ``parallelize_gptmodel`` with these degrees (the mesh ``(pp, fsdp)``:
+    rank ``= pp_index * dp + dp_index``), this rank's rows, one ``schedule.run``: the last
+    stage's losses, and per parameter this rank's area and ``main_grad`` piece."""
+    import mindspore as ms
+
+    from hyper_parallel.core.dtensor.layout import Layout
+    from hyper_parallel.core.pipeline_parallel import Schedule1F1B, ScheduleInterleaved1F1B
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    parts, schedule = parallelize(
+        lambda parallelism: causal_lm_class()(gpt_config(num_layers=layers)), data_parallel=data_parallel,
+        pipeline_parallel=pipeline_parallel, pipeline_parallel_interleave_num=interleave,
+        pipeline_parallel_microbatch_size=MICROBATCHES, gradient_accumulation_steps=MICROBATCHES)
+    assert type(schedule) is (ScheduleInterleaved1F1B if interleave > 1 else Schedule1F1B)
+    assert [type(s).__name__ for s in schedule._stages.values()] == ["ScaledLossPipelineStage"] * interleave
+    dp_index = p.rank() % data_parallel
+    rows = slice(dp_index * ROWS // data_parallel, (dp_index + 1) * ROWS // data_parallel)
+    outputs = schedule.run(**{name: ms.Tensor(value) for name, value in _inputs(rows).items()})
+    grads = {}
+    for part in parts:
+        for name, param in part.parameters_and_names():
+            area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(p.rank())
+            grads[name] = (area, param.main_grad.to_local().asnumpy())
+    return {"losses": [float(out[0].asnumpy().reshape(-1)[0]) for out in outputs], "grads": grads}
+
+
+@pytest.mark.parametrize("layers,pp,dp,interleave,world", [
+    (2, 2, 1, 1, 2), (2, 2, 2, 1, 4), (4, 2, 1, 2, 2)],
+    ids=["pp2", "pp2-fsdp2", "pp2-interleaved2"])
+def test_pipeline_step(run_on_ranks, layers, pp, dp, interleave, world) -> None:
+    one = run_on_ranks(check_one_rank, layers, world_size=1, timeout_s=300)[0]
+    ranks = run_on_ranks(check_pipeline, layers, pp, dp, interleave, world_size=world, timeout_s=600)
+    losses = [loss for r in ranks for loss in r["losses"]]
+    # the last stage's ranks hold every row once, MICROBATCHES equal microbatches each
+    assert len(losses) == dp * MICROBATCHES, losses
+    np.testing.assert_allclose(np.mean(losses), one["loss"], rtol=1e-6)
+    seen = set()
+    for rank, r in enumerate(ranks):
+        for name, (area, grad) in r["grads"].items():
+            seen.add(name)
+            want = one["grads"][name][tuple(slice(b, e) for b, e in area)]
+            # float32 gradients summed over microbatches and ranks in another order
+            np.testing.assert_allclose(grad, want, rtol=1e-4, atol=1e-6, err_msg=f"rank {rank}: {name}")
+    assert seen == set(one["grads"]), set(one["grads"]) ^ seen  # every parameter on some stage
