@@ -47,8 +47,8 @@ def spec_of(platform: Platform, tensors: Sequence[Any], what: str) -> tuple[Tens
 
     Raises:
         TypeError: a value is not a floating-point tensor (only those carry gradients
-            between stages) or is a ``DTensor``, or there are more than ``MAX_TENSORS`` of them / a tensor
-            has more than ``MAX_DIMS`` dims.
+            between stages) or is a ``DTensor`` (its layout does not cross yet), or there
+            are more than ``MAX_TENSORS`` of them / a tensor has more than ``MAX_DIMS`` dims.
     """
     specs = []
     if len(tensors) > MAX_TENSORS:
