@@ -254,6 +254,7 @@ def parallelize(build, gradient_accumulation_steps: int = 1, **degrees):
         for name, param in model.parameters_and_names():
             assert isinstance(param, DTensor) and not param.is_meta, name
         load_pieces(model, full, p.rank())
+        model.set_train(True)  # the trainer's train loop sets every model part to training
     return (parts, schedule) if schedule is not None else parts[0]
 
 

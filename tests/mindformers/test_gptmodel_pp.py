@@ -8,10 +8,12 @@ the stages' ``loss_scale`` (``1 / (dp * microbatches)``) and builds our ``Schedu
 ``schedule.run(**batch)`` ([Note: the loss inside the last stage]).
 
 One step against one rank on the whole batch, for pp 2, pp 2 x FSDP 2, pp 2 x 2 interleaved
-chunks and pp 2 x colossal CP 2 (``test_gptmodel_cp``'s model; MindFormers' CP hooks slice
-every stage's inputs): the last stage's microbatch losses average to the one-rank loss, and
-every rank's ``param.main_grad`` piece (the FSDP-reduced gradient the trainer's optimizer
-reads) equals its piece of the one-rank gradient. ``test_gptmodel_train`` runs three AdamW
+chunks, pp 2 x colossal CP 2 (``test_gptmodel_cp``'s model; MindFormers' CP hooks slice
+every stage's inputs) and pp 2 x TP 2 (``test_gptmodel_tp``'s MLA model; its sequence-parallel
+hidden state crosses the stage boundary as a ``Shard(0)`` DTensor): the last stage's
+microbatch losses average to the one-rank loss, and every rank's ``param.main_grad`` piece
+(the FSDP-reduced gradient the trainer's optimizer reads) equals its piece of the one-rank
+gradient. ``test_gptmodel_train`` runs three AdamW
 steps of pp 2 and pp 2 x FSDP 2.
 """
 
@@ -64,9 +66,15 @@ def _inputs(kind: str, rows: slice = slice(None)) -> dict:
 
 
 def _build(kind: str, layers: int, parallelism=None):
-    """The tiny causal LM: ``build_gpt``'s ("gpt"), or ``test_gptmodel_cp``'s CP model
-    ("cp": its flash-attention cells and config, for ``parallelism`` or one rank)."""
+    """The tiny causal LM: ``build_gpt``'s ("gpt"), ``test_gptmodel_cp``'s CP model ("cp":
+    its flash-attention cells and config, for ``parallelism`` or one rank), or
+    ``test_gptmodel_tp``'s multi-latent-attention model, which MindFormers' TP plans ("mla",
+    2 layers)."""
     from tests.mindformers.test_gptmodel_cp import _attention_classes, cp_config
+    from tests.mindformers.test_gptmodel_tp import build_mla_gpt
+
+    if kind == "mla":
+        return build_mla_gpt(pipeline=True)
 
     if kind == "cp":
         config = cp_config(parallelism)
@@ -89,13 +97,15 @@ def check_one_rank(kind: str, layers: int) -> dict:
 
 
 def check_pipeline(kind: str, layers: int, pipeline_parallel: int, data_parallel: int, context_parallel: int,
-                   interleave: int) -> dict:
-    """MindFormers' ``parallelize_gptmodel`` with these degrees (the mesh ``(pp, fsdp, cp)``:
-    rank ``= (pp_index * dp + dp_index) * cp + cp_index``), this rank's rows (MindFormers'
-    CP hook takes the rank's sequence chunk), one ``schedule.run``: the last stage's
-    losses, and per parameter this rank's area and ``main_grad`` piece."""
+                   tensor_parallel: int, interleave: int) -> dict:
+    """MindFormers' ``parallelize_gptmodel`` with these degrees (the mesh ``(pp, fsdp, cp,
+    tp)``: rank ``= ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index``), this
+    rank's rows (MindFormers' CP hook takes the rank's sequence chunk), one
+    ``schedule.run``: the last stage's losses, and per parameter this rank's area and
+    ``main_grad`` piece."""
     import mindspore as ms
 
+    from hyper_parallel import DTensor
     from hyper_parallel.core.dtensor.layout import Layout
     from hyper_parallel.core.pipeline_parallel import Schedule1F1B, ScheduleInterleaved1F1B
     from hyper_parallel.platform import get_platform
@@ -103,12 +113,12 @@ def check_pipeline(kind: str, layers: int, pipeline_parallel: int, data_parallel
     p = get_platform()
     parts, schedule = parallelize(
         lambda parallelism: _build(kind, layers, parallelism), data_parallel=data_parallel,
-        context_parallel=context_parallel, pipeline_parallel=pipeline_parallel,
+        context_parallel=context_parallel, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         pipeline_parallel_interleave_num=interleave, pipeline_parallel_microbatch_size=MICROBATCHES,
         gradient_accumulation_steps=MICROBATCHES)
     assert type(schedule) is (ScheduleInterleaved1F1B if interleave > 1 else Schedule1F1B)
     assert [type(s).__name__ for s in schedule._stages.values()] == ["ScaledLossPipelineStage"] * interleave
-    dp_index = p.rank() // context_parallel % data_parallel
+    dp_index = p.rank() // (context_parallel * tensor_parallel) % data_parallel
     inputs = _inputs(kind)
     total = len(inputs["input_ids"])
     rows = slice(dp_index * total // data_parallel, (dp_index + 1) * total // data_parallel)
@@ -118,19 +128,24 @@ def check_pipeline(kind: str, layers: int, pipeline_parallel: int, data_parallel
         for name, param in part.parameters_and_names():
             area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(p.rank())
             grads[name] = (area, param.main_grad.to_local().asnumpy())
-    return {"losses": [float(out[0].asnumpy().reshape(-1)[0]) for out in outputs], "grads": grads}
+    # under TP the loss is a DTensor replicated over tp
+    losses = [out[0].to_local() if isinstance(out[0], DTensor) else out[0] for out in outputs]
+    return {"losses": [float(loss.asnumpy().reshape(-1)[0]) for loss in losses], "grads": grads}
 
 
-@pytest.mark.parametrize("kind,layers,pp,dp,cp,interleave,world", [
-    ("gpt", 2, 2, 1, 1, 1, 2), ("gpt", 2, 2, 2, 1, 1, 4), ("gpt", 4, 2, 1, 1, 2, 2), ("cp", 2, 2, 1, 2, 1, 4)],
-    ids=["pp2", "pp2-fsdp2", "pp2-interleaved2", "pp2-cp2"])
-def test_pipeline_step(run_on_ranks, kind, layers, pp, dp, cp, interleave, world) -> None:
+@pytest.mark.parametrize("kind,layers,pp,dp,cp,tp,interleave,world", [
+    ("gpt", 2, 2, 1, 1, 1, 1, 2), ("gpt", 2, 2, 2, 1, 1, 1, 4), ("gpt", 4, 2, 1, 1, 1, 2, 2),
+    ("cp", 2, 2, 1, 2, 1, 1, 4), ("mla", 2, 2, 1, 1, 2, 1, 4)],
+    ids=["pp2", "pp2-fsdp2", "pp2-interleaved2", "pp2-cp2", "pp2-tp2"])
+def test_pipeline_step(run_on_ranks, kind, layers, pp, dp, cp, tp, interleave, world) -> None:
     one = run_on_ranks(check_one_rank, kind, layers, world_size=1, timeout_s=300)[0]
-    ranks = run_on_ranks(check_pipeline, kind, layers, pp, dp, cp, interleave, world_size=world, timeout_s=600)
+    ranks = run_on_ranks(check_pipeline, kind, layers, pp, dp, cp, tp, interleave, world_size=world,
+                         timeout_s=600)
     losses = [loss for r in ranks for loss in r["losses"]]
-    # the last stage's ranks hold every row (dp) and sequence chunk (cp) once, MICROBATCHES
-    # equal microbatches each, no token masked: the mean of their means is the batch's
-    assert len(losses) == dp * cp * MICROBATCHES, losses
+    # the last stage's ranks hold every row (dp) and sequence chunk (cp) once (tp ranks the
+    # same), MICROBATCHES equal microbatches each, no token masked: the mean of their means
+    # is the batch's
+    assert len(losses) == dp * cp * tp * MICROBATCHES, losses
     np.testing.assert_allclose(np.mean(losses), one["loss"], rtol=1e-6)
     seen = set()
     for rank, r in enumerate(ranks):

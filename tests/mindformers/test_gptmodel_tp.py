@@ -52,12 +52,14 @@ from tests.mindformers.test_gptmodel import BATCH, batch, parallelize, pytestmar
 QK_HEAD, QK_POS, V_HEAD, Q_LORA, KV_LORA = 12, 4, 16, 32, 32
 
 
-def build_mla_gpt():
+def build_mla_gpt(pipeline: bool = False):
     """``test_gptmodel``'s tiny ``GPTModel`` with MindFormers' multi-latent attention
     (``get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)``, the
     only attention ``apply_non_moe_tp`` plans), the same test-local CPU cells in the spec,
     wrapped as MindFormers' causal-LM classes hold it (``self.model = GPTModel``, which
-    ``apply_non_moe_tp`` reads). Weights as ``build_gpt``'s: a seeded normal per name."""
+    ``apply_non_moe_tp`` reads). Weights as ``build_gpt``'s: a seeded normal per name.
+    ``pipeline``: the wrapper takes ``apply_pp``'s stage arguments and its stage interface
+    (``test_gptmodel_pp.causal_lm_class``)."""
     from mindformers.parallel_core.transformer_config import MLATransformerConfig
     from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
@@ -106,10 +108,12 @@ def build_mla_gpt():
         return tuple(piece * 1.0 for piece in mint.split(tensor, sizes, dim=dim))
 
     class CausalLM(nn.Cell):
-        def __init__(self):
+        def __init__(self, config=config, **stage):
             super().__init__(auto_prefix=False)
+            config.num_hidden_layers = config.num_layers  # what apply_pp reads (see test_gptmodel_pp)
+            self.config = config
             self.model = GPTModel(config, block, vocab_size=VOCAB, max_sequence_length=SEQ,
-                                  position_embedding_type="none")
+                                  position_embedding_type="none", **stage)
             self.model.loss = cpu["loss"]()
             for mla in self.model.decoder.layers:
                 mla.self_attention.split = split  # on the instance (MLASelfAttention.split = mint.split)
@@ -117,7 +121,12 @@ def build_mla_gpt():
         def construct(self, input_ids, labels=None, position_ids=None):
             return self.model(input_ids, position_ids=position_ids, labels=labels)
 
-    model = CausalLM()
+    class StageCausalLM(CausalLM):
+        def construct(self, decoder_input=None, input_ids=None, labels=None, position_ids=None):
+            return self.model(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
+                              labels=labels)
+
+    model = StageCausalLM() if pipeline else CausalLM()
     seed_weights(model)
     return model
 

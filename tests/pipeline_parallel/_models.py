@@ -105,15 +105,16 @@ def build_moe_block(p: Any, moe: Any, weights: dict[str, Any], dispatch: Any, co
 
 
 def build_loss_stage(p: Any, weights: list[tuple[np.ndarray, np.ndarray]], last: bool,
-                     wrap: Any = None) -> Any:
+                     wrap: Any = None, prepare: Any = None) -> Any:
     """A stage in upstream hyper-parallel's / MindFormers' convention: ``forward(x, *,
-    target, scale)`` runs the chain of ``weights`` on ``x``; the last stage returns
-    ``(mse(chain(x), target) * scale,)`` (its loss, from a keyword argument every stage
-    receives), the others the chain's output (passed through ``wrap`` when given)."""
+    target, scale)`` runs the chain of ``weights`` on ``x`` (first passed through
+    ``prepare`` when given); the last stage returns ``(mse(chain(x), target) * scale,)``
+    (its loss, from a keyword argument every stage receives), the others the chain's
+    output (passed through ``wrap`` when given)."""
     chain = build_chain(p, weights)
 
     def forward(self: Any, x: Any, target: Any = None, scale: float = 1.0) -> Any:
-        out = self.chain(x)
+        out = self.chain(x if prepare is None else prepare(x))
         if last:
             return (mse(out, target) * scale,)
         return out if wrap is None else wrap(out)

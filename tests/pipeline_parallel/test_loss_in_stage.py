@@ -101,21 +101,3 @@ def check_loss_in_stage(layers_per_stage: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_loss_in_last_stage(run_on_ranks, world_size: int) -> None:
     run_on_ranks(check_loss_in_stage, 2 if world_size == 2 else 1, world_size=world_size, timeout_s=300)
-
-
-def check_dtensor_between_stages() -> None:
-    """A stage output that is a DTensor is refused when the shapes are inferred (two
-    stages on one rank: the check runs before any message)."""
-    p = get_platform()
-    mesh = init_device_mesh(p.device_type, (1,), mesh_dim_names=("tp",))
-    weights = layer_weights(2)
-    stages = [PipelineStage(build_loss_stage(p, weights[:1], False,
-                                             wrap=lambda t: DTensor.from_local(t, mesh, (Replicate(),))), 0, 2),
-              PipelineStage(build_loss_stage(p, weights[1:], True), 1, 2)]
-    x = p.from_numpy(np.zeros((4, DIM), np.float32))
-    with pytest.raises(TypeError, match=r"stage 0 output\[0\] is a DTensor .*return its to_local\(\) piece"):
-        ScheduleInterleaved1F1B(stages, 2).run(x, target=x)
-
-
-def test_dtensor_between_stages(run_on_ranks) -> None:
-    run_on_ranks(check_dtensor_between_stages, world_size=1)

@@ -21,21 +21,27 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.pipeline_parallel.boundary import LAYOUT_LEN, BoundaryLayout, decode_layout, encode_layout, \
+    layout_of
 from hyper_parallel.platform import P2POp, Platform, Work
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 MAX_TENSORS = 8  # tensors per message
 MAX_DIMS = 8  # dims per tensor
-META_LEN = 1 + MAX_TENSORS * (2 + MAX_DIMS)  # int64: count, then (dtype, ndim, dims...) per tensor
+SLOT_LEN = 2 + MAX_DIMS + LAYOUT_LEN  # one tensor: dtype, ndim, dims, its DTensor layout
+META_LEN = 1 + MAX_TENSORS * SLOT_LEN  # int64: count, then a slot per tensor
 
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype name (one of ``DTYPE_NAMES``) of one tensor of a message."""
+    """Shape and dtype name (one of ``DTYPE_NAMES``) of one tensor of a message (the
+    local piece of a DTensor, whose ``layout`` rebuilds it: see
+    [Note: DTensors between stages] in ``boundary.py``)."""
 
     shape: tuple[int, ...]
     dtype: str
+    layout: BoundaryLayout | None = None
 
 
 #: (kind "F" or "B", sending stage, microbatch): a message's identity
@@ -47,24 +53,24 @@ def spec_of(platform: Platform, tensors: Sequence[Any], what: str) -> tuple[Tens
 
     Raises:
         TypeError: a value is not a floating-point tensor (only those carry gradients
-            between stages) or is a ``DTensor`` (its layout does not cross yet), or there
-            are more than ``MAX_TENSORS`` of them / a tensor has more than ``MAX_DIMS`` dims.
+            between stages), or there are more than ``MAX_TENSORS`` of them / a tensor
+            has more than ``MAX_DIMS`` dims, or a DTensor whose layout cannot cross
+            (``boundary.layout_of``).
     """
     specs = []
     if len(tensors) > MAX_TENSORS:
         raise TypeError(f"{what}: {len(tensors)} tensors; a stage passes at most {MAX_TENSORS} to the next")
     for i, tensor in enumerate(tensors):
-        if isinstance(tensor, DTensor):
-            raise TypeError(f"{what}[{i}] is a DTensor ({tuple(tensor.placements)}); stages exchange framework "
-                            "tensors: return its to_local() piece (and rebuild it with DTensor.from_local in the "
-                            "next stage) or full_tensor()")
+        layout = layout_of(tensor, platform.rank(), f"{what}[{i}]") if isinstance(tensor, DTensor) else None
+        if layout is not None:
+            tensor = tensor.to_local()
         if not platform.is_tensor(tensor) or platform.dtype_name(tensor.dtype) not in FLOAT_DTYPES:
             kind = platform.dtype_name(tensor.dtype) if platform.is_tensor(tensor) else type(tensor).__name__
             raise TypeError(f"{what}[{i}] is {kind}; a stage's outputs must be floating-point tensors (a tensor or a "
                             "tuple of tensors) so that their gradients can flow back")
         if tensor.ndim > MAX_DIMS:
             raise TypeError(f"{what}[{i}] has {tensor.ndim} dims; at most {MAX_DIMS} cross a stage boundary")
-        specs.append(TensorSpec(tuple(int(d) for d in tensor.shape), platform.dtype_name(tensor.dtype)))
+        specs.append(TensorSpec(tuple(int(d) for d in tensor.shape), platform.dtype_name(tensor.dtype), layout))
     return tuple(specs)
 
 
@@ -73,10 +79,11 @@ def encode_specs(platform: Platform, specs: Sequence[TensorSpec]) -> Any:
     meta = np.zeros(META_LEN, np.int64)
     meta[0] = len(specs)
     for i, spec in enumerate(specs):
-        base = 1 + i * (2 + MAX_DIMS)
+        base = 1 + i * SLOT_LEN
         meta[base] = DTYPE_NAMES.index(spec.dtype)
         meta[base + 1] = len(spec.shape)
         meta[base + 2:base + 2 + len(spec.shape)] = spec.shape
+        meta[base + 2 + MAX_DIMS:base + SLOT_LEN] = encode_layout(spec.layout)
     return platform.from_numpy(meta)
 
 
@@ -85,10 +92,11 @@ def decode_specs(platform: Platform, meta: Any) -> tuple[TensorSpec, ...]:
     values = platform.to_numpy(meta)
     specs = []
     for i in range(int(values[0])):
-        base = 1 + i * (2 + MAX_DIMS)
+        base = 1 + i * SLOT_LEN
         ndim = int(values[base + 1])
         specs.append(TensorSpec(tuple(int(d) for d in values[base + 2:base + 2 + ndim]),
-                                DTYPE_NAMES[int(values[base])]))
+                                DTYPE_NAMES[int(values[base])],
+                                decode_layout(values[base + 2 + MAX_DIMS:base + SLOT_LEN], ndim)))
     return tuple(specs)
 
 

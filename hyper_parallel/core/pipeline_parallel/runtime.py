@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.pipeline_parallel.boundary import Rebuild, rebuilds_of, resolve
 from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap
 from hyper_parallel.core.pipeline_parallel.messages import (META_LEN, Mailbox, MessageKey, TensorSpec, decode_specs,
                                                             encode_specs, receive, send, spec_of)
@@ -156,20 +158,31 @@ class PipelineSchedule:
         p = self.platform
         works: list[Work] = []
         local: tuple[Any, ...] = ()
+        handed: tuple[Rebuild | None, ...] = ()  # the previous stage's layouts, on this rank
         for s in sorted(self._stages):
             stage = self._stages[s]
             args, kwargs = first if s == 0 else (local, every_kwargs or {})
             if s > 0 and self._place(s - 1) != self._rank:
                 meta = receive(p, [TensorSpec((META_LEN,), "int64")], self._place(s - 1), self.group)[0]
-                args = receive(p, decode_specs(p, meta), self._place(s - 1), self.group)
+                specs = decode_specs(p, meta)
+                args = receive(p, specs, self._place(s - 1), self.group)
+                # [Note: DTensors between stages]
+                stage.input_rebuilds = tuple(None if spec.layout is None else
+                                             resolve(stage, spec.layout, p.rank(), f"stage {s} input {i}")
+                                             for i, spec in enumerate(specs))
+            elif s > 0:
+                stage.input_rebuilds = handed
             if s > 0:
                 stage.input_spec = spec_of(p, args, f"stage {s - 1} output")
+                args = _wrap(args, stage.input_rebuilds)
             with p.no_grad():
                 out = stage.submodule(*args, **kwargs)
             if stage.is_last:
                 continue
             outs = out if isinstance(out, tuple) else (out,)
             stage.output_spec = spec_of(p, outs, f"stage {s} output")
+            handed = stage.output_rebuilds = rebuilds_of(outs)
+            outs = _unwrap(outs)
             if self._place(s + 1) == self._rank:
                 local = outs
             else:
@@ -343,10 +356,16 @@ class _StepState:
             self.captures[(s, m)] = capture
 
         def module(*xs: Any) -> Any:
+            # differentiated on local pieces: [Note: DTensors between stages] in boundary.py
+            xs = _wrap(xs, stage.input_rebuilds)
             if split is None:
-                return stage.submodule(*xs, **kwargs)
-            with split.recording(capture):  # also on a recompute inside a MindSpore backward
-                return stage.submodule(*xs, **kwargs)
+                out = stage.submodule(*xs, **kwargs)
+            else:
+                with split.recording(capture):  # also on a recompute inside a MindSpore backward
+                    out = stage.submodule(*xs, **kwargs)
+            if stage.is_last or stage.output_rebuilds is None or not any(stage.output_rebuilds):
+                return out
+            return _unwrap(out) if isinstance(out, tuple) else _unwrap((out,))[0]
 
         if stage.is_last and sched.loss_fn is None:  # [Note: the loss inside the last stage]
             result, backward = p.vjp(module, args, params)
@@ -447,6 +466,18 @@ class _StepState:
             grads = [own if new is None else (new if own is None else own + new) for own, new in zip(grads, landed)]
         stage._accumulate([self.p.zeros(tuple(param.shape), param.dtype) if grad is None else grad
                            for grad, param in zip(grads, params)])
+
+
+def _wrap(tensors: Sequence[Any], rebuilds: Sequence[Rebuild | None] | None) -> tuple[Any, ...]:
+    """A stage's inputs as it takes them: each local piece with a layout rebuilt as a DTensor."""
+    if not rebuilds:
+        return tuple(tensors)
+    return tuple(t if r is None else r.wrap(t) for t, r in zip(tensors, rebuilds))
+
+
+def _unwrap(tensors: Sequence[Any]) -> tuple[Any, ...]:
+    """A stage's outputs as they cross: each DTensor as its local piece (differentiable)."""
+    return tuple(t.to_local() if isinstance(t, DTensor) else t for t in tensors)
 
 
 def _single_stage(name: str, stage: PipelineStage | Sequence[PipelineStage]) -> list[PipelineStage]:

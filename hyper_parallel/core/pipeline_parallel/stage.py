@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.pipeline_parallel.boundary import Rebuild
 from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
 from hyper_parallel.core.pipeline_parallel.weight_grad import LinearWeightSplit
 from hyper_parallel.platform import Platform, get_platform
@@ -95,6 +96,10 @@ class PipelineStage:
         self.group_rank = rank
         self.input_spec: tuple[TensorSpec, ...] | None = None  # known after the first step
         self.output_spec: tuple[TensorSpec, ...] | None = None
+        # per boundary tensor, how a DTensor is rebuilt from its piece (None: a plain
+        # tensor); known with the specs ([Note: DTensors between stages] in boundary.py)
+        self.input_rebuilds: tuple[Rebuild | None, ...] | None = None
+        self.output_rebuilds: tuple[Rebuild | None, ...] | None = None
         self._grads: list[Any] | None = None  # per parameter: this step's accumulated gradient
         self.weight_split: LinearWeightSplit | None = None
 
