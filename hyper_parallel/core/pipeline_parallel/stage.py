@@ -23,10 +23,12 @@ class PipelineStage:
     """Stage ``stage_index`` of ``num_stages``, running ``submodule`` on this rank.
 
     ``submodule(*inputs, **kwargs)`` takes the previous stage's outputs (stage 0: one
-    microbatch of the step's arguments) and returns a floating-point tensor or a tuple of
-    them, which are sent to the next stage (stage ``num_stages - 1``: passed to the
-    schedule's ``loss_fn``). Every tensor crossing a boundary keeps dim 0 as the batch
-    dim of the microbatch.
+    microbatch of the step's arguments; with ``run``, every stage also each microbatch's
+    keyword arguments) and returns a floating-point tensor or a tuple of them, which are
+    sent to the next stage (stage ``num_stages - 1``: passed to the schedule's ``loss_fn``,
+    or its loss itself). The tensors crossing a boundary have the same shapes in every
+    microbatch (inferred from microbatch 0); a ``DTensor`` crosses as its local piece and
+    arrives as a ``DTensor`` ([Note: DTensors between stages] in ``boundary.py``).
 
     Args:
         submodule: a torch ``nn.Module`` or MindSpore ``Cell``; its parameters are this
@@ -41,7 +43,8 @@ class PipelineStage:
         group: the pipeline process group (``None``: the world, or ``mesh``'s group).
             Sends and receives use it (``batch_isend_irecv``).
         mesh: the pipeline's 1-D ``DeviceMesh`` (MindFormers passes its ``pp`` mesh);
-            its group is the stage's group, kept as ``self.mesh``.
+            its group is the stage's group, kept as ``self.mesh``; its root's submeshes
+            are where an incoming ``DTensor``'s mesh is looked up (with the parameters').
         placement: ``"loop"`` (stage ``s`` on group rank ``s % group_size``) or ``"v"``
             (``num_stages = 2 * group_size``; rank ``r`` runs stages ``r`` and
             ``2 * group_size - 1 - r``; for ``ScheduleZBVZeroBubble``).
@@ -49,6 +52,9 @@ class PipelineStage:
     Attributes:
         input_spec, output_spec: shapes and dtypes of one microbatch's tensors received
             from the previous stage and sent to the next one, known after the first step.
+        input_rebuilds, output_rebuilds: per such tensor, the mesh, placements and
+            global shape that make its local piece a ``DTensor`` (``None``: a plain tensor),
+            known with the specs.
         weight_split: the weight-gradient split of the submodule's linear layers, set up
             by a schedule with ``W`` actions (zero-bubble, DualPipeV); ``None`` before.
             ``weight_split.remove()`` gives the layers their own forward back.
