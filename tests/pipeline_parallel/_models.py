@@ -65,6 +65,26 @@ def mse(output: Any, target: Any) -> Any:
     return (diff * diff).mean()
 
 
+def _module(p: Any, forward: Any, attributes: dict[str, Any]) -> Any:
+    """A framework module (torch ``nn.Module`` / MindSpore ``Cell``) whose forward is
+    ``forward(self, ...)`` and which holds ``attributes`` (submodules or parameters)."""
+    if p.framework == "torch":
+        import torch
+
+        base, method = torch.nn.Module, "forward"
+    else:
+        import mindspore as ms
+
+        base, method = ms.nn.Cell, "construct"
+
+    def __init__(self: Any) -> None:
+        base.__init__(self)
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    return type("TestModule", (base,), {"__init__": __init__, method: forward})()
+
+
 def build_moe_block(p: Any, moe: Any, weights: dict[str, Any], dispatch: Any, combine: Any) -> Any:
     """``x -> x + moe(x @ pre)``: a framework module holding ``pre``, ``router`` and this
     rank's experts' ``w1.{l}``/``w2.{l}`` (numpy values in ``weights``), whose forward
@@ -84,24 +104,12 @@ def build_moe_block(p: Any, moe: Any, weights: dict[str, Any], dispatch: Any, co
     if p.framework == "torch":
         import torch
 
-        class Block(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                for name, value in weights.items():
-                    setattr(self, name, torch.nn.Parameter(torch.from_numpy(value.copy())))
+        params = {name: torch.nn.Parameter(torch.from_numpy(value.copy())) for name, value in weights.items()}
+    else:
+        import mindspore as ms
 
-        Block.forward = forward
-        return Block()
-    import mindspore as ms
-
-    class MSBlock(ms.nn.Cell):
-        def __init__(self) -> None:
-            super().__init__()
-            for name, value in weights.items():
-                setattr(self, name, ms.Parameter(ms.Tensor(value.copy()), name=name))
-
-    MSBlock.construct = forward
-    return MSBlock()
+        params = {name: ms.Parameter(ms.Tensor(value.copy()), name=name) for name, value in weights.items()}
+    return _module(p, forward, params)
 
 
 def build_loss_stage(p: Any, weights: list[tuple[np.ndarray, np.ndarray]], last: bool,
@@ -119,22 +127,4 @@ def build_loss_stage(p: Any, weights: list[tuple[np.ndarray, np.ndarray]], last:
             return (mse(out, target) * scale,)
         return out if wrap is None else wrap(out)
 
-    if p.framework == "torch":
-        import torch
-
-        class LossStage(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.chain = chain
-
-        LossStage.forward = forward
-        return LossStage()
-    import mindspore as ms
-
-    class MSLossStage(ms.nn.Cell):
-        def __init__(self) -> None:
-            super().__init__()
-            self.chain = chain
-
-    MSLossStage.construct = forward
-    return MSLossStage()
+    return _module(p, forward, {"chain": chain})

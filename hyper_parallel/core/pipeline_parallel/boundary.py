@@ -30,11 +30,12 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
 
+MAX_DIMS = 8  # dims of a tensor crossing a boundary (``messages`` encodes its shape in as many slots)
 MAX_MESH_DIMS = 4
 MAX_MESH_RANKS = 256
 #: int64 slots of one tensor's layout: present, mesh ndim, mesh dims, placements,
-#: global ndim is the spec's; global dims, then the mesh's rank offsets
-LAYOUT_LEN = 2 + 2 * MAX_MESH_DIMS + 8 + MAX_MESH_RANKS
+#: global dims (the spec's ndim of them), then the mesh's rank offsets
+LAYOUT_LEN = 2 + 2 * MAX_MESH_DIMS + MAX_DIMS + MAX_MESH_RANKS
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ def layout_of(tensor: DTensor, rank: int, what: str) -> BoundaryLayout:
 
 
 def encode_layout(layout: BoundaryLayout | None) -> np.ndarray:
+    """``layout`` as ``[LAYOUT_LEN]`` int64 slots of the shapes message (all zero: none)."""
     slots = np.zeros(LAYOUT_LEN, np.int64)
     if layout is None:
         return slots
@@ -100,18 +102,19 @@ def encode_layout(layout: BoundaryLayout | None) -> np.ndarray:
     slots[2 + MAX_MESH_DIMS:2 + MAX_MESH_DIMS + n] = layout.placements
     base = 2 + 2 * MAX_MESH_DIMS
     slots[base:base + len(layout.shape)] = layout.shape
-    slots[base + 8:base + 8 + len(layout.offsets)] = layout.offsets
+    slots[base + MAX_DIMS:base + MAX_DIMS + len(layout.offsets)] = layout.offsets
     return slots
 
 
 def decode_layout(slots: np.ndarray, ndim: int) -> BoundaryLayout | None:
+    """Inverse of ``encode_layout`` for a tensor of ``ndim`` dims."""
     if not int(slots[0]):
         return None
     n = int(slots[1])
     mesh_shape = tuple(int(d) for d in slots[2:2 + n])
     base = 2 + 2 * MAX_MESH_DIMS
     size = int(np.prod(mesh_shape))
-    return BoundaryLayout(mesh_shape, tuple(int(o) for o in slots[base + 8:base + 8 + size]),
+    return BoundaryLayout(mesh_shape, tuple(int(o) for o in slots[base + MAX_DIMS:base + MAX_DIMS + size]),
                           tuple(int(c) for c in slots[2 + MAX_MESH_DIMS:2 + MAX_MESH_DIMS + n]),
                           tuple(int(d) for d in slots[base:base + ndim]))
 
@@ -162,3 +165,19 @@ def rebuilds_of(outputs: Sequence[Any]) -> tuple[Rebuild | None, ...]:
     """The sender's own layouts of its outputs (a local handover needs no lookup)."""
     return tuple(Rebuild(t.device_mesh, tuple(t.placements), tuple(int(d) for d in t.shape))
                  if isinstance(t, DTensor) else None for t in outputs)
+
+
+def wrap_inputs(tensors: Sequence[Any], rebuilds: Sequence[Rebuild | None] | None) -> tuple[Any, ...]:
+    """A stage's inputs as it takes them: each local piece with a layout rebuilt as a
+    ``DTensor`` (differentiable: the gradient flows to the piece)."""
+    if not rebuilds:
+        return tuple(tensors)
+    return tuple(t if r is None else r.wrap(t) for t, r in zip(tensors, rebuilds))
+
+
+def unwrap_outputs(out: Any) -> Any:
+    """A stage's output (a tensor or a tuple) as it crosses: each ``DTensor`` as its local
+    piece (differentiable), the structure kept."""
+    if isinstance(out, tuple):
+        return tuple(t.to_local() if isinstance(t, DTensor) else t for t in out)
+    return out.to_local() if isinstance(out, DTensor) else out

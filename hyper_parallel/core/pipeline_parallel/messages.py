@@ -21,14 +21,13 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.pipeline_parallel.boundary import LAYOUT_LEN, BoundaryLayout, decode_layout, encode_layout, \
-    layout_of
+from hyper_parallel.core.pipeline_parallel.boundary import (LAYOUT_LEN, MAX_DIMS, BoundaryLayout, decode_layout,
+                                                            encode_layout, layout_of)
 from hyper_parallel.platform import P2POp, Platform, Work
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 MAX_TENSORS = 8  # tensors per message
-MAX_DIMS = 8  # dims per tensor
 SLOT_LEN = 2 + MAX_DIMS + LAYOUT_LEN  # one tensor: dtype, ndim, dims, its DTensor layout
 META_LEN = 1 + MAX_TENSORS * SLOT_LEN  # int64: count, then a slot per tensor
 

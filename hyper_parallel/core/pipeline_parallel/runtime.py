@@ -31,8 +31,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.pipeline_parallel.boundary import Rebuild, rebuilds_of, resolve
+from hyper_parallel.core.pipeline_parallel.boundary import Rebuild, rebuilds_of, resolve, unwrap_outputs, wrap_inputs
 from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap
 from hyper_parallel.core.pipeline_parallel.messages import (META_LEN, Mailbox, MessageKey, TensorSpec, decode_specs,
                                                             encode_specs, receive, send, spec_of)
@@ -174,7 +173,7 @@ class PipelineSchedule:
                 stage.input_rebuilds = handed
             if s > 0:
                 stage.input_spec = spec_of(p, args, f"stage {s - 1} output")
-                args = _wrap(args, stage.input_rebuilds)
+                args = wrap_inputs(args, stage.input_rebuilds)
             with p.no_grad():
                 out = stage.submodule(*args, **kwargs)
             if stage.is_last:
@@ -182,7 +181,7 @@ class PipelineSchedule:
             outs = out if isinstance(out, tuple) else (out,)
             stage.output_spec = spec_of(p, outs, f"stage {s} output")
             handed = stage.output_rebuilds = rebuilds_of(outs)
-            outs = _unwrap(outs)
+            outs = unwrap_outputs(outs)
             if self._place(s + 1) == self._rank:
                 local = outs
             else:
@@ -357,15 +356,13 @@ class _StepState:
 
         def module(*xs: Any) -> Any:
             # differentiated on local pieces: [Note: DTensors between stages] in boundary.py
-            xs = _wrap(xs, stage.input_rebuilds)
+            xs = wrap_inputs(xs, stage.input_rebuilds)
             if split is None:
                 out = stage.submodule(*xs, **kwargs)
             else:
                 with split.recording(capture):  # also on a recompute inside a MindSpore backward
                     out = stage.submodule(*xs, **kwargs)
-            if stage.is_last or stage.output_rebuilds is None or not any(stage.output_rebuilds):
-                return out
-            return _unwrap(out) if isinstance(out, tuple) else _unwrap((out,))[0]
+            return out if stage.is_last else unwrap_outputs(out)
 
         if stage.is_last and sched.loss_fn is None:  # [Note: the loss inside the last stage]
             result, backward = p.vjp(module, args, params)
@@ -466,18 +463,6 @@ class _StepState:
             grads = [own if new is None else (new if own is None else own + new) for own, new in zip(grads, landed)]
         stage._accumulate([self.p.zeros(tuple(param.shape), param.dtype) if grad is None else grad
                            for grad, param in zip(grads, params)])
-
-
-def _wrap(tensors: Sequence[Any], rebuilds: Sequence[Rebuild | None] | None) -> tuple[Any, ...]:
-    """A stage's inputs as it takes them: each local piece with a layout rebuilt as a DTensor."""
-    if not rebuilds:
-        return tuple(tensors)
-    return tuple(t if r is None else r.wrap(t) for t, r in zip(tensors, rebuilds))
-
-
-def _unwrap(tensors: Sequence[Any]) -> tuple[Any, ...]:
-    """A stage's outputs as they cross: each DTensor as its local piece (differentiable)."""
-    return tuple(t.to_local() if isinstance(t, DTensor) else t for t in tensors)
 
 
 def _single_stage(name: str, stage: PipelineStage | Sequence[PipelineStage]) -> list[PipelineStage]:
