@@ -57,9 +57,35 @@ def _train(p, model, x: np.ndarray, target: np.ndarray, steps: int, count: int, 
     return history
 
 
+def _assert_same_history(p, got: list, want: list, label: str) -> None:
+    """Two ``_train`` histories agree step by step (loss and every parameter)."""
+    for step, ((loss, params), (want_loss, want_params)) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(loss, want_loss, **_tol(p), err_msg=f"{label}: loss of step {step}")
+        for pname, value in params.items():
+            np.testing.assert_allclose(value, want_params[pname], **_tol(p), err_msg=f"{label}: {pname}")
+
+
+def _sync_and_async(p, values: dict, mesh, x_local, t_local, steps: int, seen: list | None = None,
+                    **style_kwargs) -> list:
+    """``_train`` histories of the block under ``ContextParallel`` and under
+    ``AsyncContextParallel`` (its projections hooked), both ``style_kwargs``; ``seen``
+    collects the types of the q/k/v the attention's forward gets (a pre-hook registered
+    after the style's)."""
+    histories = []
+    for style_cls in (hp.ContextParallel, hp.AsyncContextParallel):
+        model = transformer_block(p, values, heads=H, head_dim=HEAD_DIM, cu_seqlens=DOCS)
+        projections = (model.q_proj, model.k_proj, model.v_proj) if style_cls is hp.AsyncContextParallel else ()
+        style_cls(**style_kwargs).apply(model.attn, mesh, *projections)
+        if seen is not None:
+            p.register_forward_pre_hook(model.attn, lambda m, args, kwargs: seen.append(
+                (style_cls.__name__, [type(t).__name__ for t in args])), with_kwargs=True)
+        histories.append(_train(p, model, x_local, t_local, steps, B * S * DIM, group=mesh.get_group()))
+    return histories
+
+
 def check_training() -> list[str]:
     p = get_platform()
-    cp, r = p.world_size(), p.rank()
+    cp = p.world_size()
     mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
     rng = np.random.default_rng(1)
     x = rng.standard_normal((B, S, DIM)).astype(np.float32)
@@ -86,24 +112,13 @@ def check_training() -> list[str]:
             for pname, value in params.items():
                 np.testing.assert_allclose(value, ref_params[pname], **_tol(p),
                                            err_msg=f"{name}: {pname} after step {step}")
-    for step, ((loss, params), (sync_loss, sync_params)) in enumerate(zip(histories["async_ulysses"],
-                                                                          histories["ulysses"])):
-        np.testing.assert_allclose(loss, sync_loss, **_tol(p), err_msg=f"async vs sync: loss of step {step}")
-        for pname, value in params.items():
-            np.testing.assert_allclose(value, sync_params[pname], **_tol(p), err_msg=f"async vs sync: {pname}")
+    _assert_same_history(p, histories["async_ulysses"], histories["ulysses"], "async vs sync")
     # Multi-query k/v (1 head < 2 ranks) take AsyncContextParallel's synchronous k/v path.
     mqa = block_weights(DIM, H, 1, HEAD_DIM, HIDDEN)
     x_local, t_local = (p.to_numpy(t) for t in hp.context_parallel_shard(
         [p.from_numpy(x), p.from_numpy(target)], [1, 1], mesh))
-    steps = []
-    for style_cls in (hp.ContextParallel, hp.AsyncContextParallel):
-        model = transformer_block(p, mqa, heads=H, head_dim=HEAD_DIM, cu_seqlens=DOCS)
-        projections = (model.q_proj, model.k_proj, model.v_proj) if style_cls is hp.AsyncContextParallel else ()
-        style_cls().apply(model.attn, mesh, *projections)
-        steps.append(_train(p, model, x_local, t_local, 1, count, group=mesh.get_group())[0])
-    np.testing.assert_allclose(steps[1][0], steps[0][0], **_tol(p), err_msg="async vs sync MQA: loss")
-    for pname, value in steps[1][1].items():
-        np.testing.assert_allclose(value, steps[0][1][pname], **_tol(p), err_msg=f"async vs sync MQA: {pname}")
+    sync, async_ = _sync_and_async(p, mqa, mesh, x_local, t_local, 1)
+    _assert_same_history(p, async_, sync, "async vs sync MQA")
     return sorted(histories)
 
 
@@ -111,3 +126,26 @@ def test_training_matches_single_process(run_on_ranks) -> None:
     # 2 ranks: MindSpore pays seconds per training step at 4 (hybrid modes are swept in
     # test_context_parallel).
     assert run_on_ranks(check_training, world_size=2, timeout_s=600) == [sorted(CONFIGS)] * 2
+
+
+def check_async_hybrid() -> None:
+    """``AsyncContextParallel`` in hybrid mode (Ulysses 2 x ring 2 on 4 ranks), whose
+    attention gets q/k/v as DTensors on the 2-D mesh ([Note: q/k/v as DTensors]), against
+    ``ContextParallel``'s (checked against one process in ``test_context_parallel``): two
+    SGD steps."""
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (p.world_size(),), mesh_dim_names=("cp",))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((B, S, DIM)).astype(np.float32)
+    target = rng.standard_normal((B, S, DIM)).astype(np.float32)
+    values = block_weights(DIM, H, KV_HEADS, HEAD_DIM, HIDDEN)
+    x_local, t_local = (p.to_numpy(t) for t in hp.context_parallel_shard(
+        [p.from_numpy(x), p.from_numpy(target)], [1, 1], mesh))
+    seen: list = []
+    sync, async_ = _sync_and_async(p, values, mesh, x_local, t_local, 2, seen, ulysses_degree=2, kv_exchange="ring")
+    assert seen and all(names == ["DTensor"] * 3 for _, names in seen), seen
+    _assert_same_history(p, async_, sync, "async vs sync hybrid")
+
+
+def test_async_hybrid_matches_sync(run_on_ranks) -> None:
+    run_on_ranks(check_async_hybrid, world_size=4, timeout_s=600)

@@ -110,7 +110,10 @@ def _attention_classes():
                 if not np.array_equal(ends, actual_seq_kvlen.asnumpy().reshape(-1)):
                     raise NotImplementedError("CPUFlashAttention: self-attention (actual_seq_kvlen == qlen)")
                 cu_seqlens = np.concatenate([[0], ends]).astype(np.int64)
-            self.seen = tuple(query.shape)  # what MindFormers' hooks delivered (checked by the test)
+            # what MindFormers' hooks delivered (checked by the test): this rank's piece, and
+            # whether it came as a DTensor (the K/V exchange modes: [Note: q/k/v as DTensors])
+            is_dtensor = isinstance(query, hyper_parallel.DTensor)
+            self.seen = (tuple((query.to_local() if is_dtensor else query).shape), is_dtensor)
 
             def attend(q, k, v):  # BSHD float32 views
                 return hyper_parallel.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
@@ -222,12 +225,16 @@ def check_one_rank(eod: bool = False) -> dict:
             "grads": {name: g.asnumpy() for (name, _), g in zip(model.parameters_and_names(), grads)}}
 
 
-def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int | None = None) -> dict:
+def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int | None = None,
+             flash_attention: bool = False) -> dict:
     """MindFormers' ``ParallelDims.from_config`` + ``parallelize_gptmodel`` with
     ``context_parallel=cp`` and ``data_parallel = world / cp`` (FSDP), the model built under
     meta as the trainer does, this rank's batch rows (dataloading mesh ``(pp, batch, cp,
     tp)``: rank ``= batch_index * cp + cp_index``); the root hook cuts the sequence.
-    ``method`` / ``ulysses``: ``context_parallel_method`` / ``ulysses_degree_in_cp``."""
+    ``method`` / ``ulysses``: ``context_parallel_method`` / ``ulysses_degree_in_cp``;
+    ``flash_attention``: MindFormers' own ``FlashAttention`` as the core attention (its
+    ``FlashAttentionScore`` calls computed by this package's context parallelism), not
+    ``CPUFlashAttention``."""
     from hyper_parallel import DTensor
     from hyper_parallel.core.dtensor.layout import Layout
     from hyper_parallel.platform import get_platform
@@ -235,6 +242,10 @@ def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int 
     p = get_platform()
     world, me = p.world_size(), p.rank()
     attention = _attention_classes()
+    if flash_attention:
+        from mindformers.pynative.layers.flash_attention import FlashAttention
+
+        attention = (FlashAttention, attention[1])
     model = parallelize(lambda parallelism: build_gpt(cp_config(parallelism, eod), *attention),
                         context_parallel=cp, context_parallel_method=method, ulysses_degree_in_cp=ulysses,
                         data_parallel=world // cp)
@@ -254,8 +265,9 @@ def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int 
     else:
         ud = ulysses or cp
         want = (BATCH // dp, HEADS // ud, SEQ // cp * ud, HIDDEN // HEADS)
-    for layer in model.decoder.layers:
-        assert layer.self_attention.core_attention.seen == want, (layer.self_attention.core_attention.seen, want)
+    for layer in model.decoder.layers if not flash_attention else ():
+        seen = layer.self_attention.core_attention.seen
+        assert seen == (want, method != "ulysses"), (seen, want)
     out = {}
     for (name, param), grad in zip(model.parameters_and_names(), grads):
         local = grad.to_local() if isinstance(grad, DTensor) else grad
@@ -312,3 +324,42 @@ def test_gptmodel_cp_ulysses(run_on_ranks, cp, ulysses, world, eod) -> None:
     ranks = run_on_ranks(check_cp, cp, eod, "ulysses" if ulysses is None else "hybrid", ulysses,
                          world_size=world, timeout_s=600)
     _compare(one, ranks)
+
+
+@pytest.mark.parametrize("method,cp,ulysses,world,eod", [
+    ("colossal", 2, None, 2, False), ("colossal", 2, None, 4, False),
+    ("hybrid", 4, 2, 4, False), ("hybrid", 4, 2, 4, True)],
+    ids=["colossal-cp2", "colossal-cp2-dp2", "hybrid-cp4-u2", "hybrid-cp4-u2-eod"])
+def test_gptmodel_cp_flash_attention(run_on_ranks, method, cp, ulysses, world, eod) -> None:
+    """MindFormers' own ``FlashAttention`` cell as the core attention: its
+    ``FlashAttentionScore`` calls (BSH causal under colossal, BNSD / TND with packed documents
+    under hybrid) on the sequence-sharded DTensors the hooks hand in are computed by this
+    package's context parallelism (the primitive has no CPU kernel: nothing else could run
+    it here), against one rank of ``CPUFlashAttention`` (the same attention through
+    ``scaled_dot_product_attention``)."""
+    one = run_on_ranks(check_one_rank, eod, world_size=1, timeout_s=300)[0]
+    ranks = run_on_ranks(check_cp, cp, eod, method, ulysses, True, world_size=world, timeout_s=600)
+    _compare(one, ranks)
+
+
+def check_colossal_eod_refused() -> str:
+    """MindFormers' colossal CP with packed documents hands ``FlashAttention`` BSH q/k/v with
+    ``actual_seq_qlen``, which ``FlashAttentionScore`` takes with ``TND`` only: refused. The
+    forward runs outside ``value_and_grad``: an exception inside it leaves MindSpore 2.10's
+    PyNative grad state behind in the worker (the next test's in-place copies then fail)."""
+    import mindspore as ms
+    from mindformers.pynative.layers.flash_attention import FlashAttention
+
+    attention = (FlashAttention, _attention_classes()[1])
+    model = parallelize(lambda parallelism: build_gpt(cp_config(parallelism, True), *attention),
+                        context_parallel=2, context_parallel_method="colossal", data_parallel=1)
+    try:
+        model(**{n: ms.Tensor(a) for n, a in cp_batch(eod=True).items()})
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("colossal CP with packed documents through FlashAttentionScore was not refused")
+
+
+def test_gptmodel_cp_flash_attention_refuses_bsh_documents(run_on_ranks) -> None:
+    for message in run_on_ranks(check_colossal_eod_refused, world_size=2, timeout_s=300):
+        assert "actual_seq_qlen" in message and "'TND'" in message, message

@@ -28,6 +28,7 @@ import warnings
 from typing import Any
 
 from hyper_parallel.core.context_parallel.context import Frame, Plan, module_call_site, push_frame
+from hyper_parallel.core.context_parallel.sharded_qkv import wrap_qkv
 from hyper_parallel.core.context_parallel.context_parallel import ContextParallel
 from hyper_parallel.core.context_parallel.ulysses import replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -130,5 +131,7 @@ class AsyncContextParallel(ContextParallel):
                                                 grad_box)  # [batch, seq, features / n]
             bshd = y.reshape(y.shape[0], y.shape[1], int(t.shape[h]) // n, int(t.shape[3]))
             out.append(bshd if (s, h) == (1, 2) else bshd.transpose(1, 2))
+        if plan.kv_size > 1:  # hybrid: [Note: q/k/v as DTensors]
+            out = wrap_qkv(plan, seq_len, out, s, h)
         push_frame(Frame(name, plan, seq_len, module_call_site(module)))
         return self._replace(args, kwargs, out)

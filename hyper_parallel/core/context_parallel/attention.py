@@ -11,6 +11,8 @@ from hyper_parallel.core.context_parallel.blocks import block_attention
 from hyper_parallel.core.context_parallel.context import Frame, current_frame
 from hyper_parallel.core.context_parallel.masks import BlockCall, RunPlan, document_ids, plan_block
 from hyper_parallel.core.context_parallel.ring import ring_attention
+from hyper_parallel.core.context_parallel.sharded_qkv import frame_locals
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.platform import AttentionMask, get_platform
 
 LAYOUTS = ("BSHD", "BNSD")
@@ -83,7 +85,9 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = Fa
     exchange axis, forward and again backward; dK/dV accumulated around the ring, see
     [Note: all-gather as a ring source] in ``ring``), ring attention (``n - 1``
     point-to-point shifts), or local attention over whole sequences (Ulysses). Masks follow the global positions each rank holds, so
-    causal offsets, load balance and documents are exact in every mode.
+    causal offsets, load balance and documents are exact in every mode. There q, k, v
+    are the sequence-sharded DTensors the hooks hand in (or their local pieces), and
+    so is the output ([Note: q/k/v as DTensors] in ``sharded_qkv``).
 
     Args:
         q: ``[batch, seq, heads, head_dim]`` (BSHD) or ``[batch, heads, seq, head_dim]``
@@ -124,6 +128,14 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = Fa
             pos = np.arange(q.shape[1], dtype=np.int64)
             out = _attend(p, q, k, v, pos, pos, is_causal, docs, scale)
     else:
+        # the DTensors the hooks handed in ([Note: q/k/v as DTensors]) come back as one
+        like = q
+        locals_ = frame_locals(frame, "scaled_dot_product_attention", (q, k, v))
+        if locals_ is not None:
+            q, k, v = locals_
         frame.called = True
         out = _distributed(p, frame, q, k, v, is_causal, cu_seqlens, scale)
+        if locals_ is not None:
+            out = DTensor.from_local(out, like.device_mesh, like.placements,
+                                     shape=(*like.shape[:-1], int(out.shape[-1])))
     return out.transpose(1, 2) if layout == "BNSD" else out

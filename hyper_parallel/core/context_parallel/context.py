@@ -56,6 +56,10 @@ class Plan:
         kv_group: its process group (``None`` when size 1).
         kv_exchange: ``"allgather"`` or ``"ring"``.
         load_balance: the head-tail sequence layout.
+        mesh: the mesh of the exchange: the context-parallel mesh (1-D), or the 2-D
+            ``(exchange, ulysses)`` mesh in hybrid mode; ``None`` for pure Ulysses (no
+            exchange). The module sees q/k/v as DTensors on it ([Note: q/k/v as DTensors]
+            in ``context_parallel``).
     """
 
     cp: int
@@ -67,6 +71,7 @@ class Plan:
     kv_group: Any
     kv_exchange: str
     load_balance: bool
+    mesh: Any = None
 
     def block_positions(self, seq_len: int, kv_index: int) -> np.ndarray:
         """Global positions of the sequence held, after the Ulysses all-to-all, by the

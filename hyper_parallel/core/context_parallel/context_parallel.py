@@ -17,6 +17,9 @@ mesh of ``cp`` ranks:
 
 The hooks push a frame for the module's forward ([Note: where the active context
 lives] in ``context``); ``scaled_dot_product_attention`` finds it and runs the exchange.
+In the exchange modes the module gets q/k/v as sequence-sharded DTensors, which also
+routes a framework's fused attention op called on them ([Note: q/k/v as DTensors] in
+``sharded_qkv``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from hyper_parallel.core.context_parallel.context import (Frame, Plan, find_fram
                                                           push_frame)
 from hyper_parallel.core.context_parallel.load_balance import check_seq_len
 from hyper_parallel.core.context_parallel.masks import document_ids
+from hyper_parallel.core.context_parallel.sharded_qkv import unwrap_output, wrap_qkv
 from hyper_parallel.core.context_parallel.ulysses import check_heads, heads_to_seq, replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
@@ -73,9 +77,14 @@ class ContextParallel(ParallelStyle):
     in row-major order. A call of the module with a keyword argument ``cu_seqlens``
     (packed documents, passed on by its forward to ``scaled_dot_product_attention``) has
     it validated against the global sequence length in the pre-hook, on every rank
-    before any collective (in particular before the Ulysses all-to-all). A module whose
-    forward does not call ``hyper_parallel.scaled_dot_product_attention`` can use pure
-    Ulysses only; in other modes its forward raises ``RuntimeError``.
+    before any collective (in particular before the Ulysses all-to-all). In the modes
+    with a K/V exchange the module receives q, k, v as DTensors sharded on the sequence
+    (``Shard(seq_dim)`` on the mesh; hybrid: also ``Shard(head_dim)`` on its Ulysses
+    axis) and its output is taken back to this rank's piece: its attention must be
+    ``hyper_parallel.scaled_dot_product_attention`` or a fused op a backend routes
+    (MindSpore: ``FlashAttentionScore``), else the forward raises ``RuntimeError``
+    ([Note: q/k/v as DTensors]). Pure Ulysses hands plain tensors and works with any
+    attention implementation.
 
     Raises:
         ValueError: invalid arguments (at construction); a mesh or q/k/v shapes that do
@@ -154,11 +163,12 @@ class ContextParallel(ParallelStyle):
         cp_index = int(np.ravel_multi_index(coordinate, device_mesh.shape))
         if mesh2d is not None:
             return Plan(cp, cp_index, ud, mesh2d.get_group(1), cp // ud, mesh2d.get_local_rank(0),
-                        mesh2d.get_group(0), self.kv_exchange, self.load_balance)
+                        mesh2d.get_group(0), self.kv_exchange, self.load_balance, mesh2d)
         if ud == cp:
             return Plan(cp, cp_index, cp, device_mesh.get_group() if cp > 1 else None, 1, 0, None,
                         self.kv_exchange, self.load_balance)
-        return Plan(cp, cp_index, 1, None, cp, cp_index, device_mesh.get_group(), self.kv_exchange, self.load_balance)
+        return Plan(cp, cp_index, 1, None, cp, cp_index, device_mesh.get_group(), self.kv_exchange, self.load_balance,
+                    device_mesh)
 
     def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
         """Register the hooks on ``module``; returns it. Collective only for a hybrid
@@ -254,6 +264,8 @@ class ContextParallel(ParallelStyle):
             n, s, h = plan.ulysses_size, self.seq_dim, self.head_dim
             k, v = replicate_heads(p, k, h, n), replicate_heads(p, v, h, n)
             q, k, v = (seq_to_heads(p, t, s, h, plan.ulysses_group) for t in (q, k, v))
+        if plan.kv_size > 1:
+            q, k, v = wrap_qkv(plan, seq_len, (q, k, v), self.seq_dim, self.head_dim)
         push_frame(Frame(name, plan, seq_len, module_call_site(module)))
         return self._replace(args, kwargs, [q, k, v])
 
@@ -269,6 +281,8 @@ class ContextParallel(ParallelStyle):
                                f"(kv_exchange={plan.kv_exchange!r} over {plan.kv_size} ranks). Compute the attention "
                                "with hyper_parallel.scaled_dot_product_attention(q, k, v, ...), or use pure Ulysses "
                                "(ulysses_degree == cp), which works with any attention implementation")
+        if plan.mesh is not None:
+            out = unwrap_output(plan, name, out, self.seq_dim, self.head_dim)
         if plan.ulysses_size > 1:
             if not get_platform().is_tensor(out):
                 raise TypeError(f"ContextParallel on {name}: the forward must return the attention output tensor, "

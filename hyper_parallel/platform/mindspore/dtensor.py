@@ -86,6 +86,9 @@ _PRIMITIVES: dict[str, tuple[str, str]] = {
     "Chunk": ("split", "split"),
     # a Cell's backward (pre) hook on its outputs (fully_shard's pre-backward): identity
     "CellBackwardHook": ("identity", "identity"),
+    "Contiguous": ("clone", "pointwise"),
+    # under ContextParallel: the module's algorithm (flash_attention_score.py); else the rules
+    "FlashAttentionScore": ("FlashAttentionScore", "fused_attention"),
 }
 
 
@@ -266,6 +269,12 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
         return call_op(op, call_args, kwargs)
 
     x = args[0] if args else None
+    if kind == "fused_attention":
+        from hyper_parallel.platform.mindspore.flash_attention_score import flash_attention_score
+
+        routed = flash_attention_score(args, kwargs)
+        if routed is not None:
+            return routed
     if kind == "identity":
         return _identity(op, args, kwargs, is_dtensor, call_op)
     if kind == "split" and is_dtensor(x) and not any(is_dtensor(a) for a in args[1:]):

@@ -1,0 +1,183 @@
+"""q/k/v as DTensors inside a ``ContextParallel`` module, and fused attention calls on them.
+
+[Note: q/k/v as DTensors]
+In the exchange modes (``ulysses_degree < cp``: all-gather or ring K/V, hybrid) the
+pre-hook hands the module q, k, v as DTensors on the plan's mesh: ``Shard(seq_dim)``
+over the exchange axis (and ``Shard(head_dim)`` over the Ulysses axis in hybrid mode),
+with the global shape. Two things follow:
+
+- the module's reshapes, transposes and casts of q/k/v run through the sharding rules
+  and keep the sequence sharding, so whatever attention call the module ends with sees
+  sequence-sharded DTensors;
+- an attention call the module makes on them is *recognisable*, and routed to the
+  plan's exchange: ``hyper_parallel.scaled_dot_product_attention`` (core, below), and a
+  framework's fused attention op, which a backend intercepts on its DTensor class and
+  translates into ``attention_on_dtensors`` here (MindSpore: the ``FlashAttentionScore``
+  primitive that MindFormers' ``FlashAttention`` cell calls). This is how torch's own
+  context parallelism reaches ``scaled_dot_product_attention`` too: a DTensor op handler
+  for the fused attention op on sequence-sharded inputs.
+
+The post-hook takes the module's output back to this rank's local piece (redistributing
+first if the module changed its placements). Pure Ulysses (``ulysses_degree == cp``)
+hands plain tensors: the module holds whole sequences and any attention runs as it is.
+
+The DTensors' global order along the sequence is the order of the shards: with
+``load_balance`` (head-tail chunks) it is not the order of the tokens. Nothing in a
+core-attention module reads it (the attention takes positions from the plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hyper_parallel.core.context_parallel.context import Frame, Plan, current_frame
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
+
+#: fused-kernel input layouts: the dims of batch, sequence and heads; ``None`` where
+#: heads and head features share the last dim (``H = heads * head_dim``)
+FUSED_LAYOUTS: dict[str, tuple[int | None, int, int | None]] = {
+    "BSH": (0, 1, None), "SBH": (1, 0, None), "BNSD": (0, 2, 1), "BSND": (0, 1, 2), "TND": (None, 0, 1),
+}
+
+
+def qkv_placements(plan: Plan, seq_dim: int, head_dim: int) -> tuple[Placement, ...]:
+    """The placements of q/k/v on ``plan.mesh`` (see the Note)."""
+    if plan.mesh.ndim == 2:  # (exchange, ulysses); a Ulysses axis of one rank shards nothing
+        return Shard(seq_dim), (Shard(head_dim) if plan.ulysses_size > 1 else Replicate())
+    return (Shard(seq_dim),)
+
+
+def wrap_qkv(plan: Plan, seq_len: int, tensors: Sequence[Any], seq_dim: int, head_dim: int) -> list[Any]:
+    """This rank's q/k/v pieces (after any Ulysses all-to-all) as DTensors on
+    ``plan.mesh`` with their global shapes; no communication."""
+    placements = qkv_placements(plan, seq_dim, head_dim)
+    out = []
+    for t in tensors:
+        shape = list(t.shape)
+        shape[seq_dim] = seq_len
+        if plan.ulysses_size > 1:
+            shape[head_dim] *= plan.ulysses_size
+        out.append(DTensor.from_local(t, plan.mesh, placements, shape=tuple(shape)))
+    return out
+
+
+def unwrap_output(plan: Plan, name: str, out: Any, seq_dim: int, head_dim: int) -> Any:
+    """The module's output as this rank's piece: a DTensor on ``plan.mesh`` is brought to
+    the q/k/v placements (a no-op when it kept them) and unwrapped; a framework tensor
+    is returned as it is.
+
+    Raises:
+        ValueError: a DTensor on another mesh.
+    """
+    if not isinstance(out, DTensor):
+        return out
+    if out.device_mesh != plan.mesh:
+        raise ValueError(f"ContextParallel on {name}: the forward returned a DTensor on {out.device_mesh}, not on the "
+                         f"context-parallel mesh {plan.mesh} its q/k/v came on; return the attention output")
+    placements = qkv_placements(plan, seq_dim, head_dim)
+    if tuple(out.placements) != placements:
+        out = out.redistribute(plan.mesh, placements)
+    return out.to_local()
+
+
+def frame_locals(frame: Frame, what: str, tensors: Sequence[Any]) -> list[Any] | None:
+    """The local pieces of q/k/v that are DTensors on ``frame``'s mesh; ``None`` when
+    none is a DTensor (a module that made plain tensors of them, or pure Ulysses).
+
+    Raises:
+        ValueError: a mix of DTensors and framework tensors, or DTensors on another mesh.
+    """
+    flags = [isinstance(t, DTensor) for t in tensors]
+    if not any(flags):
+        return None
+    if not all(flags) or any(t.device_mesh != frame.plan.mesh for t in tensors):
+        raise ValueError(f"{what} in {frame.module_name}: q, k, v must all be the DTensors the ContextParallel hooks "
+                         f"handed in (on {frame.plan.mesh}), or all plain tensors; got "
+                         f"{[type(t).__name__ if not isinstance(t, DTensor) else str(t.device_mesh) for t in tensors]}")
+    return [t.to_local() for t in tensors]
+
+
+def attention_on_dtensors(q: DTensor, k: DTensor, v: DTensor, *, layout: str, head_num: int, is_causal: bool,
+                          scale: float | None, cu_seqlens: Any = None, op: str = "attention") -> DTensor:
+    """A framework's fused attention op called on the DTensors a ``ContextParallel`` module
+    received, computed by the module's algorithm (for the backends' translations of such
+    ops; see [Note: q/k/v as DTensors]).
+
+    Args:
+        q: ``BSH`` ``[batch, seq, heads * head_dim]``, ``SBH`` ``[seq, batch, heads * head_dim]``,
+            ``BNSD`` ``[batch, heads, seq, head_dim]``, ``BSND`` ``[batch, seq, heads, head_dim]``
+            or ``TND`` ``[tokens, heads, head_dim]`` (``layout``), sequence-sharded as
+            the hooks handed it in; any floating dtype.
+        k, v: like ``q`` with ``kv_heads`` heads (grouped-query attention).
+        layout: one of ``FUSED_LAYOUTS``.
+        head_num: the global number of query heads (splits ``H`` in ``BSH`` / ``SBH``).
+        is_causal: query at global position ``i`` sees keys at ``j <= i``.
+        scale: multiplies ``q k^T``; default ``head_dim ** -0.5``.
+        cu_seqlens: cumulative lengths of the packed documents of the whole sequence
+            (``TND``: of all tokens), as ``scaled_dot_product_attention`` takes them.
+        op: the framework op's name, for messages.
+
+    Returns:
+        The attention output, a DTensor shaped and placed like ``q`` (``H`` from ``v``'s
+        head size), in ``q``'s dtype.
+
+    Raises:
+        ValueError: no ``ContextParallel`` module is running, q/k/v are not its DTensors,
+            an unknown layout, or ``head_num`` does not divide ``H``.
+    """
+    # core/context_parallel/attention imports this module: import it at call time
+    from hyper_parallel.core.context_parallel.attention import scaled_dot_product_attention
+
+    frame = current_frame()
+    if frame is None or frame.plan.mesh is None:
+        raise ValueError(f"{op} on sequence-sharded DTensors runs only inside a module under ContextParallel with a "
+                         "K/V exchange (ulysses_degree < cp), which hands it q, k, v as such DTensors")
+    if layout not in FUSED_LAYOUTS:
+        raise ValueError(f"{op}: input layout {layout!r} is not one of {sorted(FUSED_LAYOUTS)}")
+    locals_ = frame_locals(frame, op, (q, k, v))
+    if locals_ is None:
+        raise ValueError(f"{op} in {frame.module_name}: q, k, v must be the DTensors the ContextParallel hooks handed "
+                         "in")
+    batch, seq, heads = FUSED_LAYOUTS[layout]
+    if heads is None:
+        # H = heads * head_dim: q has head_num heads; k and v share its kv head count
+        # (v's head size may differ: multi-latent attention)
+        if head_num <= 0 or int(q.shape[-1]) % head_num:
+            raise ValueError(f"{op}: head_num={head_num} does not divide the hidden size {q.shape[-1]} of {layout} q")
+        kv_heads = int(k.shape[-1]) // (int(q.shape[-1]) // head_num)
+        head_counts = (head_num, kv_heads, kv_heads)
+    else:
+        head_counts = (-1, -1, -1)
+
+    def to_bshd(t: Any, n: int) -> Any:
+        if batch is None:
+            return t.unsqueeze(0)
+        if heads is None:
+            t = t if batch == 0 else t.permute(1, 0, 2)
+            return t.reshape(int(t.shape[0]), int(t.shape[1]), n, -1)
+        return t if (batch, seq, heads) == (0, 1, 2) else t.permute(batch, seq, heads, 3)
+
+    out = scaled_dot_product_attention(*(to_bshd(t, n) for t, n in zip(locals_, head_counts)), is_causal=is_causal,
+                                       scale=scale, cu_seqlens=cu_seqlens)
+    if batch is None:
+        out = out[0]
+    elif heads is None:
+        out = out.reshape(int(out.shape[0]), int(out.shape[1]), -1)
+        out = out if batch == 0 else out.permute(1, 0, 2)
+    elif (batch, seq, heads) != (0, 1, 2):
+        out = out.permute(0, 2, 1, 3)  # BSHD -> BNSD, the other 4-D layout
+    shape = list(q.shape)
+    shape[-1] = int(out.shape[-1])  # the last dim is never sharded: head_dim, or the merged heads (no Ulysses)
+    return DTensor.from_local(out, q.device_mesh, q.placements, shape=tuple(shape))
+
+
+def routes_to_context_parallel(tensors: Sequence[Any]) -> bool:
+    """Whether a fused attention op called on ``tensors`` (q, k, v) is one to compute with
+    ``attention_on_dtensors``: a ``ContextParallel`` module with a K/V exchange is running
+    and they are all DTensors on its mesh. A backend's translation asks this first and
+    otherwise leaves the op to the sharding rules (no communication either way)."""
+    frame = current_frame()
+    return (frame is not None and frame.plan.mesh is not None
+            and all(isinstance(t, DTensor) and t.device_mesh == frame.plan.mesh for t in tensors))
