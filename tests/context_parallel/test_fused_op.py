@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import hyper_parallel as hp
-from hyper_parallel.core.context_parallel.sharded_qkv import FUSED_LAYOUTS, attention_on_dtensors
+from hyper_parallel.core.context_parallel.sharded_qkv import (FUSED_LAYOUTS, attention_on_dtensors,
+                                                          attention_on_local_shards, independent_shards_problem)
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.platform import get_platform
 from tests.context_parallel import _models
@@ -93,7 +94,8 @@ def test_fused_op_layouts_match_single_device(run_on_ranks, world) -> None:
 
 def check_refusals() -> list[str]:
     """Outside a ContextParallel module; plain tensors inside one; an unknown layout; a
-    ``head_num`` that does not divide BSH's hidden size."""
+    ``head_num`` that does not divide BSH's hidden size; q/k/v handed to the module as
+    DTensors already."""
     p = get_platform()
     cp = p.world_size()
     mesh = init_device_mesh(p.device_type, (cp,), mesh_dim_names=("cp",))
@@ -120,9 +122,92 @@ def check_refusals() -> list[str]:
         with pytest.raises(ValueError, match=pattern) as e:
             module(x, x, x)
         messages.append(str(e.value))
+    # q/k/v that are DTensors already (tensor parallelism's heads): refused in the pre-hook
+    module = hp.ContextParallel(seq_dim=1, head_dim=2, ulysses_degree=1).apply(
+        _models._qkv_module(p, lambda q, k, v: q, "Refused"), mesh)
+    heads = hp.DTensor.from_local(x, mesh, [hp.Shard(2)])
+    with pytest.raises(NotImplementedError, match="arrive as DTensors") as e:
+        module(heads, heads, heads)
+    messages.append(str(e.value))
     return messages
 
 
 def test_fused_op_refusals(run_on_ranks) -> None:
     for messages in run_on_ranks(check_refusals, world_size=2, timeout_s=300):
-        assert len(messages) == 4
+        assert len(messages) == 5
+
+
+def _local_piece(a: np.ndarray, mesh, placements) -> np.ndarray:
+    """This rank's piece of ``a`` (even shards, mesh axes in order, as ``DTensor`` lays them out)."""
+    coordinate = mesh.get_coordinate()
+    bounds = [(0, n) for n in a.shape]
+    for axis, pl in enumerate(placements):
+        if isinstance(pl, hp.Shard):
+            start, stop = bounds[pl.dim]
+            size = (stop - start) // mesh.size(axis)
+            bounds[pl.dim] = (start + coordinate[axis] * size, start + (coordinate[axis] + 1) * size)
+    return a[tuple(slice(b, e) for b, e in bounds)]
+
+
+def check_local_shards() -> int:
+    """``attention_on_local_shards`` (a fused op on batch- and head-sharded DTensors, tensor
+    parallelism's q/k/v): every layout, sharded by batch, by heads (merged ``H`` for BSH /
+    SBH), by both on a 2-D mesh (4 ranks), GQA, causal / documents, against the float64
+    reference on this rank's rows and heads; the gradient of each local piece is this rank's
+    piece of the reference's."""
+    p = get_platform()
+    world = p.world_size()
+    mesh = init_device_mesh(p.device_type, (2, world // 2) if world == 4 else (world,),
+                            mesh_dim_names=("a", "b") if world == 4 else ("a",))
+    rng = np.random.default_rng(12)
+    count = 0
+    for i, layout in enumerate(FUSED_LAYOUTS):
+        batch_dim, _, heads = FUSED_LAYOUTS[layout]
+        head_dim = 2 if heads is None else heads
+        shardings = [(hp.Shard(head_dim),)] + ([] if batch_dim is None else [(hp.Shard(batch_dim),)])
+        if world == 4:
+            shardings = [(hp.Shard(head_dim), hp.Replicate())] + (
+                [] if batch_dim is None else [(hp.Shard(batch_dim), hp.Shard(head_dim))])
+        for j, placements in enumerate(shardings):
+            causal = (i + j) % 2 == 0
+            docs = DOCS if layout == "TND" else None
+            kv_heads = (H, 2)[(i + j) % 2] if world == 2 or j == 0 else H
+            batch = 1 if layout == "TND" else B * 2
+            q = rng.standard_normal((batch, S, H, D))
+            k, v = (rng.standard_normal((batch, S, kv_heads, D)) for _ in range(2))
+            dout = rng.standard_normal((batch, S, H, D))
+            ref = [to_layout(a, layout) for a in reference(q, k, v, dout, reference_mask(S, causal, docs))]
+            full = [to_layout(a, layout) for a in (q, k, v, dout)]
+            pieces = [p.from_numpy(np.ascontiguousarray(_local_piece(a, mesh, placements))) for a in full]
+
+            def attend(ql, kl, vl):
+                dts = [hp.DTensor.from_local(t, mesh, placements, shape=a.shape) for t, a in zip((ql, kl, vl), full)]
+                out = attention_on_local_shards(*dts, layout=layout, head_num=H, is_causal=causal, scale=None,
+                                                cu_seqlens=docs, op="test")
+                assert tuple(out.shape) == ref[0].shape and tuple(out.placements) == tuple(placements)
+                return out.to_local()
+
+            out, back = p.vjp(attend, pieces[:3])
+            grads, _ = back([pieces[3]])
+            label = f"{layout} {placements} causal={causal} kv_heads={kv_heads}"
+            for name, value, want in zip(("out", "dq", "dk", "dv"), [out, *grads], ref):
+                np.testing.assert_allclose(p.to_numpy(value), _local_piece(want, mesh, placements), **_tol(p),
+                                           err_msg=f"{name}: {label}")
+            count += 1
+    # what each rank cannot do alone: a sharded sequence; heads that do not split evenly
+    x = hp.DTensor.from_local(p.from_numpy(np.zeros((B, S // world, H, D))), mesh,
+                              (hp.Shard(1),) + (hp.Replicate(),) * (mesh.ndim - 1))
+    assert "neither its batch nor its head dim" in independent_shards_problem(x, x, x, "BSND", H)
+    kv = hp.DTensor.from_local(p.from_numpy(np.zeros((B, S, 1, D))), mesh,
+                               (hp.Shard(2),) + (hp.Replicate(),) * (mesh.ndim - 1), shape=(B, S, mesh.size(0), D))
+    q = hp.DTensor.from_local(p.from_numpy(np.zeros((B, S, H // mesh.size(0), D))), mesh,
+                              (hp.Shard(2),) + (hp.Replicate(),) * (mesh.ndim - 1))
+    assert independent_shards_problem(q, kv, kv, "BSND", H) is None
+    with pytest.raises(ValueError, match="placements differ"):
+        attention_on_local_shards(q, x, x, layout="BSND", head_num=H, is_causal=True, scale=None)
+    return count
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_local_shards_match_single_device(run_on_ranks, world) -> None:
+    assert run_on_ranks(check_local_shards, world_size=world, timeout_s=400) == [9] * world

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from tests.mindformers.test_gptmodel import BATCH, batch, parallelize, pytestmark, seed_weights  # noqa: F401
 
@@ -52,14 +53,21 @@ from tests.mindformers.test_gptmodel import BATCH, batch, parallelize, pytestmar
 QK_HEAD, QK_POS, V_HEAD, Q_LORA, KV_LORA = 12, 4, 16, 32, 32
 
 
-def build_mla_gpt(pipeline: bool = False):
+#: ``seq_length`` that ``use_attn_mask_compression`` needs (MindFormers' ``CausalMaskGenerate``)
+COMPRESSED_MASK_SEQ = 2048
+
+
+def build_mla_gpt(pipeline: bool = False, flash_attention: bool = False):
     """``test_gptmodel``'s tiny ``GPTModel`` with MindFormers' multi-latent attention
     (``get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)``, the
     only attention ``apply_non_moe_tp`` plans), the same test-local CPU cells in the spec,
     wrapped as MindFormers' causal-LM classes hold it (``self.model = GPTModel``, which
     ``apply_non_moe_tp`` reads). Weights as ``build_gpt``'s: a seeded normal per name.
     ``pipeline``: the wrapper takes ``apply_pp``'s stage arguments and its stage interface
-    (``test_gptmodel_pp.causal_lm_class``)."""
+    (``test_gptmodel_pp.causal_lm_class``). ``flash_attention``: MindFormers' own
+    ``FlashAttention`` as the core attention (``use_flash_attention=True`` with the
+    compressed causal mask, ``sparse_mode=2``; its ``FlashAttentionScore`` call on the
+    head-sharded DTensors computed per rank by this package), else ``TPCoreAttention``."""
     from mindformers.parallel_core.transformer_config import MLATransformerConfig
     from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
@@ -75,9 +83,9 @@ def build_mla_gpt(pipeline: bool = False):
     class TPCoreAttention(cpu["attention"]):
         """``CPUCoreAttention`` on the DTensor q/k/v that MindFormers' ``PrepareModuleInput``
         hands in under tensor parallelism (heads sharded, ``Shard(2)`` of SBND): attention
-        per head on this rank's heads, the SBH output ``Shard(2)`` (heads merged). It
-        stands in for the DTensor rule of ``FlashAttentionScore`` (Ascend-only);
-        ``hyper_parallel.scaled_dot_product_attention`` takes local tensors only."""
+        per head on this rank's heads, the SBH output ``Shard(2)`` (heads merged), for
+        ``use_flash_attention=False``. With ``flash_attention`` MindFormers' own
+        ``FlashAttention`` runs instead (``test_gptmodel_tp_flash_attention``)."""
 
         def construct(self, query, key, value, attention_mask=None, **kwargs):
             if not isinstance(query, DTensor):
@@ -86,18 +94,24 @@ def build_mla_gpt(pipeline: bool = False):
             out = super().construct(query.to_local(), key.to_local(), value.to_local(), attention_mask, **kwargs)
             return DTensor.from_local(out, query.device_mesh, query.placements)
 
+    flash = {"use_flash_attention": True, "use_attn_mask_compression": True, "seq_length": COMPRESSED_MASK_SEQ,
+             "max_position_embeddings": COMPRESSED_MASK_SEQ} if flash_attention else {
+        "use_flash_attention": False, "seq_length": SEQ, "max_position_embeddings": SEQ}
     config = MLATransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-        vocab_size=VOCAB, seq_length=SEQ, max_position_embeddings=SEQ, compute_dtype="float32",
-        params_dtype="float32", layernorm_compute_dtype="float32", use_flash_attention=False,
+        vocab_size=VOCAB, compute_dtype="float32", params_dtype="float32", layernorm_compute_dtype="float32", **flash,
         position_embedding_type="none", normalization="RMSNorm", gated_linear_unit=True, hidden_act="silu",
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, multi_latent_attention=True,
         q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_head_dim=QK_HEAD, qk_pos_emb_head_dim=QK_POS,
         v_head_dim=V_HEAD, qk_layernorm=True)
     layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True, multi_latent_attention=True)
     attention = layer.submodules.self_attention
+    if flash_attention:
+        from mindformers.pynative.layers.flash_attention import FlashAttention as core_attention
+    else:
+        core_attention = TPCoreAttention
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, core_attention=TPCoreAttention, q_layernorm=cpu["norm"], k_layernorm=cpu["norm"]))
+        attention.submodules, core_attention=core_attention, q_layernorm=cpu["norm"], k_layernorm=cpu["norm"]))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(
         layer.submodules, input_layernorm=cpu["norm"], pre_mlp_layernorm=cpu["norm"], self_attention=attention))
     block = TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=cpu["norm"])
@@ -148,10 +162,12 @@ def check_mla_one_rank() -> dict:
             "grads": {name: g.asnumpy() for (name, _), g in zip(named, grads)}}
 
 
-def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool = False) -> dict:
+def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool = False,
+                 flash_attention: bool = False) -> dict:
     """MindFormers' ``ParallelDims.from_config`` + ``parallelize_gptmodel`` with the given
     degrees on the wrapped model built under meta; this rank's pieces of the 1-rank
-    weights written in; loss and ``value_and_grad``."""
+    weights written in; loss and ``value_and_grad``. ``flash_attention``: see
+    ``build_mla_gpt``."""
     import mindspore as ms
 
     from hyper_parallel import DTensor
@@ -161,7 +177,7 @@ def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool =
     p = get_platform()
     world, me = p.world_size(), p.rank()
     assert world == data_parallel * tensor_parallel
-    model = parallelize(lambda parallelism: build_mla_gpt(), data_parallel=data_parallel,
+    model = parallelize(lambda parallelism: build_mla_gpt(flash_attention=flash_attention), data_parallel=data_parallel,
                         tensor_parallel=tensor_parallel, enable_loss_parallel=loss_parallel)
     named = list(model.parameters_and_names())
     ids, labels = batch()
@@ -211,6 +227,19 @@ def test_gptmodel_tp_fsdp_four_ranks(run_on_ranks) -> None:
     one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
     four = run_on_ranks(check_gpt_tp, 2, 2, world_size=4, timeout_s=600)
     _compare(one, four, 2)
+
+
+@pytest.mark.parametrize("data_parallel,tensor_parallel", [(1, 2), (2, 2)], ids=["tp2", "tp2-dp2"])
+def test_gptmodel_tp_flash_attention(run_on_ranks, data_parallel, tensor_parallel) -> None:
+    """MindFormers' own ``FlashAttention`` cell as the core attention under its tensor
+    parallelism: ``FlashAttentionScore`` (BNSD, causal) on q/k/v with the heads sharded
+    over tp is computed by each rank on its own heads (``attention_on_local_shards``; the
+    primitive has no CPU kernel, so nothing else could have run it), against one rank of
+    ``CPUCoreAttention``."""
+    one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
+    ranks = run_on_ranks(check_gpt_tp, data_parallel, tensor_parallel, False, True,
+                         world_size=data_parallel * tensor_parallel, timeout_s=600)
+    _compare(one, ranks, data_parallel)
 
 
 class _Stop(Exception):

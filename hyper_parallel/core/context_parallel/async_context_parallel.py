@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 from hyper_parallel.core.context_parallel.context import Frame, Plan, module_call_site, push_frame
-from hyper_parallel.core.context_parallel.sharded_qkv import wrap_qkv
+from hyper_parallel.core.context_parallel.sharded_qkv import refuse_dtensor_qkv, wrap_qkv
 from hyper_parallel.core.context_parallel.context_parallel import ContextParallel
 from hyper_parallel.core.context_parallel.ulysses import replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -114,6 +114,8 @@ class AsyncContextParallel(ContextParallel):
             raise RuntimeError(f"AsyncContextParallel on {name}: no all-to-all was launched by the {'/'.join(missing)} "
                                "projection(s) this step; the attention's q, k, v must come from the hooked projections")
         seq_len = self.check(plan, name, q, k, v, kwargs)
+        if plan.kv_size > 1:
+            refuse_dtensor_qkv(name, (q, k, v))
         sync_kv = int(k.shape[h]) % n != 0  # GQA replication: see the class doc
         out = []
         for proj_name, t in zip(PROJECTIONS, (q, k, v)):

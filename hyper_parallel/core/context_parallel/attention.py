@@ -47,6 +47,25 @@ def local_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False, scale: f
     return block_attention(p, q, k, v, [RunPlan(0, int(q.shape[1]), (call,))], scale)
 
 
+def attend_locally(q: Any, k: Any, v: Any, *, is_causal: bool, scale: float | None, cu_seqlens: Any = None) -> Any:
+    """Attention of BSHD ``q`` over ``k``/``v`` as they are (never routed to context
+    parallelism), with packed documents when ``cu_seqlens`` is given: what
+    ``scaled_dot_product_attention`` computes outside a ``ContextParallel`` module.
+
+    Raises:
+        ValueError: ``cu_seqlens`` with unequal q and k lengths, or not a valid cumulative
+            length list of the sequence.
+    """
+    if cu_seqlens is None:
+        return local_attention(q, k, v, is_causal=is_causal, scale=scale)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"scaled_dot_product_attention: cu_seqlens needs equal q and k sequence lengths "
+                         f"(self-attention over one packed sequence); got {q.shape[1]} and {k.shape[1]}")
+    docs = document_ids(cu_seqlens, q.shape[1])
+    pos = np.arange(q.shape[1], dtype=np.int64)
+    return _attend(get_platform(), q, k, v, pos, pos, is_causal, docs, scale)
+
+
 def _check(q: Any, k: Any, v: Any, layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"scaled_dot_product_attention: layout={layout!r} is not supported; use 'BSHD' "
@@ -118,15 +137,7 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = Fa
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     frame = current_frame()
     if frame is None:
-        if cu_seqlens is None:
-            out = local_attention(q, k, v, is_causal=is_causal, scale=scale)
-        else:
-            if q.shape[1] != k.shape[1]:
-                raise ValueError(f"scaled_dot_product_attention: cu_seqlens needs equal q and k sequence lengths "
-                                 f"(self-attention over one packed sequence); got {q.shape[1]} and {k.shape[1]}")
-            docs = document_ids(cu_seqlens, q.shape[1])
-            pos = np.arange(q.shape[1], dtype=np.int64)
-            out = _attend(p, q, k, v, pos, pos, is_causal, docs, scale)
+        out = attend_locally(q, k, v, is_causal=is_causal, scale=scale, cu_seqlens=cu_seqlens)
     else:
         # the DTensors the hooks handed in ([Note: q/k/v as DTensors]) come back as one
         like = q

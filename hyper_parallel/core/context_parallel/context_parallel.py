@@ -32,7 +32,7 @@ from hyper_parallel.core.context_parallel.context import (Frame, Plan, find_fram
                                                           push_frame)
 from hyper_parallel.core.context_parallel.load_balance import check_seq_len
 from hyper_parallel.core.context_parallel.masks import document_ids
-from hyper_parallel.core.context_parallel.sharded_qkv import unwrap_output, wrap_qkv
+from hyper_parallel.core.context_parallel.sharded_qkv import refuse_dtensor_qkv, unwrap_output, wrap_qkv
 from hyper_parallel.core.context_parallel.ulysses import check_heads, heads_to_seq, replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
@@ -259,6 +259,8 @@ class ContextParallel(ParallelStyle):
                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         q, k, v = self._qkv(name, args, kwargs)
         seq_len = self.check(plan, name, q, k, v, kwargs)
+        if plan.kv_size > 1:
+            refuse_dtensor_qkv(name, (q, k, v))
         if plan.ulysses_size > 1:
             p = get_platform()
             n, s, h = plan.ulysses_size, self.seq_dim, self.head_dim

@@ -1,4 +1,4 @@
-"""q/k/v as DTensors inside a ``ContextParallel`` module, and fused attention calls on them.
+"""q/k/v as DTensors inside a ``ContextParallel`` module, and fused attention ops on DTensors.
 
 [Note: q/k/v as DTensors]
 In the exchange modes (``ulysses_degree < cp``: all-gather or ring K/V, hybrid) the
@@ -20,6 +20,11 @@ with the global shape. Two things follow:
 The post-hook takes the module's output back to this rank's local piece (redistributing
 first if the module changed its placements). Pure Ulysses (``ulysses_degree == cp``)
 hands plain tensors: the module holds whole sequences and any attention runs as it is.
+
+The same translations serve fused attention ops on q/k/v sharded by batch and heads only
+(tensor parallelism's head-sharded q/k/v, no ``ContextParallel`` module):
+``attention_on_local_shards`` has each rank attend on its own pieces, which is exact
+because attention is independent across batch rows and heads.
 
 The DTensors' global order along the sequence is the order of the shards: with
 ``load_balance`` (head-tail chunks) it is not the order of the tokens. Nothing in a
@@ -47,6 +52,22 @@ def qkv_placements(plan: Plan, seq_dim: int, head_dim: int) -> tuple[Placement, 
     if plan.mesh.ndim == 2:  # (exchange, ulysses); a Ulysses axis of one rank shards nothing
         return Shard(seq_dim), (Shard(head_dim) if plan.ulysses_size > 1 else Replicate())
     return (Shard(seq_dim),)
+
+
+def refuse_dtensor_qkv(name: str, tensors: Sequence[Any]) -> None:
+    """Raise if q/k/v reach a ``ContextParallel`` module with a K/V exchange as DTensors
+    already (before the pre-hook's first collective): the hooks shard this rank's plain
+    pieces.
+
+    Raises:
+        NotImplementedError: naming their placements and the fix.
+    """
+    given = [f"{t.device_mesh} {list(t.placements)}" for t in tensors if isinstance(t, DTensor)]
+    if given:
+        raise NotImplementedError(f"ContextParallel on {name}: q, k, v arrive as DTensors ({'; '.join(given)}), e.g. "
+                                  "heads sharded by tensor parallelism; context parallelism with a K/V exchange "
+                                  "takes this rank's plain pieces: hand the core attention local tensors "
+                                  "(use_local_output=True), or use pure Ulysses (ulysses_degree == cp)")
 
 
 def wrap_qkv(plan: Plan, seq_len: int, tensors: Sequence[Any], seq_dim: int, head_dim: int) -> list[Any]:
@@ -99,6 +120,78 @@ def frame_locals(frame: Frame, what: str, tensors: Sequence[Any]) -> list[Any] |
     return [t.to_local() for t in tensors]
 
 
+def _heads(q: Any, k: Any, layout: str, head_num: int, op: str) -> tuple[int, int]:
+    """The global query and key/value head counts.
+
+    Raises:
+        ValueError: ``head_num`` does not divide the merged ``H`` of ``BSH`` / ``SBH``.
+    """
+    heads = FUSED_LAYOUTS[layout][2]
+    if heads is not None:
+        return int(q.shape[heads]), int(k.shape[heads])
+    if head_num <= 0 or int(q.shape[-1]) % head_num:
+        raise ValueError(f"{op}: head_num={head_num} does not divide the hidden size {q.shape[-1]} of {layout} q")
+    # H = heads * head_dim: k and v share their kv head count (v's head size may differ:
+    # multi-latent attention)
+    return head_num, int(k.shape[-1]) // (int(q.shape[-1]) // head_num)
+
+
+def _head_split(q: DTensor, layout: str) -> int:
+    """The number of pieces ``q``'s heads are cut into (the merged ``H`` of ``BSH`` / ``SBH``
+    counts as heads)."""
+    heads = FUSED_LAYOUTS[layout][2]
+    head_dim = q.ndim - 1 if heads is None else heads
+    split = 1
+    for axis, pl in enumerate(q.placements):
+        if isinstance(pl, Shard) and pl.dim % q.ndim == head_dim:
+            split *= q.device_mesh.size(axis)
+    return split
+
+
+def _head_counts(q: DTensor, k: DTensor, layout: str, head_num: int, split: int, op: str) -> tuple[int, int, int]:
+    """The local head counts of q, k, v for the reshape of merged-head layouts (``-1``:
+    the layout has a head dim); ``split``: the pieces the heads are cut into."""
+    if FUSED_LAYOUTS[layout][2] is not None:
+        return -1, -1, -1
+    q_heads, kv_heads = _heads(q, k, layout, head_num, op)
+    return q_heads // split, kv_heads // split, kv_heads // split
+
+
+def _in_layout(locals_: Sequence[Any], layout: str, head_counts: Sequence[int], attend: Any) -> Any:
+    """``attend`` (BSHD q, k, v -> BSHD output) on local pieces in ``layout``; the output in
+    ``layout``."""
+    batch, seq, heads = FUSED_LAYOUTS[layout]
+
+    def to_bshd(t: Any, n: int) -> Any:
+        if batch is None:
+            return t.unsqueeze(0)
+        if heads is None:
+            t = t if batch == 0 else t.permute(1, 0, 2)
+            return t.reshape(int(t.shape[0]), int(t.shape[1]), n, -1)
+        return t if (batch, seq, heads) == (0, 1, 2) else t.permute(batch, seq, heads, 3)
+
+    out = attend(*(to_bshd(t, n) for t, n in zip(locals_, head_counts)))
+    if batch is None:
+        return out[0]
+    if heads is None:
+        out = out.reshape(int(out.shape[0]), int(out.shape[1]), -1)
+        return out if batch == 0 else out.permute(1, 0, 2)
+    return out if (batch, seq, heads) == (0, 1, 2) else out.permute(0, 2, 1, 3)  # BSHD -> BNSD
+
+
+def _like(out: Any, q: DTensor) -> DTensor:
+    """``out`` (this rank's output piece) as a DTensor placed like ``q``: its global shape is
+    ``q``'s but for the last dim (``v``'s head size, or heads x that size when merged), which
+    is sharded only where ``q``'s merged heads are, evenly."""
+    shape = list(q.shape)
+    split = 1
+    for axis, pl in enumerate(q.placements):
+        if isinstance(pl, Shard) and pl.dim % len(shape) == len(shape) - 1:
+            split *= q.device_mesh.size(axis)
+    shape[-1] = int(out.shape[-1]) * split
+    return DTensor.from_local(out, q.device_mesh, q.placements, shape=tuple(shape))
+
+
 def attention_on_dtensors(q: DTensor, k: DTensor, v: DTensor, *, layout: str, head_num: int, is_causal: bool,
                           scale: float | None, cu_seqlens: Any = None, op: str = "attention") -> DTensor:
     """A framework's fused attention op called on the DTensors a ``ContextParallel`` module
@@ -140,37 +233,71 @@ def attention_on_dtensors(q: DTensor, k: DTensor, v: DTensor, *, layout: str, he
     if locals_ is None:
         raise ValueError(f"{op} in {frame.module_name}: q, k, v must be the DTensors the ContextParallel hooks handed "
                          "in")
-    batch, seq, heads = FUSED_LAYOUTS[layout]
-    if heads is None:
-        # H = heads * head_dim: q has head_num heads; k and v share its kv head count
-        # (v's head size may differ: multi-latent attention)
-        if head_num <= 0 or int(q.shape[-1]) % head_num:
-            raise ValueError(f"{op}: head_num={head_num} does not divide the hidden size {q.shape[-1]} of {layout} q")
-        kv_heads = int(k.shape[-1]) // (int(q.shape[-1]) // head_num)
-        head_counts = (head_num, kv_heads, kv_heads)
-    else:
-        head_counts = (-1, -1, -1)
+    counts = _head_counts(q, k, layout, head_num, _head_split(q, layout), op)
+    out = _in_layout(locals_, layout, counts, lambda *qkv: scaled_dot_product_attention(
+        *qkv, is_causal=is_causal, scale=scale, cu_seqlens=cu_seqlens))
+    return _like(out, q)
 
-    def to_bshd(t: Any, n: int) -> Any:
-        if batch is None:
-            return t.unsqueeze(0)
-        if heads is None:
-            t = t if batch == 0 else t.permute(1, 0, 2)
-            return t.reshape(int(t.shape[0]), int(t.shape[1]), n, -1)
-        return t if (batch, seq, heads) == (0, 1, 2) else t.permute(batch, seq, heads, 3)
 
-    out = scaled_dot_product_attention(*(to_bshd(t, n) for t, n in zip(locals_, head_counts)), is_causal=is_causal,
-                                       scale=scale, cu_seqlens=cu_seqlens)
-    if batch is None:
-        out = out[0]
-    elif heads is None:
-        out = out.reshape(int(out.shape[0]), int(out.shape[1]), -1)
-        out = out if batch == 0 else out.permute(1, 0, 2)
-    elif (batch, seq, heads) != (0, 1, 2):
-        out = out.permute(0, 2, 1, 3)  # BSHD -> BNSD, the other 4-D layout
-    shape = list(q.shape)
-    shape[-1] = int(out.shape[-1])  # the last dim is never sharded: head_dim, or the merged heads (no Ulysses)
-    return DTensor.from_local(out, q.device_mesh, q.placements, shape=tuple(shape))
+def independent_shards_problem(q: Any, k: Any, v: Any, layout: str, head_num: int) -> str | None:
+    """Why a fused attention op on ``q``, ``k``, ``v`` cannot be computed by each rank on its
+    own pieces (``attention_on_local_shards``), or ``None`` when it can: all three are
+    DTensors on one mesh with the same placements, sharding only the batch and head dims of
+    ``layout`` (the merged ``H`` of ``BSH`` / ``SBH`` counts as heads), evenly over the heads
+    of q and of k/v, never ``Partial``. No communication."""
+    if layout not in FUSED_LAYOUTS:
+        return f"input layout {layout!r} is not one of {sorted(FUSED_LAYOUTS)}"
+    if not all(isinstance(t, DTensor) for t in (q, k, v)):
+        return "q, k, v are not all DTensors"
+    if k.device_mesh != q.device_mesh or v.device_mesh != q.device_mesh:
+        return "q, k, v are on different meshes"
+    if not tuple(q.placements) == tuple(k.placements) == tuple(v.placements):
+        return f"q, k, v placements differ: {list(q.placements)}, {list(k.placements)}, {list(v.placements)}"
+    batch, _, heads = FUSED_LAYOUTS[layout]
+    head_dim = q.ndim - 1 if heads is None else heads
+    for axis, pl in enumerate(q.placements):
+        if pl.is_partial():
+            return f"a Partial placement on mesh axis {axis}"
+        if isinstance(pl, Shard) and pl.dim % q.ndim not in (batch, head_dim):
+            return (f"{pl} on mesh axis {axis} shards dim {pl.dim % q.ndim} of {layout} q, which is neither its batch "
+                    "nor its head dim")
+    split = _head_split(q, layout)
+    try:
+        q_heads, kv_heads = _heads(q, k, layout, head_num, "")
+    except ValueError:
+        return f"head_num={head_num} does not divide the hidden size {q.shape[-1]} of {layout} q"
+    if q_heads % split or kv_heads % split:
+        return f"{q_heads} query / {kv_heads} key-value heads do not divide evenly over {split} ranks"
+    return None
+
+
+def attention_on_local_shards(q: DTensor, k: DTensor, v: DTensor, *, layout: str, head_num: int, is_causal: bool,
+                              scale: float | None, cu_seqlens: Any = None, op: str = "attention") -> DTensor:
+    """A framework's fused attention op on DTensors sharded by batch and/or heads only (tensor
+    parallelism's head-sharded q/k/v): each rank attends over its own rows and heads with the
+    platform's fused kernels, no communication (the op is independent across both).
+
+    Args:
+        q, k, v, layout, head_num, is_causal, scale, cu_seqlens, op: as for
+            ``attention_on_dtensors``; ``head_num`` is global, ``cu_seqlens`` covers the
+            whole (unsharded) sequence.
+
+    Returns:
+        The attention output, a DTensor shaped and placed like ``q`` (``H`` from ``v``'s
+        head size), in ``q``'s dtype.
+
+    Raises:
+        ValueError: ``independent_shards_problem`` names a reason; invalid ``cu_seqlens``.
+    """
+    from hyper_parallel.core.context_parallel.attention import attend_locally
+
+    problem = independent_shards_problem(q, k, v, layout, head_num)
+    if problem is not None:
+        raise ValueError(f"{op}: each rank cannot attend on its own pieces: {problem}")
+    counts = _head_counts(q, k, layout, head_num, _head_split(q, layout), op)
+    out = _in_layout([t.to_local() for t in (q, k, v)], layout, counts, lambda *qkv: attend_locally(
+        *qkv, is_causal=is_causal, scale=scale, cu_seqlens=cu_seqlens))
+    return _like(out, q)
 
 
 def routes_to_context_parallel(tensors: Sequence[Any]) -> bool:

@@ -1,5 +1,6 @@
-"""MindSpore's ``FlashAttentionScore`` primitive called on the sequence-sharded DTensors of a
-``ContextParallel`` module: translated into core's ``attention_on_dtensors``.
+"""MindSpore's ``FlashAttentionScore`` primitive called on DTensors: the sequence-sharded
+q/k/v of a ``ContextParallel`` module (core's ``attention_on_dtensors``), or q/k/v sharded
+by batch and heads only (``attention_on_local_shards``).
 
 MindFormers' ``FlashAttention`` cell (its default core attention) calls the primitive
 directly; under context parallelism in the exchange modes its q/k/v are the DTensors
@@ -9,7 +10,10 @@ arguments (MindSpore 2.10's pyboost order, ``_ARGUMENTS``). The module's algorit
 computes it (all-gather or ring K/V, each block one call of the platform's fused kernel:
 ``FlashAttentionScore`` itself on Ascend) and the primitive's gradient is that of the
 algorithm. The primitive's semantics kept are the ones the exchange can express exactly;
-the rest is refused by name rather than approximated.
+the rest is refused by name rather than approximated. Under tensor parallelism (heads
+sharded, MindFormers' ``PrepareModuleInput``) each rank computes its own heads with the
+same kernels and no communication, where the generic sharding rules would all-gather
+q/k/v and compute every head on every rank.
 
 Outputs: ``(softmax_max, softmax_sum, softmax_out, attention_out)`` with the first three
 ``None``: the kernels return the log-sum-exp of each row, not its maximum, and
@@ -46,63 +50,93 @@ def _arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return bound
 
 
-def _causal(a: dict[str, Any]) -> bool:
-    """The mask as a causal flag; refuses what the exchange cannot express."""
+def _mask(a: dict[str, Any]) -> tuple[bool, str | None]:
+    """The mask as a causal flag, or what the kernels' structural masks cannot express."""
     extra = [n for n in ("real_shift", "drop_mask", "padding_mask", "prefix") if a.get(n) is not None]
     if extra:
-        raise NotImplementedError(f"{_OP}: {', '.join(extra)} given; the context-parallel attention takes causal or "
-                                  "no masks and packed documents only. Leave them None")
+        return False, (f"{', '.join(extra)} given; the attention here takes causal or no masks and packed documents "
+                       "only. Leave them None")
     if float(a.get("keep_prob", 1.0)) != 1.0:
-        raise NotImplementedError(f"{_OP}: keep_prob={a['keep_prob']} (attention dropout); the context-parallel "
-                                  "attention has none: set the attention dropout to 0")
+        return False, f"keep_prob={a['keep_prob']} (attention dropout): set the attention dropout to 0"
     sparse = int(a.get("sparse_mode", 0))
     if sparse == 0:
         if a.get("attn_mask") is not None:
-            raise NotImplementedError(f"{_OP}: sparse_mode=0 with an explicit attn_mask (a dense [seq, seq] mask); "
-                                      "use the compressed causal mask, sparse_mode=2 or 3 (MindFormers: "
-                                      "use_attn_mask_compression=True or use_eod_attn_mask_compression=True)")
-        return False  # no mask: pre_tokens / next_tokens are ignored in this mode
+            return False, ("sparse_mode=0 with an explicit attn_mask (a dense [seq, seq] mask); use the compressed "
+                           "causal mask, sparse_mode=2 or 3 (MindFormers: use_attn_mask_compression=True or "
+                           "use_eod_attn_mask_compression=True)")
+        return False, None  # no mask: pre_tokens / next_tokens are ignored in this mode
     if sparse in (2, 3):
         # left-up and right-down causal coincide for self-attention (equal q/k lengths, and
         # equal per-document lengths under TND, checked below); attn_mask is the compressed
         # 2048 x 2048 mask, which only selects the mode
-        return True
-    raise NotImplementedError(f"{_OP}: sparse_mode={sparse}; supported: 0 (no mask), 2 and 3 (causal)")
+        return True, None
+    return False, f"sparse_mode={sparse}; supported: 0 (no mask), 2 and 3 (causal)"
+
+
+def _documents(a: dict[str, Any], layout: str, op: str) -> list[int] | None:
+    """``cu_seqlens`` of the packed documents (``TND``), or ``None``.
+
+    Raises:
+        ValueError: the primitive's own rules: ``actual_seq_qlen`` / ``actual_seq_kvlen``
+            with ``TND`` only, and required there.
+        NotImplementedError: unequal query and key/value documents.
+    """
+    q_ends, kv_ends = a.get("actual_seq_qlen"), a.get("actual_seq_kvlen")
+    if layout != "TND":
+        if q_ends is not None or kv_ends is not None:
+            raise ValueError(f"{op}: actual_seq_qlen / actual_seq_kvlen given with input_layout {layout!r}; "
+                             "FlashAttentionScore takes them with 'TND' only (packed documents: use the TND layout)")
+        return None
+    if q_ends is None or kv_ends is None:
+        raise ValueError(f"{op}: input_layout 'TND' needs actual_seq_qlen and actual_seq_kvlen (cumulative document "
+                         "ends), as FlashAttentionScore does")
+    q_ends, kv_ends = _ends(q_ends), _ends(kv_ends)
+    if q_ends != kv_ends:
+        raise NotImplementedError(f"{op}: actual_seq_qlen {q_ends} != actual_seq_kvlen {kv_ends}; only "
+                                  "self-attention documents (equal lengths) are taken")
+    return [0, *q_ends]
 
 
 def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The primitive's result computed by the running ``ContextParallel`` module, or
-    ``None`` when the call is not one (q/k/v not its DTensors: the caller takes its
-    generic path).
+    """The primitive's result on DTensors, computed by core, or ``None`` for the caller's
+    generic path (sharding rules, which replicate the inputs and run the primitive).
+
+    Two cases are computed here:
+
+    - q/k/v are the sequence-sharded DTensors of a running ``ContextParallel`` module: the
+      module's algorithm (``attention_on_dtensors``). What it cannot express raises: the
+      sequence is sharded, so no other path would be right.
+    - q/k/v are sharded by batch and/or heads only (tensor parallelism): each rank attends on
+      its pieces (``attention_on_local_shards``), no communication. What the structural
+      masks cannot express (a dense mask, dropout, ALiBi, ...) takes the generic path, which
+      runs the primitive itself (on Ascend).
 
     Raises:
-        NotImplementedError: a mask, dropout or bias the exchange does not express.
+        NotImplementedError: under context parallelism, a mask, dropout or bias the exchange
+            does not express; unequal documents.
         ValueError: ``actual_seq_qlen`` / ``actual_seq_kvlen`` with a layout other than
-            ``TND`` (the primitive's own rule), missing under ``TND``, or unequal.
+            ``TND`` (the primitive's own rule), or missing under ``TND``.
     """
-    from hyper_parallel.core.context_parallel.sharded_qkv import attention_on_dtensors, routes_to_context_parallel
+    from hyper_parallel.core.context_parallel.sharded_qkv import (attention_on_dtensors, attention_on_local_shards,
+                                                                  independent_shards_problem,
+                                                                  routes_to_context_parallel)
 
     a = _arguments(args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
-    if not routes_to_context_parallel((q, k, v)):
-        return None
     layout = a.get("input_layout", "BSH")
     layout = _LAYOUTS.get(layout, str(layout)) if isinstance(layout, int) else str(layout).upper()
-    causal = _causal(a)
-    q_ends, kv_ends = a.get("actual_seq_qlen"), a.get("actual_seq_kvlen")
-    cu_seqlens = None
-    if layout == "TND":
-        if q_ends is None or kv_ends is None:
-            raise ValueError(f"{_OP}: input_layout 'TND' needs actual_seq_qlen and actual_seq_kvlen (cumulative "
-                             "document ends), as FlashAttentionScore does")
-        q_ends, kv_ends = _ends(q_ends), _ends(kv_ends)
-        if q_ends != kv_ends:
-            raise NotImplementedError(f"{_OP}: actual_seq_qlen {q_ends} != actual_seq_kvlen {kv_ends}; context "
-                                      "parallelism shards self-attention")
-        cu_seqlens = [0, *q_ends]
-    elif q_ends is not None or kv_ends is not None:
-        raise ValueError(f"{_OP}: actual_seq_qlen / actual_seq_kvlen given with input_layout {layout!r}; "
-                         "FlashAttentionScore takes them with 'TND' only (packed documents: use the TND layout)")
-    out = attention_on_dtensors(q, k, v, layout=layout, head_num=int(a.get("head_num", 1)), is_causal=causal,
-                                scale=float(a.get("scale_value", 1.0)), cu_seqlens=cu_seqlens, op=_OP)
+    head_num = int(a.get("head_num", 1))
+    context_parallel = routes_to_context_parallel((q, k, v))
+    if not context_parallel and independent_shards_problem(q, k, v, layout, head_num) is not None:
+        return None
+    op = _OP if context_parallel else "FlashAttentionScore on DTensors"
+    causal, problem = _mask(a)
+    if problem is not None:
+        if context_parallel:
+            raise NotImplementedError(f"{op}: {problem}")
+        return None
+    cu_seqlens = _documents(a, layout, op)
+    attend = attention_on_dtensors if context_parallel else attention_on_local_shards
+    out = attend(q, k, v, layout=layout, head_num=head_num, is_causal=causal, scale=float(a.get("scale_value", 1.0)),
+                 cu_seqlens=cu_seqlens, op=op)
     return None, None, None, out
