@@ -12,7 +12,6 @@ from hyper_parallel.core.distributed_checkpoint import get_global_layout
 from hyper_parallel.core.dtensor import Partial, Replicate, Shard, distribute_parameter, distribute_tensor
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.core.dtensor.layout import Layout, _infer_slice_area_by_rank
-from hyper_parallel.core.dtensor.redistribute_infer import RedistributionOperatorInfer
 from hyper_parallel.platform import get_platform
 from tests.platform_contract._models import build_mlp, mlp_weights
 
@@ -79,8 +78,6 @@ def check_layout_forms() -> None:
         _infer_slice_area_by_rank((2, 2), [0], 0, (4, 4))
     with pytest.raises(ValueError, match="rank index 4 is out of range"):
         _infer_slice_area_by_rank((2, 2), [0, -1], 4, (4, 4))
-    with pytest.raises(NotImplementedError, match="RedistributionOperatorInfer .* not supported"):
-        RedistributionOperatorInfer(dev_mat=(2, 2), in_tensor_map=[1, 0], out_tensor_map=[-1, -1])
 
 
 def test_layout_forms(run_on_ranks) -> None:
