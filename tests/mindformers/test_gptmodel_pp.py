@@ -67,19 +67,24 @@ def _inputs(kind: str, rows: slice = slice(None)) -> dict:
 
 def _build(kind: str, layers: int, parallelism=None):
     """The tiny causal LM: ``build_gpt``'s ("gpt"), ``test_gptmodel_cp``'s CP model ("cp":
-    its flash-attention cells and config, for ``parallelism`` or one rank), or
-    ``test_gptmodel_tp``'s multi-latent-attention model, which MindFormers' TP plans ("mla",
-    2 layers)."""
+    its config, for ``parallelism`` or one rank), or ``test_gptmodel_tp``'s
+    multi-latent-attention model, which MindFormers' TP plans ("mla", 2 layers). Under
+    ``parallelism`` the last two run MindFormers' own ``FlashAttention`` (its
+    ``FlashAttentionScore`` calls on the CP / TP DTensors computed by this package), on
+    one rank the test-local CPU core attention."""
+    from mindformers.pynative.layers.flash_attention import FlashAttention
+
     from tests.mindformers.test_gptmodel_cp import _attention_classes, cp_config
     from tests.mindformers.test_gptmodel_tp import build_mla_gpt
 
     if kind == "mla":
-        return build_mla_gpt(pipeline=True)
+        return build_mla_gpt(pipeline=True, flash_attention=parallelism is not None)
 
     if kind == "cp":
         config = cp_config(parallelism)
         config.num_layers = layers
-        return causal_lm_class(*_attention_classes())(config)
+        cpu_attention, self_attention = _attention_classes()
+        return causal_lm_class(cpu_attention if parallelism is None else FlashAttention, self_attention)(config)
     return causal_lm_class()(gpt_config(num_layers=layers))
 
 
