@@ -39,8 +39,11 @@ crosses the two CP ranks' boundary.
 
 Test-local classes, through the layer spec (MindFormers and MindSpore are not patched):
 
-- ``CPUFlashAttention`` as ``core_attention``: MindFormers' ``FlashAttention`` runs
-  ``FlashAttentionScore`` (Ascend-only); this one has its interface and layout rules
+- ``CPUFlashAttention`` as ``core_attention`` (on one rank, and in the tests other than
+  ``test_gptmodel_cp_flash_attention``, which runs MindFormers' own ``FlashAttention``: under
+  colossal / hybrid CP its ``FlashAttentionScore`` calls are on the hooks' DTensors, which
+  this package computes): MindFormers' ``FlashAttention`` runs ``FlashAttentionScore``
+  (Ascend-only kernel) on plain tensors; this one has its interface and layout rules
   (``input_layout``, ``_mf_runtime_input_already_in_fa_layout``), its compressed masks
   (``sparse_mode`` 2: causal; 3: causal within ``actual_seq_qlen`` documents) and computes
   through ``hyper_parallel.scaled_dot_product_attention``;
