@@ -106,8 +106,9 @@ EXPECTED = {
     "cu_seqlens": "cu_seqlens=[0, 5, 3] must be integers starting at 0, strictly increasing and ending at the full "
                   "sequence length 8",
     "cu_seqlens_closure_ulysses": "scaled_dot_product_attention: cu_seqlens=[0, 5, 3] must be integers",
-    "not_functional": "CoreAttention: the forward never called hyper_parallel.scaled_dot_product_attention, so "
-                      "K/V were never exchanged (kv_exchange='ring' over 2 ranks)",
+    "not_functional": "CoreAttention: the forward computed its attention without "
+                      "hyper_parallel.scaled_dot_product_attention or a fused op the backend routes (MindSpore: "
+                      "FlashAttentionScore), so this module's K/V exchange (kv_exchange='ring' over 2 ranks) never ran",
     "shard": "context_parallel_shard: sequence length 6 does not split into 2 * cp = 4 chunks",
     "layout": "layout='SBHD' is not supported",
     "mesh_degree": "ulysses_degree=2 but the 2-D mesh (2, 1) has 1 ranks on its Ulysses axis (the second)",

@@ -278,11 +278,13 @@ class ContextParallel(ParallelStyle):
                                "removed or called out of order?)")
         pop_frame(frame)
         if plan.kv_size > 1 and not frame.called:
-            raise RuntimeError(f"ContextParallel on {name}: the forward never called "
-                               "hyper_parallel.scaled_dot_product_attention, so K/V were never exchanged "
-                               f"(kv_exchange={plan.kv_exchange!r} over {plan.kv_size} ranks). Compute the attention "
-                               "with hyper_parallel.scaled_dot_product_attention(q, k, v, ...), or use pure Ulysses "
-                               "(ulysses_degree == cp), which works with any attention implementation")
+            raise RuntimeError(f"ContextParallel on {name}: the forward computed its attention without "
+                               "hyper_parallel.scaled_dot_product_attention or a fused op the backend routes "
+                               "(MindSpore: FlashAttentionScore), so this module's K/V exchange "
+                               f"(kv_exchange={plan.kv_exchange!r} over {plan.kv_size} ranks) never ran. Compute the "
+                               "attention with hyper_parallel.scaled_dot_product_attention(q, k, v, ...) on the q, k, v "
+                               "the hooks hand in, or use pure Ulysses (ulysses_degree == cp), which works with any "
+                               "attention implementation")
         if plan.mesh is not None:
             out = unwrap_output(plan, name, out, self.seq_dim, self.head_dim)
         if plan.ulysses_size > 1:
