@@ -23,6 +23,17 @@ def core_attention(p: Any, *, causal: bool, cu_seqlens: Any = None, layout: str 
     return _qkv_module(p, forward, "CoreAttention")
 
 
+def _identity_module(p: Any) -> Any:
+    """A torch Module / MindSpore Cell whose forward returns its one argument."""
+    if p.framework == "torch":
+        import torch
+
+        return type("Handoff", (torch.nn.Module,), {"forward": lambda self, x: x})()
+    from mindspore import nn
+
+    return type("MSHandoff", (nn.Cell,), {"construct": lambda self, x: x})()
+
+
 def _qkv_module(p: Any, forward: Any, name: str) -> Any:
     """A torch Module / MindSpore Cell named ``name`` whose forward is ``forward(q, k, v)``."""
     if p.framework == "torch":
@@ -72,22 +83,44 @@ def block_weights(dim: int, heads: int, kv_heads: int, head_dim: int, hidden: in
             "fc1.weight": w(hidden, dim), "fc1.bias": w(hidden), "fc2.weight": w(dim, hidden), "fc2.bias": w(dim)}
 
 
-def transformer_block(p: Any, values: dict[str, Any], *, heads: int, head_dim: int, cu_seqlens: Any = None) -> Any:
+#: q/k/v layouts of ``transformer_block(handoff_layout=...)``: from BSHD, and back
+HANDOFF_LAYOUTS = {
+    "BSHD": (lambda t: t, lambda t: t),
+    "SBND": (lambda t: t.permute(1, 0, 2, 3), lambda t: t.permute(1, 0, 2, 3)),
+    "TND": (lambda t: t[0], lambda t: t.unsqueeze(0)),  # batch 1
+}
+
+
+def transformer_block(p: Any, values: dict[str, Any], *, heads: int, head_dim: int, cu_seqlens: Any = None,
+                      handoff_layout: str | None = None) -> Any:
     """``h = x + o_proj(attn(q_proj x, k_proj x, v_proj x)); out = h + fc2(relu(fc1(h)))``
     with causal attention through ``hp.scaled_dot_product_attention`` in the submodule
-    ``attn`` (the one ContextParallel hooks)."""
+    ``attn`` (the one ContextParallel hooks). ``handoff_layout`` (``HANDOFF_LAYOUTS``): q, k,
+    v pass through identity modules ``q_handoff`` / ``k_handoff`` / ``v_handoff`` in that
+    layout, which ``attn`` takes and returns (MindFormers' multi-latent attention hands
+    q/k/v to its core attention this way)."""
     names = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
     shapes = {n: values[f"{n}.weight"].shape for n in names}
+    to, back = HANDOFF_LAYOUTS[handoff_layout or "BSHD"]
 
     def forward(m: Any, x: Any, relu: Any) -> Any:
         b, s = x.shape[0], x.shape[1]
         q = m.q_proj(x).reshape(b, s, heads, head_dim)
         k = m.k_proj(x).reshape(b, s, -1, head_dim)
         v = m.v_proj(x).reshape(b, s, -1, head_dim)
-        h = x + m.o_proj(m.attn(q, k, v).reshape(b, s, heads * head_dim))
+        if handoff_layout is not None:
+            out = back(m.attn(m.q_handoff(to(q)), m.k_handoff(to(k)), m.v_handoff(to(v))))
+        else:
+            out = m.attn(q, k, v)
+        h = x + m.o_proj(out.reshape(b, s, heads * head_dim))
         return h + m.fc2(relu(m.fc1(h)))
 
-    attn = core_attention(p, causal=True, cu_seqlens=cu_seqlens)
+    if handoff_layout is None:
+        attn = core_attention(p, causal=True, cu_seqlens=cu_seqlens)
+    else:
+        attn = _qkv_module(p, lambda q, k, v: to(hp.scaled_dot_product_attention(
+            back(q), back(k), back(v), is_causal=True, cu_seqlens=cu_seqlens)), "HandoffAttention")
+    handoffs = {} if handoff_layout is None else {f"{n}_handoff": _identity_module(p) for n in "qkv"}
     if p.framework == "torch":
         import torch
 
@@ -97,6 +130,8 @@ def transformer_block(p: Any, values: dict[str, Any], *, heads: int, head_dim: i
                 for n in names:
                     setattr(self, n, torch.nn.Linear(shapes[n][1], shapes[n][0], bias=n.startswith("fc")))
                 self.attn = attn
+                for n, module in handoffs.items():
+                    setattr(self, n, module)
 
             def forward(self, x: Any) -> Any:
                 return forward(self, x, torch.relu)
@@ -111,6 +146,8 @@ def transformer_block(p: Any, values: dict[str, Any], *, heads: int, head_dim: i
                 for n in names:
                     setattr(self, n, mint.nn.Linear(shapes[n][1], shapes[n][0], bias=n.startswith("fc")))
                 self.attn = attn
+                for n, module in handoffs.items():
+                    setattr(self, n, module)
 
             def construct(self, x: Any) -> Any:
                 return forward(self, x, mint.nn.functional.relu)

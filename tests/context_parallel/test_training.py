@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import pytest
 
 import hyper_parallel as hp
 from hyper_parallel.core.dtensor import init_device_mesh
@@ -149,3 +150,41 @@ def check_async_hybrid() -> None:
 
 def test_async_hybrid_matches_sync(run_on_ranks) -> None:
     run_on_ranks(check_async_hybrid, world_size=4, timeout_s=600)
+
+
+
+#: handoff layout -> (seq_dim, head_dim) of q/k/v
+HANDOFF_DIMS = {"BSHD": (1, 2), "SBND": (0, 2), "TND": (0, 1)}
+
+
+def check_async_handoff(layout: str) -> None:
+    """``AsyncContextParallel`` (Ulysses on 2 ranks) whose projections are identity "handoff"
+    modules returning q/k/v in the attention's own layout (as MindFormers' multi-latent
+    attention hands them on: sequence-first SBND / TND), against one process: two SGD steps
+    (loss and every parameter), and ``ContextParallel`` on the same model alike."""
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (p.world_size(),), mesh_dim_names=("cp",))
+    rng = np.random.default_rng(3)
+    batch = 1 if layout == "TND" else B
+    x = rng.standard_normal((batch, S, DIM)).astype(np.float32)
+    target = rng.standard_normal((batch, S, DIM)).astype(np.float32)
+    values = block_weights(DIM, H, KV_HEADS, HEAD_DIM, HIDDEN)
+    count = batch * S * DIM
+    reference = _train(p, transformer_block(p, values, heads=H, head_dim=HEAD_DIM, cu_seqlens=DOCS,
+                                            handoff_layout=layout), x, target, 2, count)
+    x_local, t_local = (p.to_numpy(t) for t in hp.context_parallel_shard(
+        [p.from_numpy(x), p.from_numpy(target)], [1, 1], mesh))
+    seq_dim, head_dim = HANDOFF_DIMS[layout]
+    for style_cls in (hp.ContextParallel, hp.AsyncContextParallel):
+        model = transformer_block(p, values, heads=H, head_dim=HEAD_DIM, cu_seqlens=DOCS, handoff_layout=layout)
+        handoffs = (model.q_handoff, model.k_handoff, model.v_handoff) if style_cls is hp.AsyncContextParallel else ()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback to the synchronous path would defeat the test
+            style_cls(seq_dim=seq_dim, head_dim=head_dim).apply(model.attn, mesh, *handoffs)
+        history = _train(p, model, x_local, t_local, 2, count, group=mesh.get_group())
+        _assert_same_history(p, history, reference, f"{style_cls.__name__} {layout} handoffs")
+
+
+@pytest.mark.parametrize("layout", sorted(HANDOFF_DIMS))
+def test_async_handoff_layouts(run_on_ranks, layout) -> None:
+    run_on_ranks(check_async_handoff, layout, world_size=2, timeout_s=600)

@@ -366,3 +366,44 @@ def check_colossal_eod_refused() -> str:
 def test_gptmodel_cp_flash_attention_refuses_bsh_documents(run_on_ranks) -> None:
     for message in run_on_ranks(check_colossal_eod_refused, world_size=2, timeout_s=300):
         assert "actual_seq_qlen" in message and "'TND'" in message, message
+
+
+def check_mla_async(cp: int, ulysses: int) -> dict:
+    """MindFormers' asynchronous context parallelism (``context_parallel_async``, methods
+    "ulysses" / "hybrid") on the multi-latent-attention model of ``test_gptmodel_tp`` (the
+    attention with the ``q_handoff`` / ``k_handoff`` / ``v_handoff`` cells it needs):
+    ``parallelize_gptmodel`` hooks those identity cells as this package's
+    ``AsyncContextParallel`` projections, which return q/k/v sequence-first (SBND), and the
+    core attention: ``CPUFlashAttention`` under pure Ulysses (plain tensors: MindFormers'
+    ``FlashAttention`` would run the primitive, which has no CPU kernel), MindFormers' own
+    ``FlashAttention`` under hybrid (its ``FlashAttentionScore`` on the hooks' DTensors).
+    Loss and gradients as ``check_cp``."""
+    from mindformers.pynative.layers.flash_attention import FlashAttention
+
+    from hyper_parallel import DTensor
+    from hyper_parallel.core.dtensor.layout import Layout
+    from hyper_parallel.platform import get_platform
+
+    from tests.mindformers.test_gptmodel_tp import build_mla_gpt
+
+    p = get_platform()
+    core = _attention_classes()[0] if ulysses == cp else FlashAttention
+    model = parallelize(lambda parallelism: build_mla_gpt(flash_attention=True, core_attention=core),
+                        context_parallel=cp, context_parallel_method="ulysses" if ulysses == cp else "hybrid",
+                        ulysses_degree_in_cp=ulysses, context_parallel_async=True, data_parallel=1)
+    loss, grads = _loss_and_grads(model, cp_batch())
+    out = {}
+    for (name, param), grad in zip(model.parameters_and_names(), grads):
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(p.rank())
+        out[name] = {"placements": [str(pl) for pl in param.placements], "area": area, "grad": local.asnumpy()}
+    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
+
+
+@pytest.mark.parametrize("cp,ulysses,world", [(2, 2, 2), (4, 2, 4)], ids=["ulysses-cp2", "hybrid-cp4-u2"])
+def test_mla_async_context_parallel(run_on_ranks, cp, ulysses, world) -> None:
+    from tests.mindformers.test_gptmodel_tp import check_mla_one_rank
+
+    one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
+    ranks = run_on_ranks(check_mla_async, cp, ulysses, world_size=world, timeout_s=600)
+    _compare(one, ranks)

@@ -57,7 +57,7 @@ QK_HEAD, QK_POS, V_HEAD, Q_LORA, KV_LORA = 12, 4, 16, 32, 32
 COMPRESSED_MASK_SEQ = 2048
 
 
-def build_mla_gpt(pipeline: bool = False, flash_attention: bool = False):
+def build_mla_gpt(pipeline: bool = False, flash_attention: bool = False, core_attention=None):
     """``test_gptmodel``'s tiny ``GPTModel`` with MindFormers' multi-latent attention
     (``get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True)``, the
     only attention ``apply_non_moe_tp`` plans), the same test-local CPU cells in the spec,
@@ -67,7 +67,8 @@ def build_mla_gpt(pipeline: bool = False, flash_attention: bool = False):
     (``test_gptmodel_pp.causal_lm_class``). ``flash_attention``: MindFormers' own
     ``FlashAttention`` as the core attention (``use_flash_attention=True`` with the
     compressed causal mask, ``sparse_mode=2``; its ``FlashAttentionScore`` call on the
-    head-sharded DTensors computed per rank by this package), else ``TPCoreAttention``."""
+    head-sharded DTensors computed per rank by this package), else ``TPCoreAttention``;
+    ``core_attention``: another class for the spec's core attention."""
     from mindformers.parallel_core.transformer_config import MLATransformerConfig
     from mindformers.pynative.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.pynative.base_models.gpt.gpt_model import GPTModel
@@ -106,9 +107,9 @@ def build_mla_gpt(pipeline: bool = False, flash_attention: bool = False):
         v_head_dim=V_HEAD, qk_layernorm=True)
     layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True, multi_latent_attention=True)
     attention = layer.submodules.self_attention
-    if flash_attention:
+    if core_attention is None and flash_attention:
         from mindformers.pynative.layers.flash_attention import FlashAttention as core_attention
-    else:
+    elif core_attention is None:
         core_attention = TPCoreAttention
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(
         attention.submodules, core_attention=core_attention, q_layernorm=cpu["norm"], k_layernorm=cpu["norm"]))
@@ -132,7 +133,9 @@ def build_mla_gpt(pipeline: bool = False, flash_attention: bool = False):
             for mla in self.model.decoder.layers:
                 mla.self_attention.split = split  # on the instance (MLASelfAttention.split = mint.split)
 
-        def construct(self, input_ids, labels=None, position_ids=None):
+        def construct(self, input_ids, labels=None, position_ids=None, **unset):
+            # MindFormers' CP root hook passes every name it slices, None where not given
+            assert all(value is None for value in unset.values()), sorted(unset)
             return self.model(input_ids, position_ids=position_ids, labels=labels)
 
     class StageCausalLM(CausalLM):

@@ -2,7 +2,8 @@
 
 [Note: async all-to-all slots]
 Forward: a forward hook on each projection (``q_proj``, ``k_proj``, ``v_proj``, output
-``[batch, seq/n, heads * head_dim]``) launches the sequence -> heads all-to-all of its
+``[batch, seq/n, heads * head_dim]``, or q/k/v in the attention's own layout) launches
+the sequence -> heads all-to-all of its
 output at once (``all_to_all_single(async_op=True)``), so the transfer of q overlaps the
 GEMMs of k and v. The attention module's pre-hook waits for each, inside autograd
 (``platform.differentiable_async_a2a_wait``), and hands the head-sharded tensors to the
@@ -52,11 +53,14 @@ class AsyncContextParallel(ContextParallel):
     just before each projection's GEMM). Same arguments, same results as
     ``ContextParallel``; see [Note: async all-to-all slots].
 
-    Projections must return ``[batch, seq, heads * head_dim]`` (heads major in the last
-    dim, as ``reshape(batch, seq, heads, head_dim)`` reads it), and q, k, v must reach the
-    attention as that reshape (for BNSD, and a transpose) of them: what is exchanged is
-    the projection's output, so anything applied in between (RoPE, a norm) would be lost;
-    do it inside the projection module or use ``ContextParallel``. Falls back to synchronous
+    Projections return ``[batch, seq, heads * head_dim]`` (heads major in the last dim, as
+    ``reshape(batch, seq, heads, head_dim)`` reads it), and q, k, v must reach the
+    attention as that reshape (for BNSD, and a transpose) of them; or they return q, k, v
+    themselves in the attention's layout (4-D, or sequence-first, ``seq_dim=0``: TND
+    ``[tokens, heads, head_dim]`` or SBND ``[seq, batch, heads, head_dim]``, MindFormers'
+    ``q_handoff`` / ``k_handoff`` / ``v_handoff`` identities), fed as they are. What is
+    exchanged is the projection's output, so anything applied in between (RoPE, a norm)
+    would be lost; do it inside the projection module or use ``ContextParallel``. Falls back to synchronous
     ``ContextParallel`` (with a warning) when a projection is not given or the mode has no
     all-to-all (``ulysses_degree == 1``); k/v with fewer heads than the Ulysses degree
     (GQA replication) take the synchronous path for k and v.
@@ -90,11 +94,19 @@ class AsyncContextParallel(ContextParallel):
             raise RuntimeError(f"AsyncContextParallel: the {proj_name} projection ran twice before the attention "
                                "consumed its all-to-all; each projection must feed the hooked attention once per step")
         p, n = get_platform(), plan.ulysses_size
-        if out.shape[-1] % n:
-            raise ValueError(f"AsyncContextParallel: the {proj_name} projection's output has {out.shape[-1]} features, "
-                             f"not divisible by the Ulysses degree {n}; use ContextParallel")
-        send = split_leading(out, out.ndim - 1, n)  # [n, batch, seq/n, features/n]
+        split = self.head_dim if self._in_qkv_layout(out.ndim) else out.ndim - 1
+        if out.shape[split] % n:
+            raise ValueError(f"AsyncContextParallel: the {proj_name} projection's output {tuple(out.shape)} has "
+                             f"{out.shape[split]} heads or features along dim {split}, not divisible by the Ulysses "
+                             f"degree {n}; use ContextParallel")
+        send = split_leading(out, split, n)  # [n, ..., heads or features / n, ...]
         slots.launched[proj_name] = (out, p.all_to_all_single(send, group=plan.ulysses_group, async_op=True))
+
+    def _in_qkv_layout(self, ndim: int) -> bool:
+        """Whether a projection output of ``ndim`` dims is q/k/v itself, in the attention's
+        layout (4-D, or sequence-first: TND / SBND, MindFormers' q/k/v handoffs), rather than
+        ``[batch, seq, heads * head_dim]``."""
+        return ndim == 4 or self.seq_dim == 0
 
     @staticmethod
     def _finish_grad(box: list[tuple[Work, Any]], grad_output: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -128,6 +140,13 @@ class AsyncContextParallel(ContextParallel):
             # The wait's autograd input is the tensor the attention was called with, in the
             # projection's output layout: its gradient reaches the projection's output as
             # the module returned it, which its backward pre-hook watches.
+            if self._in_qkv_layout(x.ndim):
+                if tuple(x.shape) != tuple(t.shape):
+                    raise ValueError(f"AsyncContextParallel on {name}: the {proj_name} projection returned "
+                                     f"{tuple(x.shape)} but the attention got {proj_name} {tuple(t.shape)}; a "
+                                     "projection that returns q/k/v in the attention's layout must feed it as is")
+                out.append(p.differentiable_async_a2a_wait(t, work, None, plan.ulysses_group, n, s, h, grad_box))
+                continue
             flat = (t if (s, h) == (1, 2) else t.transpose(1, 2)).reshape(*(int(d) for d in x.shape))
             y = p.differentiable_async_a2a_wait(flat, work, None, plan.ulysses_group, n, x.ndim - 2, x.ndim - 1,
                                                 grad_box)  # [batch, seq, features / n]
