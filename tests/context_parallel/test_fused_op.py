@@ -17,6 +17,7 @@ import hyper_parallel as hp
 from hyper_parallel.core.context_parallel.sharded_qkv import (FUSED_LAYOUTS, attention_on_dtensors,
                                                           attention_on_local_shards, independent_shards_problem)
 from hyper_parallel.core.dtensor import init_device_mesh
+from hyper_parallel.core.dtensor.layout import Layout
 from hyper_parallel.platform import get_platform
 from tests.context_parallel import _models
 from tests.context_parallel.test_context_parallel import DOCS, D, H, S, _tol, positions, reference, reference_mask
@@ -138,15 +139,9 @@ def test_fused_op_refusals(run_on_ranks) -> None:
 
 
 def _local_piece(a: np.ndarray, mesh, placements) -> np.ndarray:
-    """This rank's piece of ``a`` (even shards, mesh axes in order, as ``DTensor`` lays them out)."""
-    coordinate = mesh.get_coordinate()
-    bounds = [(0, n) for n in a.shape]
-    for axis, pl in enumerate(placements):
-        if isinstance(pl, hp.Shard):
-            start, stop = bounds[pl.dim]
-            size = (stop - start) // mesh.size(axis)
-            bounds[pl.dim] = (start + coordinate[axis] * size, start + (coordinate[axis] + 1) * size)
-    return a[tuple(slice(b, e) for b, e in bounds)]
+    """This rank's piece of ``a`` under ``placements`` (``Layout.slice_area``)."""
+    area = Layout.of(mesh, placements, a.shape).slice_area(get_platform().rank())
+    return a[tuple(slice(b, e) for b, e in area)]
 
 
 def check_local_shards() -> int:

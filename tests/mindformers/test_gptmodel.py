@@ -258,6 +258,26 @@ def parallelize(build, gradient_accumulation_steps: int = 1, **degrees):
     return (parts, schedule) if schedule is not None else parts[0]
 
 
+def rank_result(named, loss, grads, main_grad: bool = False) -> dict:
+    """This rank's loss and, per parameter of ``named`` (``(name, param)`` pairs), its
+    placements, the area of the global tensor it holds and its gradient piece; with
+    ``main_grad``, each piece is also checked against ``param.main_grad`` (1e-6: the same
+    float32 values, copied)."""
+    from hyper_parallel import DTensor
+    from hyper_parallel.core.dtensor.layout import Layout
+    from hyper_parallel.platform import get_platform
+
+    me = get_platform().rank()
+    out = {}
+    for (name, param), grad in zip(named, grads):
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        if main_grad:
+            np.testing.assert_allclose(param.main_grad.to_local().asnumpy(), local.asnumpy(), rtol=1e-6, err_msg=name)
+        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
+        out[name] = {"placements": [str(pl) for pl in param.placements], "area": area, "grad": local.asnumpy()}
+    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
+
+
 def check_gpt_fsdp() -> dict:
     """Each rank its row of the batch; MindFormers' ``parallelize_gptmodel`` with
     data_parallel = world size (FSDP only), then ``value_and_grad`` on the sharded

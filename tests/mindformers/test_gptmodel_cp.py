@@ -64,7 +64,7 @@ import numpy as np
 import pytest
 
 from tests.mindformers.test_gptmodel import (BATCH, HEADS, HIDDEN, SEQ, batch, build_gpt, gpt_config, parallelize,
-                                             pytestmark)  # noqa: F401
+                                             pytestmark, rank_result)  # noqa: F401
 
 
 #: ``seq_length`` that ``use_attn_mask_compression`` needs (``CausalMaskGenerate``).
@@ -238,8 +238,6 @@ def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int 
     ``flash_attention``: MindFormers' own ``FlashAttention`` as the core attention (its
     ``FlashAttentionScore`` calls computed by this package's context parallelism), not
     ``CPUFlashAttention``."""
-    from hyper_parallel import DTensor
-    from hyper_parallel.core.dtensor.layout import Layout
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
@@ -271,13 +269,7 @@ def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int 
     for layer in model.decoder.layers if not flash_attention else ():
         seen = layer.self_attention.core_attention.seen
         assert seen == (want, method != "ulysses"), (seen, want)
-    out = {}
-    for (name, param), grad in zip(model.parameters_and_names(), grads):
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        np.testing.assert_allclose(param.main_grad.to_local().asnumpy(), local.asnumpy(), rtol=1e-6, err_msg=name)
-        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
-        out[name] = {"placements": [str(pl) for pl in param.placements], "area": area, "grad": local.asnumpy()}
-    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
+    return rank_result(model.parameters_and_names(), loss, grads, main_grad=True)
 
 
 def _compare(one: dict, ranks: list[dict]) -> None:
@@ -380,24 +372,14 @@ def check_mla_async(cp: int, ulysses: int) -> dict:
     Loss and gradients as ``check_cp``."""
     from mindformers.pynative.layers.flash_attention import FlashAttention
 
-    from hyper_parallel import DTensor
-    from hyper_parallel.core.dtensor.layout import Layout
-    from hyper_parallel.platform import get_platform
-
     from tests.mindformers.test_gptmodel_tp import build_mla_gpt
 
-    p = get_platform()
     core = _attention_classes()[0] if ulysses == cp else FlashAttention
     model = parallelize(lambda parallelism: build_mla_gpt(flash_attention=True, core_attention=core),
                         context_parallel=cp, context_parallel_method="ulysses" if ulysses == cp else "hybrid",
                         ulysses_degree_in_cp=ulysses, context_parallel_async=True, data_parallel=1)
     loss, grads = _loss_and_grads(model, cp_batch())
-    out = {}
-    for (name, param), grad in zip(model.parameters_and_names(), grads):
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(p.rank())
-        out[name] = {"placements": [str(pl) for pl in param.placements], "area": area, "grad": local.asnumpy()}
-    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
+    return rank_result(model.parameters_and_names(), loss, grads)
 
 
 @pytest.mark.parametrize("cp,ulysses,world", [(2, 2, 2), (4, 2, 4)], ids=["ulysses-cp2", "hybrid-cp4-u2"])

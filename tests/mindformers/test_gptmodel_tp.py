@@ -47,7 +47,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.mindformers.test_gptmodel import BATCH, batch, parallelize, pytestmark, seed_weights  # noqa: F401
+from tests.mindformers.test_gptmodel import BATCH, batch, parallelize, pytestmark, rank_result, seed_weights  # noqa: F401
 
 
 QK_HEAD, QK_POS, V_HEAD, Q_LORA, KV_LORA = 12, 4, 16, 32, 32
@@ -174,7 +174,6 @@ def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool =
     import mindspore as ms
 
     from hyper_parallel import DTensor
-    from hyper_parallel.core.dtensor.layout import Layout
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
@@ -193,12 +192,7 @@ def check_gpt_tp(data_parallel: int, tensor_parallel: int, loss_parallel: bool =
 
     loss, grads = ms.value_and_grad(loss_fn, grad_position=None, weights=[q for _, q in named])(
         ms.Tensor(ids[rows]), ms.Tensor(labels[rows]))
-    out = {}
-    for (name, param), grad in zip(named, grads):
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        area = Layout.of(param.device_mesh, param.placements, param.shape).slice_area(me)
-        out[name] = {"placements": [str(pl) for pl in param.placements], "area": area, "grad": local.asnumpy()}
-    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
+    return rank_result(named, loss, grads)
 
 
 def _compare(one: dict, ranks: list, data_parallel: int) -> None:

@@ -126,7 +126,7 @@ class AsyncContextParallel(ContextParallel):
             raise RuntimeError(f"AsyncContextParallel on {name}: no all-to-all was launched by the {'/'.join(missing)} "
                                "projection(s) this step; the attention's q, k, v must come from the hooked projections")
         seq_len = self.check(plan, name, q, k, v, kwargs)
-        if plan.kv_size > 1:
+        if plan.mesh is not None:
             refuse_dtensor_qkv(name, (q, k, v))
         sync_kv = int(k.shape[h]) % n != 0  # GQA replication: see the class doc
         out = []
@@ -152,7 +152,7 @@ class AsyncContextParallel(ContextParallel):
                                                 grad_box)  # [batch, seq, features / n]
             bshd = y.reshape(y.shape[0], y.shape[1], int(t.shape[h]) // n, int(t.shape[3]))
             out.append(bshd if (s, h) == (1, 2) else bshd.transpose(1, 2))
-        if plan.kv_size > 1:  # hybrid: [Note: q/k/v as DTensors]
+        if plan.mesh is not None:  # hybrid: [Note: q/k/v as DTensors]
             out = wrap_qkv(plan, seq_len, out, s, h)
         push_frame(Frame(name, plan, seq_len, module_call_site(module)))
         return self._replace(args, kwargs, out)

@@ -11,8 +11,7 @@ from hyper_parallel.core.context_parallel.blocks import block_attention
 from hyper_parallel.core.context_parallel.context import Frame, current_frame
 from hyper_parallel.core.context_parallel.masks import BlockCall, RunPlan, document_ids, plan_block
 from hyper_parallel.core.context_parallel.ring import ring_attention
-from hyper_parallel.core.context_parallel.sharded_qkv import frame_locals
-from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.context_parallel.sharded_qkv import frame_locals, like_q
 from hyper_parallel.platform import AttentionMask, get_platform
 
 LAYOUTS = ("BSHD", "BNSD")
@@ -147,6 +146,5 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, is_causal: bool = Fa
         frame.called = True
         out = _distributed(p, frame, q, k, v, is_causal, cu_seqlens, scale)
         if locals_ is not None:
-            out = DTensor.from_local(out, like.device_mesh, like.placements,
-                                     shape=(*like.shape[:-1], int(out.shape[-1])))
+            out = like_q(out, like)
     return out.transpose(1, 2) if layout == "BNSD" else out

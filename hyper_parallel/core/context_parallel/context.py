@@ -56,10 +56,10 @@ class Plan:
         kv_group: its process group (``None`` when size 1).
         kv_exchange: ``"allgather"`` or ``"ring"``.
         load_balance: the head-tail sequence layout.
-        mesh: the mesh of the exchange: the context-parallel mesh (1-D), or the 2-D
-            ``(exchange, ulysses)`` mesh in hybrid mode; ``None`` for pure Ulysses (no
-            exchange). The module sees q/k/v as DTensors on it ([Note: q/k/v as DTensors]
-            in ``context_parallel``).
+        mesh: the mesh of the K/V exchange: the context-parallel mesh (1-D), or the 2-D
+            ``(exchange, ulysses)`` mesh in hybrid mode; ``None`` when there is no exchange
+            (``kv_size == 1``: pure Ulysses, one rank). The module sees q/k/v as DTensors
+            on it ([Note: q/k/v as DTensors] in ``sharded_qkv``).
     """
 
     cp: int

@@ -163,12 +163,12 @@ class ContextParallel(ParallelStyle):
         cp_index = int(np.ravel_multi_index(coordinate, device_mesh.shape))
         if mesh2d is not None:
             return Plan(cp, cp_index, ud, mesh2d.get_group(1), cp // ud, mesh2d.get_local_rank(0),
-                        mesh2d.get_group(0), self.kv_exchange, self.load_balance, mesh2d)
+                        mesh2d.get_group(0), self.kv_exchange, self.load_balance, mesh2d if cp // ud > 1 else None)
         if ud == cp:
             return Plan(cp, cp_index, cp, device_mesh.get_group() if cp > 1 else None, 1, 0, None,
                         self.kv_exchange, self.load_balance)
         return Plan(cp, cp_index, 1, None, cp, cp_index, device_mesh.get_group(), self.kv_exchange, self.load_balance,
-                    device_mesh)
+                    device_mesh if cp > 1 else None)
 
     def apply(self, module: Any, device_mesh: DeviceMesh) -> Any:
         """Register the hooks on ``module``; returns it. Collective only for a hybrid
@@ -259,14 +259,14 @@ class ContextParallel(ParallelStyle):
                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         q, k, v = self._qkv(name, args, kwargs)
         seq_len = self.check(plan, name, q, k, v, kwargs)
-        if plan.kv_size > 1:
+        if plan.mesh is not None:
             refuse_dtensor_qkv(name, (q, k, v))
         if plan.ulysses_size > 1:
             p = get_platform()
             n, s, h = plan.ulysses_size, self.seq_dim, self.head_dim
             k, v = replicate_heads(p, k, h, n), replicate_heads(p, v, h, n)
             q, k, v = (seq_to_heads(p, t, s, h, plan.ulysses_group) for t in (q, k, v))
-        if plan.kv_size > 1:
+        if plan.mesh is not None:
             q, k, v = wrap_qkv(plan, seq_len, (q, k, v), self.seq_dim, self.head_dim)
         push_frame(Frame(name, plan, seq_len, module_call_site(module)))
         return self._replace(args, kwargs, [q, k, v])

@@ -179,7 +179,7 @@ def _in_layout(locals_: Sequence[Any], layout: str, head_counts: Sequence[int], 
     return out if (batch, seq, heads) == (0, 1, 2) else out.permute(0, 2, 1, 3)  # BSHD -> BNSD
 
 
-def _like(out: Any, q: DTensor) -> DTensor:
+def like_q(out: Any, q: DTensor) -> DTensor:
     """``out`` (this rank's output piece) as a DTensor placed like ``q``: its global shape is
     ``q``'s but for the last dim (``v``'s head size, or heads x that size when merged), which
     is sharded only where ``q``'s merged heads are, evenly."""
@@ -236,7 +236,7 @@ def attention_on_dtensors(q: DTensor, k: DTensor, v: DTensor, *, layout: str, he
     counts = _head_counts(q, k, layout, head_num, _head_split(q, layout), op)
     out = _in_layout(locals_, layout, counts, lambda *qkv: scaled_dot_product_attention(
         *qkv, is_causal=is_causal, scale=scale, cu_seqlens=cu_seqlens))
-    return _like(out, q)
+    return like_q(out, q)
 
 
 def independent_shards_problem(q: Any, k: Any, v: Any, layout: str, head_num: int) -> str | None:
@@ -263,9 +263,9 @@ def independent_shards_problem(q: Any, k: Any, v: Any, layout: str, head_num: in
                     "nor its head dim")
     split = _head_split(q, layout)
     try:
-        q_heads, kv_heads = _heads(q, k, layout, head_num, "")
-    except ValueError:
-        return f"head_num={head_num} does not divide the hidden size {q.shape[-1]} of {layout} q"
+        q_heads, kv_heads = _heads(q, k, layout, head_num, layout)
+    except ValueError as e:
+        return str(e)
     if q_heads % split or kv_heads % split:
         return f"{q_heads} query / {kv_heads} key-value heads do not divide evenly over {split} ranks"
     return None
@@ -297,7 +297,7 @@ def attention_on_local_shards(q: DTensor, k: DTensor, v: DTensor, *, layout: str
     counts = _head_counts(q, k, layout, head_num, _head_split(q, layout), op)
     out = _in_layout([t.to_local() for t in (q, k, v)], layout, counts, lambda *qkv: attend_locally(
         *qkv, is_causal=is_causal, scale=scale, cu_seqlens=cu_seqlens))
-    return _like(out, q)
+    return like_q(out, q)
 
 
 def routes_to_context_parallel(tensors: Sequence[Any]) -> bool:
