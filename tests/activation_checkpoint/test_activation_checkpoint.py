@@ -17,10 +17,9 @@ import contextlib
 import numpy as np
 import pytest
 
-from hyper_parallel.core.activation_checkpoint import (CheckpointPhase, CheckpointPolicy, SwapManager,
+from hyper_parallel.core.activation_checkpoint import (CheckpointPhase, CheckpointPolicy,
                                                        apply_activation_checkpointing, checkpoint, checkpoint_phase,
-                                                       checkpoint_wrapper, is_checkpointed, remove_checkpoint_wrapper,
-                                                       swap_wrapper)
+                                                       checkpoint_wrapper, is_checkpointed, remove_checkpoint_wrapper)
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.platform import get_platform
@@ -148,7 +147,7 @@ def test_api(run_on_ranks) -> None:
 def check_context_fn_and_refusals() -> None:
     """``context_fn``: the forward runs in its first context, the recomputation in its
     second (torch's semantics, MindFormers' recompute marker); gradients unchanged. The
-    parts not built (selective policies, output recomputation, swapping) refuse."""
+    parts not built (selective policies, output recomputation) refuse."""
     p = get_platform()
     entered: list[str] = []
 
@@ -183,10 +182,6 @@ def check_context_fn_and_refusals() -> None:
     with pytest.raises(NotImplementedError, match="output_recompute=True .* not supported yet"):
         checkpoint_wrapper(model.layers[1], output_recompute=True)
     assert not is_checkpointed(model.layers[1])
-    with pytest.raises(NotImplementedError, match="swap_wrapper: activation swap"):
-        swap_wrapper(model.layers[1])
-    with pytest.raises(NotImplementedError, match="SwapManager: activation swap"):
-        SwapManager()
     assert [policy.value for policy in CheckpointPolicy] == [0, 1, 2, 3, 4]  # torch's values, then MUST_SWAP
 
 
@@ -202,9 +197,6 @@ def check_units_inside_checkpointed_blocks() -> None:
     p = get_platform()
     cfg = tiny_config("/tmp/unused").model
     mesh = init_device_mesh(p.device_type, (p.world_size(),))
-    r = p.rank()
-    rng = np.random.default_rng(7)
-    batches = [rng.integers(0, cfg.vocab_size, size=(2 * p.world_size(), 9)) for _ in range(STEPS)]
 
     def run(checkpointed: bool) -> list[list[np.ndarray]]:
         model = build_model(p, cfg, 0)
@@ -216,26 +208,39 @@ def check_units_inside_checkpointed_blocks() -> None:
             fully_shard(block.ffn_norm, mesh=mesh)
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        params = [param for _, param in p.named_parameters(model)]
-        out = []
-        for tokens in batches:
-            rows = tokens[r * 2:(r + 1) * 2]
-            positions = np.broadcast_to(np.arange(rows.shape[1] - 1), (rows.shape[0], rows.shape[1] - 1)).copy()
-            inputs = [p.from_numpy(rows[:, :-1]), p.from_numpy(positions), p.from_numpy(rows[:, 1:])]
-            _, backward = p.vjp(model, inputs, params)
-            _, grads = backward([_scalar(p, 1.0)])
-            out.append([p.to_numpy(local_tensor(g)) for g in grads])
-            if p.framework == "torch":
-                for param in params:
-                    param.grad = None
-        return out
+        return decoder_gradients(model, sharded=True)
 
-    plain = run(checkpointed=False)
-    both = run(checkpointed=True)
-    assert len(both[0]) == len(plain[0]) > 0
+    assert_gradients_equal(run(checkpointed=True), run(checkpointed=False), "checkpointed")
+
+
+def decoder_gradients(model, sharded: bool) -> list[list[np.ndarray]]:
+    """``STEPS`` backwards of the train decoder ``model`` on fixed batches of 2 rows per
+    rank: this rank's rows when ``sharded``, else the first rank's; the gradients."""
+    p = get_platform()
+    cfg = tiny_config("/tmp/unused").model
+    r = p.rank() if sharded else 0
+    rng = np.random.default_rng(7)
+    batches = [rng.integers(0, cfg.vocab_size, size=(2 * p.world_size(), 9)) for _ in range(STEPS)]
+    params = [param for _, param in p.named_parameters(model)]
+    out = []
+    for tokens in batches:
+        rows = tokens[r * 2:(r + 1) * 2]
+        positions = np.broadcast_to(np.arange(rows.shape[1] - 1), (rows.shape[0], rows.shape[1] - 1)).copy()
+        inputs = [p.from_numpy(rows[:, :-1]), p.from_numpy(positions), p.from_numpy(rows[:, 1:])]
+        _, backward = p.vjp(model, inputs, params)
+        _, grads = backward([_scalar(p, 1.0)])
+        out.append([p.to_numpy(local_tensor(g)) for g in grads])
+        if p.framework == "torch":
+            for param in params:
+                param.grad = None
+    return out
+
+
+def assert_gradients_equal(got: list[list[np.ndarray]], want: list[list[np.ndarray]], what: str) -> None:
+    assert len(got[0]) == len(want[0]) > 0
     for step in range(STEPS):
-        for index, (got, want) in enumerate(zip(both[step], plain[step])):
-            np.testing.assert_array_equal(got, want, err_msg=f"step {step}, gradient {index}")
+        for index, (g, w) in enumerate(zip(got[step], want[step])):
+            np.testing.assert_array_equal(g, w, err_msg=f"{what}: step {step}, gradient {index}")
 
 
 def test_units_inside_checkpointed_blocks(run_on_ranks) -> None:

@@ -216,12 +216,13 @@ def test_gptmodel_one_rank(run_on_ranks) -> None:
     assert all(np.isfinite(g).all() and np.abs(g).sum() > 0 for g in out["grads"].values())
 
 
-def parallelize(build, gradient_accumulation_steps: int = 1, **degrees):
+def parallelize(build, gradient_accumulation_steps: int = 1, swap: dict | None = None, **degrees):
     """MindFormers' trainer's flow (``trainer.py`` ``_create_model``) on this rank: the model
     built by ``build(parallelism)`` under ``ms.DeviceCtx("meta")``, MindFormers'
     ``ParallelDims.from_config`` and ``parallelize_gptmodel`` with ``degrees`` (fields of its
     ``ParallelismConfig``: ``data_parallel``, ``tensor_parallel``, ``context_parallel``, ...),
     materialised by ``to_empty``, this rank's pieces of ``build(None)``'s values written in.
+    ``swap``: fields of its ``SwapConfig`` (activation swap, ``enable`` set).
     Returns ``parallelize_gptmodel``'s model; under pipeline parallelism
     (``pipeline_parallel`` in ``degrees``) its ``(model_parts, schedule)``."""
     import mindspore as ms
@@ -244,7 +245,8 @@ def parallelize(build, gradient_accumulation_steps: int = 1, **degrees):
     # fully_shard runs under ms.DeviceCtx("meta") there too (parallelize.py apply_fsdp): the
     # shards are meta tensors, materialised as MindFormers' trainer does, by to_empty
     parts, schedule, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
-                                               SwapConfig(), gradient_accumulation_steps)
+                                               SwapConfig(enable=swap is not None, **(swap or {})),
+                                               gradient_accumulation_steps)
     for model in parts:
         assert all(param.is_meta for _, param in model.parameters_and_names())
         # the trainer calls m.to_empty(), whose device=None keeps a meta tensor meta on MindSpore
@@ -278,18 +280,19 @@ def rank_result(named, loss, grads, main_grad: bool = False) -> dict:
     return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
 
 
-def check_gpt_fsdp() -> dict:
+def check_gpt_fsdp(swap: dict | None = None) -> dict:
     """Each rank its row of the batch; MindFormers' ``parallelize_gptmodel`` with
-    data_parallel = world size (FSDP only), then ``value_and_grad`` on the sharded
-    parameters."""
+    data_parallel = world size (FSDP only) and its ``swap_config`` fields ``swap``, then
+    ``value_and_grad`` on the sharded parameters."""
     import mindspore as ms
 
     from hyper_parallel import DTensor
+    from hyper_parallel.core.activation_checkpoint import swap_stats
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
     world, me = p.world_size(), p.rank()
-    model = parallelize(lambda parallelism: build_gpt(), data_parallel=world)
+    model = parallelize(lambda parallelism: build_gpt(), data_parallel=world, swap=swap)
     ids, labels = batch()
     rows = slice(me * BATCH // world, (me + 1) * BATCH // world)
     named = list(model.parameters_and_names())
@@ -307,12 +310,23 @@ def check_gpt_fsdp() -> dict:
         np.testing.assert_allclose(param.main_grad.to_local().asnumpy(), local.asnumpy(), rtol=1e-6, err_msg=name)
         out[name] = {"placements": [str(pl) for pl in param.placements] if isinstance(param, DTensor) else None,
                      "grad": local.asnumpy()}
-    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
+    stats = [swap_stats(model.decoder.layers[0])] if swap else [None]
+    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out, "swap": stats}
 
 
-def test_gptmodel_fsdp_two_ranks(run_on_ranks) -> None:
+@pytest.mark.parametrize("swap", [None, {"layer_swap": [{"layers": ["0"]}]}], ids=["plain", "layer_swap"])
+def test_gptmodel_fsdp_two_ranks(run_on_ranks, swap) -> None:
+    """With ``swap``, MindFormers' ``apply_swap`` (``swap_config.layer_swap``) swaps layer 0
+    (its policy keeps uint8 masks) and links it to layer 1 with ``SwapManager``: the
+    gradients are those of one rank unswapped, and layer 0's saved activations were copied
+    out after its forward and back when the backward reached layer 1."""
     one = run_on_ranks(check_gpt_one_rank, world_size=1, timeout_s=300)[0]
-    two = run_on_ranks(check_gpt_fsdp, world_size=2, timeout_s=300)
+    two = run_on_ranks(check_gpt_fsdp, swap, world_size=2, timeout_s=300)
+    if swap:
+        for rank in two:
+            (stats,) = rank["swap"]
+            assert stats.tensors_swapped > 0 and (stats.offloads, stats.prefetches, stats.loads_on_use) == (1, 1, 0), \
+                stats
     # every rank has BATCH * SEQ / 2 unmasked tokens: the mean of the ranks' means is the whole batch's
     np.testing.assert_allclose(np.mean([r["loss"] for r in two]), one["loss"], rtol=1e-5)
     for name, want in one["grads"].items():

@@ -239,6 +239,44 @@ def test_release_saved_tensors(run_on_ranks) -> None:
     run_on_ranks(check_release_saved_tensors, world_size=1)
 
 
+def check_release_saved_tensors_offload() -> None:
+    """``offload=(pack, unpack)``: a saved activation goes to ``pack`` and the backward
+    reads what ``unpack`` returns (here three times the values, so a kept tensor would
+    show), while the weight is taken by another ``release_saved_tensors`` context (its
+    ``reload``, twice the values), whether that context is entered around the offload
+    context or inside it ([Note: stacked saved-tensor contexts])."""
+    p = get_platform()
+    w0, x0 = rank_data(1, (4, 3)), rank_data(2, (2, 4))
+    for release_outside in (True, False):
+        offered: list[tuple[int, ...]] = []
+
+        def pack(tensor):
+            offered.append(tuple(tensor.shape))
+            return ("held", tensor)
+
+        def fn(x, leaf):
+            with p.no_grad():
+                source = p.from_numpy(w0)
+            w = p.apply_function(_Identity, leaf, source)
+            release = p.release_saved_tensors([w], lambda index: p.from_numpy(w0 * 2.0))
+            offload = p.release_saved_tensors([], lambda index: None, offload=(pack, lambda held: held[1] * 3.0))
+            with release if release_outside else offload:
+                with offload if release_outside else release:
+                    out = x @ w
+            return out
+
+        _, backward = p.vjp(fn, [p.from_numpy(x0), p.from_numpy(w0)])
+        (dx, dleaf), _ = backward([p.from_numpy(np.ones((2, 3), np.float32))])
+        where = "release outside" if release_outside else "release inside"
+        assert offered == [(2, 4)], (where, offered)
+        close(p.to_numpy(dx), np.ones((2, 3), np.float32) @ (w0 * 2.0).T, f"{where}: input gradient, reloaded weight")
+        close(p.to_numpy(dleaf), (x0 * 3.0).T @ np.ones((2, 3), np.float32), f"{where}: weight gradient, unpacked x")
+
+
+def test_release_saved_tensors_offload(run_on_ranks) -> None:
+    run_on_ranks(check_release_saved_tensors_offload, world_size=1)
+
+
 def check_release_saved_tensors_frees_unused_branch() -> None:
     """Tensors that ops save as their own output (``exp``, ``amax``) inside
     ``release_saved_tensors``, on a branch the backward never runs (attention's detached

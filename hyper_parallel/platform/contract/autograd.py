@@ -61,8 +61,9 @@ class AutogradSection(ABC):
         """
 
     @abstractmethod
-    def release_saved_tensors(self, sources: Sequence[Any],
-                              reload: Callable[[int], Any]) -> AbstractContextManager[None]:
+    def release_saved_tensors(self, sources: Sequence[Any], reload: Callable[[int], Any], *,
+                              offload: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+                              ) -> AbstractContextManager[None]:
         """A context in which autograd does not keep ``sources`` alive for backward.
 
         ``sources`` are tensors produced by an operation (not wrapped from outside:
@@ -76,6 +77,18 @@ class AutogradSection(ABC):
         (torch ``autograd.graph.saved_tensors_hooks``, MindSpore ``saved_tensors_hooks``).
         fully_shard uses it to free gathered parameters after the forward and re-gather
         them in the backward. ``reload`` runs inside the backward, once per saved use.
+
+        ``offload=(pack, unpack)`` (activation swap, ``core/activation_checkpoint/swap``):
+        every *other* tensor saved inside the context is handed to ``pack(tensor)``, whose
+        return is stored instead: ``tensor`` itself keeps it as usual, anything else is
+        handed to ``unpack(stored)`` when the backward needs it, which returns a tensor of
+        the saved one's shape, dtype and values. Swap passes the module's parameters as
+        ``sources`` with ``reload=sources.__getitem__``: they are not copied to host.
+        Neither does ``pack`` see what another ``release_saved_tensors`` context, entered
+        around this one or inside it, takes ([Note: stacked saved-tensor contexts] in
+        ``platform/saved_tensor_layers``), nor empty tensors. A DTensor saved by a DTensor
+        forward is handed over as its local piece and rewrapped after ``unpack``. Inside
+        ``recompute``'s function the recomputation's own hooks take every saved tensor.
         """
 
     @abstractmethod

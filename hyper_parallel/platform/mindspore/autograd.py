@@ -14,6 +14,7 @@ from typing import Any
 
 from hyper_parallel.platform.contract.autograd import AutogradSection, VjpFn
 from hyper_parallel.platform.contract.common import CustomFunction
+from hyper_parallel.platform.saved_tensor_layers import PASS, LayeredHooks, SavedTensorLayer
 from hyper_parallel.platform.validation import check_vjp_part
 
 
@@ -96,12 +97,16 @@ class MindSporeAutograd(AutogradSection):
 
         return bool(_pynative_executor.enable_grad())
 
-    def release_saved_tensors(self, sources: Sequence[Any],
-                              reload: Callable[[int], Any]) -> AbstractContextManager[None]:
+    def release_saved_tensors(self, sources: Sequence[Any], reload: Callable[[int], Any], *,
+                              offload: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+                              ) -> AbstractContextManager[None]:
         """``mindspore.saved_tensors_hooks``. MindSpore hands the pack hook a new Python
         object for a saved tensor, so a saved tensor is matched to a source by its
-        ``data_ptr()`` (read after draining PyNative's queue); the token keeps its shape (a same-memory reshape is rebuilt
-        with ``reshape``; MindSpore's transposes are copies and are kept as they are)."""
+        ``data_ptr()`` (read after draining PyNative's queue); the token keeps its shape (a
+        same-memory reshape is rebuilt with ``reshape``; MindSpore's transposes are copies
+        and are kept as they are). A DTensor forward saves the local pieces (its ops run on
+        them), so ``offload``'s ``pack`` sees plain tensors."""
+        from mindspore import ops
         from mindspore.graph.api import _pynative_executor
 
         # PyNative queues kernels: a tensor's data_ptr() is its memory only once the
@@ -111,22 +116,33 @@ class MindSporeAutograd(AutogradSection):
         sizes = [int(src.numel()) for src in sources]
         candidate_sizes = set(sizes)
 
-        def pack(tensor: Any) -> Any:
+        def take(tensor: Any) -> Any:
             numel = int(tensor.numel())
             if numel == 0 or numel not in candidate_sizes:
-                return tensor
+                return PASS
             _pynative_executor.sync()  # only for tensors of a source's size: see above
             index = keys.get(tensor.data_ptr())
             if index is None or numel != sizes[index]:
-                return tensor
+                return PASS
             return _SavedToken(index, tuple(tensor.shape))
 
-        def unpack(packed: Any) -> Any:
-            if not isinstance(packed, _SavedToken):
-                return packed
-            return reload(packed.index).reshape(packed.shape)
+        def give(token: _SavedToken) -> Any:
+            return reload(token.index).reshape(token.shape)
 
-        return self._ms.saved_tensors_hooks(pack, unpack)
+        catch_all = None
+        if offload is not None:
+            pack, unpack = offload
+
+            def take_any(tensor: Any) -> Any:
+                if int(tensor.numel()) == 0:
+                    return PASS
+                detached = ops.stop_gradient(tensor)
+                stored = pack(detached)
+                return PASS if stored is detached else stored
+
+            catch_all = (take_any, unpack)
+        return LayeredHooks(SavedTensorLayer((take, give), catch_all), self._ms.saved_tensors_hooks,
+                            lambda tensor: tensor)
 
     def recompute(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``mindspore.recompute(fn, *args, use_reentrant=False)``: the saved-tensor-hooks

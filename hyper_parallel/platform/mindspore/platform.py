@@ -145,12 +145,17 @@ class MindSporePlatform(
         runtime = self._ms.runtime
         return MemoryStats(allocated=int(runtime.memory_allocated()), peak=int(runtime.max_memory_allocated()))
 
-    def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
-        """Ascend: ``Tensor.move_to("CPU" | "Ascend")``. MindSpore has no call that
-        page-locks one tensor, so ``pin_memory`` is accepted and the host copy is
-        MindSpore's ordinary host memory. CPU: ``tensor`` itself."""
+    def to_device(self, tensor: Any, device: str, pin_memory: bool = False, stream: Any = None) -> Any:
+        """Ascend: ``Tensor.move_to("CPU" | "Ascend")``, with ``stream`` non-blocking
+        (``blocking=False``) under ``mindspore.runtime.StreamCtx(stream)``. MindSpore has
+        no call that page-locks one tensor, so ``pin_memory`` is accepted and the host copy
+        is MindSpore's ordinary host memory. CPU: ``tensor`` itself."""
         if device not in ("cpu", self._device_type):
             raise ValueError(f"to_device: device={device!r}; pass 'cpu' (host memory) or {self._device_type!r}")
         if self._device_type == "cpu":
             return tensor
-        return tensor.move_to("CPU" if device == "cpu" else "Ascend")
+        target = "CPU" if device == "cpu" else "Ascend"
+        if stream is None:
+            return tensor.move_to(target)
+        with self.stream(stream):
+            return tensor.move_to(target, blocking=False)

@@ -19,6 +19,7 @@ from hyper_parallel.platform.autograd_collectives import DifferentiableCollectiv
 from hyper_parallel.platform.base import FULL, AttentionMask, Capability, CustomFunction, MemoryStats, Platform, RemovableHandle, VjpFn
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
+from hyper_parallel.platform.saved_tensor_layers import PASS, LayeredHooks, SavedTensorLayer
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.backward_hooks import register_output_grad_pre_hook
 from hyper_parallel.platform.torch.collectives import TorchCollectives
@@ -88,6 +89,19 @@ class _SavedToken:
         self.index = index
         self.view = view
         self.wrap = wrap
+
+
+def _piece(tensor: Any) -> tuple[Any, tuple[type, Any] | None]:
+    """A DTensor's local piece and what rewraps it (a module computing on DTensors saves
+    them: [Note: a tensor-parallel parameter in a DTensor forward]); a tensor itself."""
+    piece = getattr(tensor, "_local", None) if type(tensor) is not torch.Tensor else None
+    if isinstance(piece, torch.Tensor):
+        return piece, (type(tensor), tensor._spec)
+    return tensor, None
+
+
+def _rewrap(piece: Any, wrap: tuple[type, Any] | None) -> Any:
+    return piece if wrap is None else wrap[0](piece, wrap[1])
 
 
 class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
@@ -198,36 +212,41 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         # the RNG state is kept and restored (preserve_rng_state defaults to True).
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
-    def release_saved_tensors(self, sources: Sequence[Any],
-                              reload: Callable[[int], Any]) -> AbstractContextManager[None]:
+    def release_saved_tensors(self, sources: Sequence[Any], reload: Callable[[int], Any], *,
+                              offload: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+                              ) -> AbstractContextManager[None]:
         # A saved tensor is matched to a source by its storage (views share it); the
         # token keeps the view's geometry, so ``as_strided`` rebuilds the same view.
         keys = {src.untyped_storage().data_ptr(): i for i, src in enumerate(sources) if src.numel() > 0}
 
-        def pack(tensor: Any) -> Any:
-            # A DTensor (a module computing on DTensors saves them: [Note: a
-            # tensor-parallel parameter in a DTensor forward]) has no storage of its own;
-            # its piece is what may be a view of a source.
-            piece = getattr(tensor, "_local", None) if type(tensor) is not torch.Tensor else None
-            piece = piece if isinstance(piece, torch.Tensor) else None
-            inner = tensor if piece is None else piece
-            index = keys.get(inner.untyped_storage().data_ptr()) if inner.numel() > 0 else None
+        def take(tensor: Any) -> Any:
+            piece, wrap = _piece(tensor)
+            index = keys.get(piece.untyped_storage().data_ptr()) if piece.numel() > 0 else None
             if index is None:
-                # Not the tensor itself: an op that saves its own output (exp, amax, softmax)
-                # would then hold its grad_fn through the packed object, a C++ reference cycle
-                # that gc cannot break; a graph branch backward never runs (attention's
-                # detached row max) then leaks each step. ``detach`` shares storage and version.
-                return tensor.detach()
-            return _SavedToken(index, (tuple(inner.shape), tuple(inner.stride()), inner.storage_offset()),
-                               None if piece is None else (type(tensor), tensor._spec))
+                return PASS
+            return _SavedToken(index, (tuple(piece.shape), tuple(piece.stride()), piece.storage_offset()), wrap)
 
-        def unpack(packed: Any) -> Any:
-            if not isinstance(packed, _SavedToken):
-                return packed
-            rebuilt = reload(packed.index).as_strided(*packed.view)
-            return rebuilt if packed.wrap is None else packed.wrap[0](rebuilt, packed.wrap[1])
+        def give(token: _SavedToken) -> Any:
+            return _rewrap(reload(token.index).as_strided(*token.view), token.wrap)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        catch_all = None
+        if offload is not None:
+            pack, unpack = offload
+
+            def take_any(tensor: Any) -> Any:
+                piece, wrap = _piece(tensor)
+                if piece.numel() == 0:
+                    return PASS
+                stored = pack(piece.detach())
+                return PASS if isinstance(stored, torch.Tensor) else (stored, wrap)
+
+            catch_all = (take_any, lambda stored: _rewrap(unpack(stored[0]), stored[1]))
+        # Not taken: an op that saves its own output (exp, amax, softmax) would then hold
+        # its grad_fn through the packed object, a C++ reference cycle that gc cannot
+        # break; a graph branch backward never runs (attention's detached row max) then
+        # leaks each step. ``detach`` shares storage and version.
+        return LayeredHooks(SavedTensorLayer((take, give), catch_all), torch.autograd.graph.saved_tensors_hooks,
+                            lambda tensor: tensor.detach())
 
     def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
         leaves = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -440,11 +459,19 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         module = self._device_module()
         return MemoryStats(allocated=int(module.memory_allocated()), peak=int(module.max_memory_allocated()))
 
-    def to_device(self, tensor: Any, device: str, pin_memory: bool = False) -> Any:
+    def to_device(self, tensor: Any, device: str, pin_memory: bool = False, stream: Any = None) -> Any:
         if device not in ("cpu", self._device_type):
             raise ValueError(f"to_device: device={device!r}; pass 'cpu' (host memory) or {self._device_type!r}")
         if self._device_type == "cpu":
             return tensor
+        if stream is not None:
+            # The destination is allocated on the current stream (device memory freed later
+            # by the compute stream must belong to it), the copy issued on ``stream``.
+            target = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu" if device == "cpu" else self._device,
+                                 pin_memory=device == "cpu")
+            with self.stream(stream):
+                target.copy_(tensor.detach(), non_blocking=True)
+            return target
         if device == "cpu":
             host = tensor.detach().to("cpu")
             return host.pin_memory() if pin_memory else host
