@@ -260,11 +260,13 @@ def swap_wrapper(module: Any, policy_fn: Callable[[Any], Any] | None = None) -> 
     Raises:
         ValueError: ``module`` is swapped, or linked as a follower, already; from a
             forward, ``policy_fn`` returned another value.
-        TypeError: ``module`` is not callable.
+        TypeError: ``module`` is not callable, or holds no attributes (a builtin).
     """
     p = get_platform()
     if not callable(module):
         raise TypeError(f"swap_wrapper: module={module!r} is not callable; pass a module or an operator")
+    if not hasattr(module, "__dict__"):
+        raise TypeError(f"swap_wrapper: module={module!r} takes no attributes; wrap it in a function first")
     if SWAP_ATTR in vars(module):
         raise ValueError(f"swap_wrapper: {type(module).__name__} is already swapped")
     if FOLLOW_ATTR in vars(module):
@@ -273,8 +275,8 @@ def swap_wrapper(module: Any, policy_fn: Callable[[Any], Any] | None = None) -> 
     handle = _SwapHandle(type(module).__name__, policy_fn)
     if not _is_module(module):
         @functools.wraps(module)
-        def swapped(*args: Any) -> Any:
-            return handle.run(module, args, [])
+        def swapped(*args: Any, **kwargs: Any) -> Any:
+            return handle.run(functools.partial(module, **kwargs), args, [])
 
         vars(swapped)[SWAP_ATTR] = handle
         return swapped
