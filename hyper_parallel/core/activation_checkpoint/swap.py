@@ -153,19 +153,31 @@ class _Ref:
         self.index = index
 
 
-class _SwapHandle:
+class _Follower:
+    """A module's place in a ``SwapManager`` chain: what precedes it, and the backward
+    pre-hook that prefetches that. A module that is not swapped but follows a swapped one
+    holds only this."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.prev: _SwapHandle | None = None
+        self.hooks: list[Any] = []
+
+    def before_backward(self, module: Any, grad_output: Any) -> None:
+        if self.prev is not None:
+            self.prev.prefetch()
+
+
+class _SwapHandle(_Follower):
     """A swapped module's policy, chain links, groups and counts."""
 
     def __init__(self, name: str, policy_fn: Callable[[Any], Any] | None) -> None:
-        self.name = name
+        super().__init__(name)
         self.policy_fn = policy_fn
-        self.prev: _SwapHandle | None = None
-        self.next: _SwapHandle | _Follower | None = None
+        self.next: _Follower | None = None
         self.stats = SwapStats()
-        self.hooks: list[Any] = []
         self._stream: Any = None
-        self._pending: list[weakref.ref[_Group]] = []  # offloads issued, not waited for
-        self._swapped: list[weakref.ref[_Group]] = []  # groups that may be on host
+        self._swapped: list[weakref.ref[_Group]] = []  # the groups offloaded, while the graph holds them
 
     def copy_stream(self) -> Any:
         if self._stream is None:
@@ -178,14 +190,19 @@ class _SwapHandle:
             return fn(*args)
         if self.next is None and self.prev is not None:  # the chain's last: its backward comes first
             out = fn(*args)
-            self.prev.finish_pending()
-            return out
-        sources = [t.to_local() if isinstance(t, DTensor) else t for t in params]
-        group = _Group(self)
-        with p.release_saved_tensors(sources, sources.__getitem__,
-                                     offload=(functools.partial(self._pack, group), _unpack)):
-            out = fn(*args)
-        self._after_forward(group)
+        else:
+            sources = [t.to_local() if isinstance(t, DTensor) else t for t in params]
+            group = _Group(self)
+            with p.release_saved_tensors(sources, sources.__getitem__,
+                                         offload=(functools.partial(self._pack, group), _unpack)):
+                out = fn(*args)
+            if group.device:
+                group.launch_offload()
+                self._swapped = [ref for ref in self._swapped if ref() is not None] + [weakref.ref(group)]
+                if self.next is None:  # unlinked: nothing later to overlap the copies with
+                    group.finish_offload()
+        if self.prev is not None:
+            self.prev.finish_offloads()
         return out
 
     def _pack(self, group: _Group, tensor: Any) -> Any:
@@ -202,36 +219,22 @@ class _SwapHandle:
         self.stats.bytes_swapped += int(tensor.nbytes)
         return _Ref(group, len(group.device) - 1)
 
-    def _after_forward(self, group: _Group) -> None:
-        if group.device:
-            group.launch_offload()
-            self._swapped = [ref for ref in self._swapped if ref() is not None] + [weakref.ref(group)]
-            if self.next is None:
-                group.finish_offload()
-            else:
-                self._pending.append(weakref.ref(group))
-        if self.prev is not None:
-            self.prev.finish_pending()
+    def _groups(self) -> list[_Group]:
+        return [group for group in (ref() for ref in self._swapped) if group is not None]
 
-    def finish_pending(self) -> None:
-        for ref in self._pending:
-            group = ref()
-            if group is not None:
-                group.finish_offload()
-        self._pending = []
+    def finish_offloads(self) -> None:
+        """Wait for the copies to host issued so far (the groups whose copies are done
+        are left as they are)."""
+        for group in self._groups():
+            group.finish_offload()
 
     def prefetch(self) -> None:
         """Issue the copy back of the group swapped last that is on host."""
-        for ref in reversed(self._swapped):
-            group = ref()
-            if group is not None and group.state is _State.HOST:
+        for group in reversed(self._groups()):
+            if group.state is _State.HOST:
                 group.launch_load()
                 self.stats.prefetches += 1
                 return
-
-    def before_backward(self, module: Any, grad_output: Any) -> None:
-        if self.prev is not None:
-            self.prev.prefetch()
 
 
 def _unpack(ref: _Ref) -> Any:
@@ -344,8 +347,7 @@ class SwapManager:
                              "module; link a module to the one whose forward runs after it")
         first = _handle(first_layer, "SwapManager.set_forward_prefetch_layer(first_layer)")
         swapped = SWAP_ATTR in vars(second_layer)
-        second = vars(second_layer)[SWAP_ATTR if swapped else FOLLOW_ATTR] if swapped or FOLLOW_ATTR in vars(
-            second_layer) else _Follower(type(second_layer).__name__)
+        second = vars(second_layer).get(SWAP_ATTR if swapped else FOLLOW_ATTR) or _Follower(type(second_layer).__name__)
         if first.next is second and second.prev is first:
             return
         if first.next is not None or second.prev is not None:
@@ -357,18 +359,6 @@ class SwapManager:
         first.next, second.prev = second, first
         if not swapped:  # a swapped module waits for its predecessor's copies in its own forward
             vars(second_layer)[FOLLOW_ATTR] = second
-            second.hooks.append(p.register_forward_hook(second_layer, lambda *_: first.finish_pending()))
+            second.hooks.append(p.register_forward_hook(second_layer, lambda *_: first.finish_offloads()))
         second.hooks.append(p.register_full_backward_pre_hook(second_layer, second.before_backward))
 
-
-class _Follower:
-    """The link of a module that is not swapped but follows a swapped one."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.prev: _SwapHandle | None = None
-        self.hooks: list[Any] = []
-
-    def before_backward(self, module: Any, grad_output: Any) -> None:
-        if self.prev is not None:
-            self.prev.prefetch()
