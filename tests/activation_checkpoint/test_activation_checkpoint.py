@@ -147,7 +147,8 @@ def test_api(run_on_ranks) -> None:
 def check_context_fn_and_refusals() -> None:
     """``context_fn``: the forward runs in its first context, the recomputation in its
     second (torch's semantics, MindFormers' recompute marker); gradients unchanged. The
-    parts not built (selective policies, output recomputation) refuse."""
+    part not built (output recomputation) refuses (selective policies:
+    ``test_selective_checkpoint``)."""
     p = get_platform()
     entered: list[str] = []
 
@@ -177,8 +178,6 @@ def check_context_fn_and_refusals() -> None:
     with pytest.raises(TypeError, match="return a tuple of two context managers"):
         p.vjp(lambda t: checkpoint(lambda u: u.sum(), t, context_fn=lambda: None), [x])
 
-    with pytest.raises(NotImplementedError, match="policy_fn .* not supported yet"):
-        checkpoint_wrapper(model.layers[1], policy_fn=lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
     with pytest.raises(NotImplementedError, match="output_recompute=True .* not supported yet"):
         checkpoint_wrapper(model.layers[1], output_recompute=True)
     assert not is_checkpointed(model.layers[1])

@@ -216,13 +216,15 @@ def test_gptmodel_one_rank(run_on_ranks) -> None:
     assert all(np.isfinite(g).all() and np.abs(g).sum() > 0 for g in out["grads"].values())
 
 
-def parallelize(build, gradient_accumulation_steps: int = 1, swap: dict | None = None, **degrees):
+def parallelize(build, gradient_accumulation_steps: int = 1, swap: dict | None = None, recompute: dict | None = None,
+                **degrees):
     """MindFormers' trainer's flow (``trainer.py`` ``_create_model``) on this rank: the model
     built by ``build(parallelism)`` under ``ms.DeviceCtx("meta")``, MindFormers'
     ``ParallelDims.from_config`` and ``parallelize_gptmodel`` with ``degrees`` (fields of its
     ``ParallelismConfig``: ``data_parallel``, ``tensor_parallel``, ``context_parallel``, ...),
     materialised by ``to_empty``, this rank's pieces of ``build(None)``'s values written in.
-    ``swap``: fields of its ``SwapConfig`` (activation swap, ``enable`` set).
+    ``swap``: fields of its ``SwapConfig`` (activation swap, ``enable`` set); ``recompute``:
+    fields of its ``RecomputeConfig`` (activation checkpointing).
     Returns ``parallelize_gptmodel``'s model; under pipeline parallelism
     (``pipeline_parallel`` in ``degrees``) its ``(model_parts, schedule)``."""
     import mindspore as ms
@@ -244,7 +246,8 @@ def parallelize(build, gradient_accumulation_steps: int = 1, swap: dict | None =
     dims = ParallelDims.from_config(parallelism, p.world_size())
     # fully_shard runs under ms.DeviceCtx("meta") there too (parallelize.py apply_fsdp): the
     # shards are meta tensors, materialised as MindFormers' trainer does, by to_empty
-    parts, schedule, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(), RecomputeCommConfig(),
+    parts, schedule, *_ = parallelize_gptmodel(model, dims, parallelism, RecomputeConfig(**(recompute or {})),
+                                               RecomputeCommConfig(),
                                                SwapConfig(enable=swap is not None, **(swap or {})),
                                                gradient_accumulation_steps)
     for model in parts:
@@ -280,10 +283,15 @@ def rank_result(named, loss, grads, main_grad: bool = False) -> dict:
     return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out}
 
 
-def check_gpt_fsdp(swap: dict | None = None) -> dict:
+def check_gpt_fsdp(swap: dict | None = None, recompute: dict | None = None) -> dict:
     """Each rank its row of the batch; MindFormers' ``parallelize_gptmodel`` with
-    data_parallel = world size (FSDP only) and its ``swap_config`` fields ``swap``, then
-    ``value_and_grad`` on the sharded parameters."""
+    data_parallel = world size (FSDP only), its ``swap_config`` fields ``swap`` and
+    ``recompute_config`` fields ``recompute``, then ``value_and_grad`` on the sharded
+    parameters; the matrix products run (forward, recomputation and backward) counted by
+    a ``MsDispatchMode`` around it."""
+    import collections
+
+    from mindspore.utils import MsDispatchMode
     import mindspore as ms
 
     from hyper_parallel import DTensor
@@ -292,7 +300,7 @@ def check_gpt_fsdp(swap: dict | None = None) -> dict:
 
     p = get_platform()
     world, me = p.world_size(), p.rank()
-    model = parallelize(lambda parallelism: build_gpt(), data_parallel=world, swap=swap)
+    model = parallelize(lambda parallelism: build_gpt(), data_parallel=world, swap=swap, recompute=recompute)
     ids, labels = batch()
     rows = slice(me * BATCH // world, (me + 1) * BATCH // world)
     named = list(model.parameters_and_names())
@@ -300,8 +308,16 @@ def check_gpt_fsdp(swap: dict | None = None) -> dict:
     def loss_fn(i, l):
         return model(i, labels=l)[0]
 
-    loss, grads = ms.value_and_grad(loss_fn, grad_position=None, weights=[q for _, q in named])(
-        ms.Tensor(ids[rows]), ms.Tensor(labels[rows]))
+    counts: collections.Counter = collections.Counter()
+
+    class Count(MsDispatchMode):
+        def __ms_dispatch__(self, func, args, kwargs=None):
+            counts[func.name] += 1
+            return func(*args, **kwargs) if kwargs else func(*args)
+
+    with Count():
+        loss, grads = ms.value_and_grad(loss_fn, grad_position=None, weights=[q for _, q in named])(
+            ms.Tensor(ids[rows]), ms.Tensor(labels[rows]))
     out = {}
     for (name, param), grad in zip(named, grads):
         local = grad.to_local() if isinstance(grad, DTensor) else grad
@@ -311,17 +327,34 @@ def check_gpt_fsdp(swap: dict | None = None) -> dict:
         out[name] = {"placements": [str(pl) for pl in param.placements] if isinstance(param, DTensor) else None,
                      "grad": local.asnumpy()}
     stats = [swap_stats(model.decoder.layers[0])] if swap else [None]
-    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out, "swap": stats}
+    matmuls = sum(n for name, n in counts.items() if "matmul" in name.lower())
+    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out, "swap": stats, "matmuls": matmuls}
 
 
-@pytest.mark.parametrize("swap", [None, {"layer_swap": [{"layers": ["0"]}]}], ids=["plain", "layer_swap"])
-def test_gptmodel_fsdp_two_ranks(run_on_ranks, swap) -> None:
+#: MindFormers' full recompute of both layers, keeping matmul outputs (``exclude_op``: its
+#: selective policy, ``checkpoint_wrapper(layer, policy_fn=, context_fn=)``)
+RECOMPUTE = {"mode": "full", "full_recompute_layer": ["0-1"], "exclude_op": ["matmul"]}
+
+
+@pytest.mark.parametrize("swap,recompute", [(None, None), ({"layer_swap": [{"layers": ["0"]}]}, None),
+                                            (None, RECOMPUTE)], ids=["plain", "layer_swap", "recompute_exclude_op"])
+def test_gptmodel_fsdp_two_ranks(run_on_ranks, swap, recompute) -> None:
     """With ``swap``, MindFormers' ``apply_swap`` (``swap_config.layer_swap``) swaps layer 0
     (its policy keeps uint8 masks) and links it to layer 1 with ``SwapManager``: the
     gradients are those of one rank unswapped, and layer 0's saved activations were copied
-    out after its forward and back when the backward reached layer 1."""
+    out after its forward and back when the backward reached layer 1. With ``recompute``
+    (layers checkpointed, then their norms fully sharded inside them), the gradients are
+    one rank's too, and the kept matrix products ran once: as many as without
+    checkpointing, fewer than with the same layers fully recomputed."""
     one = run_on_ranks(check_gpt_one_rank, world_size=1, timeout_s=300)[0]
-    two = run_on_ranks(check_gpt_fsdp, swap, world_size=2, timeout_s=300)
+    two = run_on_ranks(check_gpt_fsdp, swap, recompute, world_size=2, timeout_s=300)
+    if recompute:
+        plain = run_on_ranks(check_gpt_fsdp, world_size=2, timeout_s=300)
+        full = run_on_ranks(check_gpt_fsdp, None, {**recompute, "exclude_op": None}, world_size=2, timeout_s=300)
+        for rank, (sel, without, whole) in enumerate(zip(two, plain, full)):
+            assert sel["matmuls"] == without["matmuls"] < whole["matmuls"], (rank, sel["matmuls"], without["matmuls"],
+                                                                             whole["matmuls"])
+            np.testing.assert_array_equal(sel["loss"], whole["loss"])
     if swap:
         for rank in two:
             (stats,) = rank["swap"]

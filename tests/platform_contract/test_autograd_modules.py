@@ -457,3 +457,40 @@ def check_recompute() -> None:
 
 def test_recompute(run_on_ranks) -> None:
     run_on_ranks(check_recompute, world_size=1)
+
+
+def check_recompute_keep() -> None:
+    """``recompute(keep=)``: ``keep`` is asked once per operation of the forward, with the
+    operation's output; a kept output is the forward's own in the backward, a recomputed
+    one is computed again. Told apart by writing into ``s`` between the forward and the
+    backward: ``y = (x * s) ** 2`` as ``h * h``, ``dy/dx = 2 h s`` with ``h`` the product
+    (kept: the forward's ``x * s``; recomputed: ``x * s`` of the new ``s``) and ``s`` read
+    again by the recomputation either way (an input the product saves)."""
+    p = get_platform()
+    x0, s0 = rank_data(0, (3, 4)), rank_data(1, (3, 4))
+    s1 = 2.0 * s0
+    for keeping in (True, False):
+        asked: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+        def keep(op, args, kwargs, output):
+            asked.append((tuple(output.shape), tuple(args[0].shape)))
+            return keeping
+
+        s = p.from_numpy(s0)
+
+        def fn(x):
+            h = x * s
+            return h * h
+
+        out, backward = p.vjp(lambda x: p.recompute(fn, x, keep=keep), [p.from_numpy(x0)])
+        assert asked == [((3, 4), (3, 4))] * 2, asked  # the two products, in the forward only
+        s[:] = p.from_numpy(s1)
+        (gx,), _ = backward([p.from_numpy(np.ones((3, 4), np.float32))])
+        assert len(asked) == 2, asked
+        close(p.to_numpy(out), (x0 * s0) ** 2, "forward")
+        h = x0 * s0 if keeping else x0 * s1
+        close(p.to_numpy(gx), 2.0 * h * s1, f"input gradient, keep={keeping}")
+
+
+def test_recompute_keep(run_on_ranks) -> None:
+    run_on_ranks(check_recompute_keep, world_size=1)

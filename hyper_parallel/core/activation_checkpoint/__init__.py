@@ -10,10 +10,10 @@ from hyper_parallel.core.activation_checkpoint.checkpoint import (
     is_checkpointed,
     remove_checkpoint_wrapper,
 )
-from hyper_parallel.core.activation_checkpoint.policy import CheckpointPolicy
+from hyper_parallel.core.activation_checkpoint.policy import CheckpointPolicy, SelectiveCheckpointContext
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
 from hyper_parallel.core.activation_checkpoint.swap import SwapManager, SwapStats, swap_stats, swap_wrapper
 
-__all__ = ["CheckpointPhase", "CheckpointPolicy", "SwapManager", "SwapStats", "apply_activation_checkpointing",
-           "checkpoint", "checkpoint_phase", "checkpoint_wrapper", "is_checkpointed", "remove_checkpoint_wrapper",
-           "swap_stats", "swap_wrapper"]
+__all__ = ["CheckpointPhase", "CheckpointPolicy", "SelectiveCheckpointContext", "SwapManager", "SwapStats",
+           "apply_activation_checkpointing", "checkpoint", "checkpoint_phase", "checkpoint_wrapper", "is_checkpointed",
+           "remove_checkpoint_wrapper", "swap_stats", "swap_wrapper"]

@@ -80,6 +80,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from hyper_parallel.core.activation_checkpoint.policy import keep_outputs
 from hyper_parallel.core.activation_checkpoint.region import _EXIT, _PHASE, CheckpointPhase
 from hyper_parallel.platform import get_platform
 
@@ -90,7 +91,8 @@ ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManag
 CHECKPOINT_ATTR = "_checkpoint_handle"
 
 
-def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None = None) -> Any:
+def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None = None,
+               policy_fn: Callable[..., Any] | None = None) -> Any:
     """``fn(*args)`` without keeping its intermediate activations: the tensors its
     operations save for backward are dropped after the forward and recomputed, by
     running ``fn(*args)`` again, when the backward first needs one (torch
@@ -115,15 +117,34 @@ def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None 
             ``(forward_context, recompute_context)``: the forward runs inside the first,
             the recomputation inside the second (torch's ``context_fn``; e.g. to skip a
             side effect such as logging in the recomputation).
+        policy_fn: selective checkpointing (torch's ``create_selective_checkpoint_contexts``
+            policy; Korthikanti et al. 2022): ``policy_fn(ctx, op, *op_args, **op_kwargs)``
+            is called for each framework operation of the forward (``op`` is torch's
+            ``OpOverload``, e.g. ``torch.ops.aten.mm.default``, or MindSpore's ``OpFunc``,
+            ``op.name == "MatMulExt"``; ``ctx`` a ``SelectiveCheckpointContext`` with the
+            op's output) and answers a ``CheckpointPolicy``: ``MUST_SAVE`` /
+            ``PREFER_SAVE`` keep the op's output from the forward (the recomputation
+            reuses it: memory for time, typically matmuls and collectives),
+            ``MUST_RECOMPUTE`` / ``PREFER_RECOMPUTE`` recompute it; a bool is read as
+            torch reads it (``True`` saves). ``None``: everything is recomputed. The
+            region then takes one backward only (a second one raises). The same policy
+            on every rank keeps collectives matched.
 
     Returns:
         What ``fn(*args)`` returns.
 
     Raises:
         RuntimeError: from the framework, when the recomputation saves tensors of other
-            shapes or dtypes, or fewer, than the forward.
+            shapes or dtypes, or fewer, than the forward; with ``policy_fn``, when a kept
+            op is recomputed on inputs of other shapes, or a second backward runs.
+        TypeError: ``policy_fn`` is not callable.
+        ValueError: it answered ``MUST_SWAP`` (use ``swap_wrapper``) or something else
+            than a ``CheckpointPolicy`` or a bool (raised at that op).
     """
     p = get_platform()
+    if policy_fn is not None and not callable(policy_fn):
+        raise TypeError(f"checkpoint: policy_fn={policy_fn!r} is not callable; pass a function "
+                        "(ctx, op, *args, **kwargs) -> CheckpointPolicy")
     runs = 0
     contexts = context_fn() if context_fn is not None else None
     if context_fn is not None and not (isinstance(contexts, tuple) and len(contexts) == 2):
@@ -148,7 +169,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None 
             for callback in exits:  # see on_recompute_exit: also after an early stop
                 callback()
 
-    return p.recompute(run, *args)
+    if policy_fn is None:
+        return p.recompute(run, *args)
+    return p.recompute(run, *args, keep=keep_outputs(policy_fn))
 
 
 def checkpoint_wrapper(module: Any, *, context_fn: ContextFn | None = None, policy_fn: Callable[..., Any] | None = None,
@@ -162,8 +185,7 @@ def checkpoint_wrapper(module: Any, *, context_fn: ContextFn | None = None, poli
     Args:
         module: a torch ``nn.Module`` / MindSpore ``Cell`` whose forward is deterministic.
         context_fn: as ``checkpoint``'s, called once per forward of ``module``.
-        policy_fn: selective checkpointing (per-op ``CheckpointPolicy``): not supported
-            yet; anything but ``None`` raises.
+        policy_fn: selective checkpointing, a ``CheckpointPolicy`` per op (``checkpoint``'s).
         output_recompute: recomputing the module's output too: not supported yet;
             ``True`` raises.
 
@@ -174,12 +196,12 @@ def checkpoint_wrapper(module: Any, *, context_fn: ContextFn | None = None, poli
         ValueError: ``module`` is checkpointed already, or ``module`` or a submodule is
             fully sharded (apply activation checkpointing first, then fully_shard, see
             [Note: composing activation checkpointing with the other layouts]).
-        NotImplementedError: ``policy_fn`` or ``output_recompute=True``.
+        TypeError: ``policy_fn`` is not callable.
+        NotImplementedError: ``output_recompute=True``.
     """
-    if policy_fn is not None:
-        raise NotImplementedError("checkpoint_wrapper: policy_fn (selective activation checkpointing, a "
-                                  "CheckpointPolicy per op) is not supported yet; drop policy_fn to recompute the "
-                                  "whole module")
+    if policy_fn is not None and not callable(policy_fn):
+        raise TypeError(f"checkpoint_wrapper: policy_fn={policy_fn!r} is not callable; pass a function "
+                        "(ctx, op, *args, **kwargs) -> CheckpointPolicy")
     if output_recompute:
         raise NotImplementedError("checkpoint_wrapper: output_recompute=True (recomputing the module's output in "
                                   "the backward) is not supported yet; use output_recompute=False")
@@ -187,7 +209,7 @@ def checkpoint_wrapper(module: Any, *, context_fn: ContextFn | None = None, poli
     p = get_platform()
 
     def forward(module: Any, args: tuple[Any, ...], original: Callable[..., Any]) -> Any:
-        return checkpoint(original, *args, context_fn=context_fn)
+        return checkpoint(original, *args, context_fn=context_fn, policy_fn=policy_fn)
 
     vars(module)[CHECKPOINT_ATTR] = p.register_forward_hook(module, forward, replace_forward=True)
     return module

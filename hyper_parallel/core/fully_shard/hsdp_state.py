@@ -97,7 +97,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
@@ -107,6 +107,21 @@ from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam, W
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import ReduceOp
+from hyper_parallel.platform.selective_checkpoint import unmatched_operations
+
+
+def unmatched(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run inside ``unmatched_operations()``: what fully_shard does around a unit
+    inside a selectively checkpointed module differs between the forward and the
+    recomputation, so it is not matched ([Note: selective checkpointing] in
+    ``platform/selective_checkpoint``)."""
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with unmatched_operations():
+            return hook(*args, **kwargs)
+
+    return run
 
 
 #: The attribute of a fully sharded module that holds its ``HSDPState``.
@@ -186,10 +201,11 @@ class HSDPState:
         reduce = mp_policy.reduce_dtype or mp_policy.param_dtype
         self._reduce_dtype: Any = None if reduce is None else p.dtype(reduce)
         self._output_dtype: Any = None if mp_policy.output_dtype is None else p.dtype(mp_policy.output_dtype)
+        # unmatched: [Note: selective checkpointing] in platform/selective_checkpoint
         self._handles: list[Any] = [
-            p.register_forward_pre_hook(module, self._pre_forward),
-            p.register_forward_hook(module, self._post_forward),
-            p.register_full_backward_pre_hook(module, self._pre_backward),
+            p.register_forward_pre_hook(module, unmatched(self._pre_forward)),
+            p.register_forward_hook(module, unmatched(self._post_forward)),
+            p.register_full_backward_pre_hook(module, unmatched(self._pre_backward)),
         ]
         # [Note: recomputation and gathered parameters]: the modules that read the parameters
         owners: dict[int, tuple[Any, list[tuple[HSDPParam, str]]]] = {}
@@ -197,8 +213,10 @@ class HSDPState:
             for owner, name in hp.uses:
                 owners.setdefault(id(owner), (owner, []))[1].append((hp, name))
         for owner, entries in owners.values():
-            self._handles.append(p.register_forward_pre_hook(owner, functools.partial(self._pre_recompute, entries)))
-            self._handles.append(p.register_forward_hook(owner, functools.partial(self._post_recompute, entries)))
+            self._handles.append(p.register_forward_pre_hook(owner, unmatched(functools.partial(self._pre_recompute,
+                                                                                                entries))))
+            self._handles.append(p.register_forward_hook(owner, unmatched(functools.partial(self._post_recompute,
+                                                                                            entries))))
 
     # -- public -----------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:

@@ -92,7 +92,8 @@ class AutogradSection(ABC):
         """
 
     @abstractmethod
-    def recompute(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def recompute(self, fn: Callable[..., Any], *args: Any,
+                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None) -> Any:
         """Run ``fn(*args)`` and return its output, keeping none of the tensors that the
         operations inside ``fn`` save for backward; the backward runs ``fn(*args)`` again,
         with recording on, when it first needs one of them, and uses the recomputed ones
@@ -118,8 +119,22 @@ class AutogradSection(ABC):
         (``functools.partial``). Composes with ``release_saved_tensors``: inside ``fn``
         the innermost saved-tensor hooks (this member's) take every saved tensor.
 
+        ``keep`` (selective activation checkpointing, Korthikanti et al., "Reducing
+        Activation Recomputation in Large Transformer Models", 2022): called as
+        ``keep(op, args, kwargs, output)`` once for each framework operation the first
+        run of ``fn`` dispatches (torch: an ``OpOverload`` such as
+        ``torch.ops.aten.mm.default``; MindSpore: the ``OpFunc`` of a primitive, whose
+        ``name`` is ``"MatMulExt"``, ``"Dense"``, ...; ``args`` / ``kwargs`` its inputs,
+        ``output`` what it returned). ``True`` keeps that output from the forward: the
+        recomputation returns it instead of running the operation again (memory: the
+        output, held until the backward; time: the operation is not rerun). ``False``
+        recomputes it. Operations are matched by kind and order of call, as torch's
+        ``create_selective_checkpoint_contexts`` (which the torch backend uses) does;
+        the MindSpore backend does the same with ``mindspore.utils.MsDispatchMode``.
+
         Raises:
             RuntimeError: from the framework, when the recomputation saves tensors of
                 other shapes or dtypes, or fewer, than the forward (``fn`` took another
-                path); whatever ``fn`` raises.
+                path), or, with ``keep``, calls a kept operation on inputs of other
+                shapes or dtypes; whatever ``fn`` or ``keep`` raises.
         """

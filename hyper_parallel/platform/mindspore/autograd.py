@@ -14,6 +14,7 @@ from typing import Any
 
 from hyper_parallel.platform.contract.autograd import AutogradSection, VjpFn
 from hyper_parallel.platform.contract.common import CustomFunction
+from hyper_parallel.platform.mindspore.selective_checkpoint import selective_contexts
 from hyper_parallel.platform.saved_tensor_layers import PASS, LayeredHooks, SavedTensorLayer
 from hyper_parallel.platform.validation import check_vjp_part
 
@@ -144,15 +145,19 @@ class MindSporeAutograd(AutogradSection):
         return LayeredHooks(SavedTensorLayer((take, give), catch_all), self._ms.saved_tensors_hooks,
                             lambda tensor: tensor)
 
-    def recompute(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def recompute(self, fn: Callable[..., Any], *args: Any,
+                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None) -> Any:
         """``mindspore.recompute(fn, *args, use_reentrant=False)``: the saved-tensor-hooks
         form (any callable; the reentrant form takes Cells only and differentiates the
         Cell's own Parameters, not what a hook substituted for them). It saves the RNG
         state and restores it for the recomputation, and stops it at the last saved
-        tensor, as torch does."""
+        tensor, as torch does. ``keep`` enters two dispatch modes through its
+        ``context_fn`` ([Note: selective checkpointing] in ``platform/selective_checkpoint``)."""
         from mindspore.common.recompute import recompute
 
-        return recompute(fn, *args, use_reentrant=False)
+        if keep is None:
+            return recompute(fn, *args, use_reentrant=False)
+        return recompute(fn, *args, use_reentrant=False, context_fn=lambda: selective_contexts(keep))
 
     def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
         """``mindspore.vjp(fn, *tensor_inputs, weights=params)``.

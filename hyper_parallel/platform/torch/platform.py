@@ -24,6 +24,7 @@ from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.backward_hooks import register_output_grad_pre_hook
 from hyper_parallel.platform.torch.collectives import TorchCollectives
 from hyper_parallel.platform.torch.dtensor import build_dtensor_type
+from hyper_parallel.platform.torch.selective_checkpoint import selective_contexts
 from hyper_parallel.platform.validation import (
     refuse_dtensor,
     check_attention_backward,
@@ -207,10 +208,14 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
 
-    def recompute(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def recompute(self, fn: Callable[..., Any], *args: Any,
+                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None) -> Any:
         # Non-reentrant: saved-tensor hooks, gradients through the first forward's graph;
         # the RNG state is kept and restored (preserve_rng_state defaults to True).
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        if keep is None:
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                                 context_fn=lambda: selective_contexts(keep))
 
     def release_saved_tensors(self, sources: Sequence[Any], reload: Callable[[int], Any], *,
                               offload: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
