@@ -9,7 +9,9 @@ forward, backward and AdamW. Per world size:
 
 - world 1: hyper_parallel's ``checkpoint_wrapper`` (in place, ``platform.recompute``) on
   every block vs torch's ``checkpoint_wrapper(CheckpointImpl.NO_REENTRANT)`` (which calls
-  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``);
+  ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``); modes ``off``, ``full``
+  and ``selective``: the matrix products and the attention kept (``SAVED_OPS``), ours
+  with ``policy_fn``, torch's with ``context_fn=create_selective_checkpoint_contexts``;
 - world > 1: the same, then each block and the root fully sharded: hyper_parallel's
   ``fully_shard`` vs torch FSDP2 (``torch.distributed.fsdp.fully_shard``), the
   torchtitan order (checkpointing, then FSDP).
@@ -21,7 +23,8 @@ processes); saved activations (bytes of the distinct tensors autograd keeps from
 forward for the backward, parameters excluded, measured with an outer
 ``torch.autograd.graph.saved_tensors_hooks``: inside a checkpointed block the
 checkpoint's own hooks take every save, so what the outer hooks see is what stays; world 1
-only, as fully_shard's own saved-tensor hooks are innermost under it).
+only, as fully_shard's own saved-tensor hooks are innermost under it; the outputs selective
+checkpointing keeps are held by its dispatch modes, not saved: they count in the peak only).
 gloo ranks on CPU (torch-cpu). Writes JSON and a markdown table.
 
     python benchmarks/activation_checkpoint.py [--worlds 1 2] [--model small] [--seq 256]
@@ -41,7 +44,20 @@ sys.path.insert(0, str(REPO))
 from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
 
 
-def bench_rank(impl: str, checkpointed: bool, model_name: str, batch: int, seq: int, iters: int,
+MODES = ("off", "full", "selective")
+
+
+def saved_ops() -> tuple:
+    """The operations selective checkpointing keeps (torchtitan's choice: matrix products
+    and the attention kernel)."""
+    import torch
+
+    aten = torch.ops.aten
+    return (aten.mm.default, aten.addmm.default, aten.bmm.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def bench_rank(impl: str, mode: str, model_name: str, batch: int, seq: int, iters: int,
                warmup: int) -> dict:
     """Runs on every rank: build, checkpoint (``impl``'s way), shard when world > 1, train."""
     import functools
@@ -59,18 +75,28 @@ def bench_rank(impl: str, checkpointed: bool, model_name: str, batch: int, seq: 
     base = p.memory_stats().peak
     model = build_model(p, PRESETS[model_name], seed=0)
     param_shapes = {shape for t in model.parameters() for shape in (tuple(t.shape), tuple(t.shape)[::-1])}
-    if checkpointed and impl == "hyper_parallel":
+    kept = saved_ops()
+    if mode != "off" and impl == "hyper_parallel":
+        from hyper_parallel.core.activation_checkpoint import CheckpointPolicy
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
         for block in model.layers:
-            checkpoint_wrapper(block)
-    elif checkpointed:
+            checkpoint_wrapper(block, policy_fn=policy if mode == "selective" else None)
+    elif mode != "off":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
                                                                                  apply_activation_checkpointing)
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as torch_wrapper
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+        selective = {"context_fn": functools.partial(create_selective_checkpoint_contexts, list(kept))} \
+            if mode == "selective" else {}
         blocks = set(model.layers)
         apply_activation_checkpointing(model, check_fn=lambda m: m in blocks,
                                        checkpoint_wrapper_fn=functools.partial(torch_wrapper,
-                                                                               checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+                                                                               checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                                               **selective))
     if n > 1:
         if impl == "hyper_parallel":
             mesh = hp.init_device_mesh(p.device_type, (n,))
@@ -125,15 +151,15 @@ def bench_rank(impl: str, checkpointed: bool, model_name: str, batch: int, seq: 
             "loss": float(loss.detach())}
 
 
-def run(impl: str, checkpointed: bool, world: int, args: argparse.Namespace) -> dict:
+def run(impl: str, mode: str, world: int, args: argparse.Namespace) -> dict:
     from hyper_parallel.testing import run_on_ranks
 
     from benchmarks.activation_checkpoint import bench_rank as rank_fn  # importable by name on the ranks
 
-    per_rank = run_on_ranks(rank_fn, world, impl, checkpointed, args.model, args.batch, args.seq, args.iters,
+    per_rank = run_on_ranks(rank_fn, world, impl, mode, args.model, args.batch, args.seq, args.iters,
                             args.warmup, platform="torch-cpu", timeout_s=1800)
     slowest = [max(rank["seconds"][i] for rank in per_rank) for i in range(args.iters)]
-    return {"impl": impl, "checkpointed": checkpointed, "world_size": world,
+    return {"impl": impl, "mode": mode, "world_size": world,
             "step_ms": statistics.median(slowest) * 1e3,
             "peak_mib": max(rank["peak_bytes"] for rank in per_rank) / 2**20,
             "saved_mib": None if per_rank[0]["saved_bytes"] is None else per_rank[0]["saved_bytes"] / 2**20}
@@ -142,13 +168,13 @@ def run(impl: str, checkpointed: bool, world: int, args: argparse.Namespace) -> 
 def comparison(rows: list[dict]) -> list[dict]:
     """Per world size and setting: hyper_parallel / torch for step time, peak memory and
     saved activations (below 1: ours is faster / smaller)."""
-    by = {(row["impl"], row["checkpointed"], row["world_size"]): row for row in rows}
+    by = {(row["impl"], row["mode"], row["world_size"]): row for row in rows}
     out = []
     for world in sorted({row["world_size"] for row in rows}):
-        for ckpt in (False, True):
-            ours, theirs = by.get(("hyper_parallel", ckpt, world)), by.get(("torch", ckpt, world))
+        for mode in MODES:
+            ours, theirs = by.get(("hyper_parallel", mode, world)), by.get(("torch", mode, world))
             if ours and theirs:
-                out.append({"world_size": world, "checkpointed": ckpt,
+                out.append({"world_size": world, "mode": mode,
                             "step_ratio": ours["step_ms"] / theirs["step_ms"],
                             "peak_ratio": ours["peak_mib"] / max(theirs["peak_mib"], 1e-9)})
                 if ours["saved_mib"] is not None:
@@ -157,7 +183,7 @@ def comparison(rows: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
-    by = {(row["impl"], row["checkpointed"], row["world_size"]): row for row in rows}
+    by = {(row["impl"], row["mode"], row["world_size"]): row for row in rows}
     lines = [f"# Activation checkpointing: hyper_parallel vs torch ({args.model} decoder, every block checkpointed, "
              f"batch {args.batch}x{args.seq} per rank, gloo, CPU)", "",
              "World 1: the model alone; world > 1: each block and the root fully sharded (ours / torch FSDP2). "
@@ -165,18 +191,18 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
              "before the model was built. Saved: activations autograd keeps for the backward (parameters "
              "excluded; world 1 only, see the script). ratio = hyper_parallel / torch (below 1: faster / smaller). "
              "World 1 without checkpointing runs the same code on both sides: its ratios show the noise of the "
-             "machine.", "",
+             "machine. Selective: matrix products and attention kept, the rest recomputed.", "",
              "| world | checkpointing | hp step ms | torch step ms | ratio | hp peak MiB | torch peak MiB | ratio "
              "| hp saved MiB | torch saved MiB | ratio |",
              "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for world in args.worlds:
-        for ckpt in (False, True):
-            ours, theirs = by[("hyper_parallel", ckpt, world)], by[("torch", ckpt, world)]
+        for mode in MODES:
+            ours, theirs = by[("hyper_parallel", mode, world)], by[("torch", mode, world)]
             saved = ("| — | — | — |" if ours["saved_mib"] is None else
                      f"| {ours['saved_mib']:.2f} | {theirs['saved_mib']:.2f} | "
                      f"{ours['saved_mib'] / max(theirs['saved_mib'], 1e-9):.2f} |")
             lines.append(
-                f"| {world} | {'on' if ckpt else 'off'} | {ours['step_ms']:.1f} | {theirs['step_ms']:.1f} | "
+                f"| {world} | {mode} | {ours['step_ms']:.1f} | {theirs['step_ms']:.1f} | "
                 f"{ours['step_ms'] / theirs['step_ms']:.2f} | {ours['peak_mib']:.1f} | {theirs['peak_mib']:.1f} | "
                 f"{ours['peak_mib'] / max(theirs['peak_mib'], 1e-9):.2f} {saved}")
     return "\n".join(lines) + "\n"
@@ -192,7 +218,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "activation_checkpoint")
     args = parser.parse_args()
-    rows = [run(impl, ckpt, world, args) for world in args.worlds for ckpt in (False, True)
+    rows = [run(impl, mode, world, args) for world in args.worlds for mode in MODES
             for impl in ("hyper_parallel", "torch")]
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "iters": args.iters, "warmup": args.warmup,
             "backend": "torch-cpu (gloo)", **host_meta()}

@@ -114,7 +114,8 @@ class KeptOutputs:
         if entry is _CONSUMED:
             raise RuntimeError(f"selective checkpointing: {name} call {key[1]} was recomputed a second time; its "
                                "kept output was released after the first backward through this region (one "
-                               "backward per selectively checkpointed forward, as in torch)")
+                               "backward per selectively checkpointed forward, as in torch; a torch zero-bubble "
+                               "pipeline schedule walks the graph again in W: checkpoint fully there)")
         kept_signature, out = entry
         if signature(args) != kept_signature:
             raise RuntimeError(f"selective checkpointing: the recomputation called {name} (call {key[1]}) on inputs "

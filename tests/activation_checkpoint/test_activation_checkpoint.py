@@ -22,7 +22,7 @@ from hyper_parallel.core.activation_checkpoint import (CheckpointPhase, Checkpoi
                                                        checkpoint_wrapper, is_checkpointed, remove_checkpoint_wrapper)
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.core.fully_shard import fully_shard
-from hyper_parallel.platform import get_platform
+from hyper_parallel.platform import Capability, get_platform
 from hyper_parallel.train.config import Layout
 from hyper_parallel.train.data import rank_batch
 from hyper_parallel.train.loop import _batch_tensors, _scalar, setup
@@ -146,9 +146,7 @@ def test_api(run_on_ranks) -> None:
 
 def check_context_fn_and_refusals() -> None:
     """``context_fn``: the forward runs in its first context, the recomputation in its
-    second (torch's semantics, MindFormers' recompute marker); gradients unchanged. The
-    part not built (output recomputation) refuses (selective policies:
-    ``test_selective_checkpoint``)."""
+    second (torch's semantics, MindFormers' recompute marker); gradients unchanged."""
     p = get_platform()
     entered: list[str] = []
 
@@ -178,14 +176,53 @@ def check_context_fn_and_refusals() -> None:
     with pytest.raises(TypeError, match="return a tuple of two context managers"):
         p.vjp(lambda t: checkpoint(lambda u: u.sum(), t, context_fn=lambda: None), [x])
 
-    with pytest.raises(NotImplementedError, match="output_recompute=True .* not supported yet"):
-        checkpoint_wrapper(model.layers[1], output_recompute=True)
-    assert not is_checkpointed(model.layers[1])
     assert [policy.value for policy in CheckpointPolicy] == [0, 1, 2, 3, 4]  # torch's values, then MUST_SWAP
 
 
 def test_context_fn_and_refusals(run_on_ranks) -> None:
     run_on_ranks(check_context_fn_and_refusals, world_size=1)
+
+
+def check_output_recompute() -> str:
+    """``output_recompute=True`` (MindSpore's merging of adjacent recomputed blocks): the
+    decoder's two blocks chained so, gradients bit-identical to the plain model, and the
+    backward, reaching block 1 first, recomputes block 0 before it (block 1's input is
+    recovered by recomputing block 0, not kept); plainly checkpointed, block 1 recomputes
+    first. An operator is wrapped as a function. Refused, before anything is wrapped,
+    where the platform lacks it (torch)."""
+    p = get_platform()
+    cfg = tiny_config("/tmp/unused").model
+    if Capability.OUTPUT_RECOMPUTE not in p.capabilities():
+        model = build_model(p, cfg, 0)
+        with pytest.raises(NotImplementedError, match="output_recompute=True is MindSpore's"):
+            checkpoint_wrapper(model.layers[0], output_recompute=True)
+        assert not is_checkpointed(model.layers[0])
+        return "refused"
+    plain = decoder_gradients(build_model(p, cfg, 0), sharded=False)
+    orders = {}
+    for merged in (True, False):
+        model = build_model(p, cfg, 0)
+        order: list[tuple[int, str]] = []
+        for index, block in enumerate(model.layers):
+            p.register_forward_pre_hook(block.feed_forward, lambda m, a, i=index: order.append(
+                (i, checkpoint_phase().value)))
+            checkpoint_wrapper(block, output_recompute=merged)
+        assert_gradients_equal(decoder_gradients(model, sharded=False), plain, f"output_recompute={merged}")
+        orders[merged] = order[:4]  # the first step
+    assert orders[True] == [(0, "forward"), (1, "forward"), (0, "recompute"), (1, "recompute")], orders
+    assert orders[False] == [(0, "forward"), (1, "forward"), (1, "recompute"), (0, "recompute")], orders
+
+    square = checkpoint_wrapper(lambda t: t * t, output_recompute=True)
+    x = p.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    _, backward = p.vjp(lambda t: square(t).sum(), [x])
+    (gx,), _ = backward([_scalar(p, 1.0)])
+    np.testing.assert_array_equal(p.to_numpy(gx), 2 * p.to_numpy(x))
+    return "merged"
+
+
+def test_output_recompute(run_on_ranks) -> None:
+    want = "merged" if Capability.OUTPUT_RECOMPUTE in get_platform().capabilities() else "refused"
+    assert run_on_ranks(check_output_recompute, world_size=1) == [want]
 
 
 def check_units_inside_checkpointed_blocks() -> None:

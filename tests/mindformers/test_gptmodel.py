@@ -295,7 +295,7 @@ def check_gpt_fsdp(swap: dict | None = None, recompute: dict | None = None) -> d
     import mindspore as ms
 
     from hyper_parallel import DTensor
-    from hyper_parallel.core.activation_checkpoint import swap_stats
+    from hyper_parallel.core.activation_checkpoint import is_checkpointed, swap_stats
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
@@ -328,16 +328,24 @@ def check_gpt_fsdp(swap: dict | None = None, recompute: dict | None = None) -> d
                      "grad": local.asnumpy()}
     stats = [swap_stats(model.decoder.layers[0])] if swap else [None]
     matmuls = sum(n for name, n in counts.items() if "matmul" in name.lower())
-    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out, "swap": stats, "matmuls": matmuls}
+    mlp = model.decoder.layers[0].mlp
+    # select recompute: the activation cell checkpointed in place, the gate's operator wrapped
+    wrapped = [is_checkpointed(mlp.activation_func), hasattr(mlp.mul, "__wrapped__")]
+    return {"loss": float(loss.asnumpy().reshape(-1)[0]), "params": out, "swap": stats, "matmuls": matmuls,
+            "wrapped": wrapped}
 
 
 #: MindFormers' full recompute of both layers, keeping matmul outputs (``exclude_op``: its
 #: selective policy, ``checkpoint_wrapper(layer, policy_fn=, context_fn=)``)
 RECOMPUTE = {"mode": "full", "full_recompute_layer": ["0-1"], "exclude_op": ["matmul"]}
+#: MindFormers' ``select`` recompute: a cell (the activation) and an operator (the gate's
+#: ``mint.mul``, which it wraps with ``checkpoint_wrapper(op, output_recompute=True)``)
+SELECT = {"mode": "select", "select_module": {"mlp.activation_func": ["0-1"], "mlp.mul": ["0-1"]}}
 
 
 @pytest.mark.parametrize("swap,recompute", [(None, None), ({"layer_swap": [{"layers": ["0"]}]}, None),
-                                            (None, RECOMPUTE)], ids=["plain", "layer_swap", "recompute_exclude_op"])
+                                            (None, RECOMPUTE), (None, SELECT)],
+                         ids=["plain", "layer_swap", "recompute_exclude_op", "recompute_select"])
 def test_gptmodel_fsdp_two_ranks(run_on_ranks, swap, recompute) -> None:
     """With ``swap``, MindFormers' ``apply_swap`` (``swap_config.layer_swap``) swaps layer 0
     (its policy keeps uint8 masks) and links it to layer 1 with ``SwapManager``: the
@@ -348,7 +356,9 @@ def test_gptmodel_fsdp_two_ranks(run_on_ranks, swap, recompute) -> None:
     checkpointing, fewer than with the same layers fully recomputed."""
     one = run_on_ranks(check_gpt_one_rank, world_size=1, timeout_s=300)[0]
     two = run_on_ranks(check_gpt_fsdp, swap, recompute, world_size=2, timeout_s=300)
-    if recompute:
+    for rank in two:
+        assert rank["wrapped"] == ([True, True] if recompute == SELECT else [False, False]), rank["wrapped"]
+    if recompute == RECOMPUTE:
         plain = run_on_ranks(check_gpt_fsdp, world_size=2, timeout_s=300)
         full = run_on_ranks(check_gpt_fsdp, None, {**recompute, "exclude_op": None}, world_size=2, timeout_s=300)
         for rank, (sel, without, whole) in enumerate(zip(two, plain, full)):

@@ -76,13 +76,14 @@ linear layers keep their inputs until ``W`` with or without checkpointing.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from hyper_parallel.core.activation_checkpoint.policy import keep_outputs
+from hyper_parallel.core.activation_checkpoint.policy import check_policy_fn, keep_outputs
 from hyper_parallel.core.activation_checkpoint.region import _EXIT, _PHASE, CheckpointPhase
-from hyper_parallel.platform import get_platform
+from hyper_parallel.platform import Capability, get_platform
 
 #: ``context_fn() -> (forward_context, recompute_context)``, torch's ``checkpoint`` hook.
 ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
@@ -92,7 +93,7 @@ CHECKPOINT_ATTR = "_checkpoint_handle"
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None = None,
-               policy_fn: Callable[..., Any] | None = None) -> Any:
+               policy_fn: Callable[..., Any] | None = None, output_recompute: bool = False) -> Any:
     """``fn(*args)`` without keeping its intermediate activations: the tensors its
     operations save for backward are dropped after the forward and recomputed, by
     running ``fn(*args)`` again, when the backward first needs one (torch
@@ -129,6 +130,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None 
             torch reads it (``True`` saves). ``None``: everything is recomputed. The
             region then takes one backward only (a second one raises). The same policy
             on every rank keeps collectives matched.
+        output_recompute: MindSpore's ``recompute(output_recompute=True)``: the output
+            is recomputed too, so a checkpointed region that takes it as input keeps the
+            way to recompute it rather than the tensor, and the two are recomputed
+            together (the first before the second). MindSpore only.
 
     Returns:
         What ``fn(*args)`` returns.
@@ -140,11 +145,11 @@ def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None 
         TypeError: ``policy_fn`` is not callable.
         ValueError: it answered ``MUST_SWAP`` (use ``swap_wrapper``) or something else
             than a ``CheckpointPolicy`` or a bool (raised at that op).
+        NotImplementedError: ``output_recompute`` on torch (no counterpart in
+            ``torch.utils.checkpoint``).
     """
     p = get_platform()
-    if policy_fn is not None and not callable(policy_fn):
-        raise TypeError(f"checkpoint: policy_fn={policy_fn!r} is not callable; pass a function "
-                        "(ctx, op, *args, **kwargs) -> CheckpointPolicy")
+    check_policy_fn(policy_fn, "checkpoint")
     runs = 0
     contexts = context_fn() if context_fn is not None else None
     if context_fn is not None and not (isinstance(contexts, tuple) and len(contexts) == 2):
@@ -169,9 +174,10 @@ def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None 
             for callback in exits:  # see on_recompute_exit: also after an early stop
                 callback()
 
-    if policy_fn is None:
-        return p.recompute(run, *args)
-    return p.recompute(run, *args, keep=keep_outputs(policy_fn))
+    options: dict[str, Any] = {"output_recompute": True} if output_recompute else {}
+    if policy_fn is not None:
+        options["keep"] = keep_outputs(policy_fn)
+    return p.recompute(run, *args, **options)
 
 
 def checkpoint_wrapper(module: Any, *, context_fn: ContextFn | None = None, policy_fn: Callable[..., Any] | None = None,
@@ -180,39 +186,58 @@ def checkpoint_wrapper(module: Any, *, context_fn: ContextFn | None = None, poli
     (its intermediate activations are recomputed in the backward). The module stays
     where it is, with its parameter names and its hooks (which run once, around the
     checkpointed forward; hooks of its submodules run again in the recomputation).
-    ``remove_checkpoint_wrapper`` undoes it.
+    ``remove_checkpoint_wrapper`` undoes it. Any other callable (an operator a layer
+    holds, such as its activation function: MindFormers' ``select`` recompute) is
+    returned wrapped, each call checkpointed.
 
     Args:
-        module: a torch ``nn.Module`` / MindSpore ``Cell`` whose forward is deterministic.
+        module: a torch ``nn.Module`` / MindSpore ``Cell`` whose forward is
+            deterministic, or a deterministic callable taking and returning tensors.
         context_fn: as ``checkpoint``'s, called once per forward of ``module``.
         policy_fn: selective checkpointing, a ``CheckpointPolicy`` per op (``checkpoint``'s).
-        output_recompute: recomputing the module's output too: not supported yet;
-            ``True`` raises.
+        output_recompute: ``checkpoint``'s (MindSpore only).
 
     Returns:
-        ``module``.
+        ``module``, or the wrapped callable.
 
     Raises:
         ValueError: ``module`` is checkpointed already, or ``module`` or a submodule is
             fully sharded (apply activation checkpointing first, then fully_shard, see
             [Note: composing activation checkpointing with the other layouts]).
-        TypeError: ``policy_fn`` is not callable.
-        NotImplementedError: ``output_recompute=True``.
+        TypeError: ``policy_fn`` or ``module`` is not callable.
+        NotImplementedError: ``output_recompute=True`` on torch.
     """
-    if policy_fn is not None and not callable(policy_fn):
-        raise TypeError(f"checkpoint_wrapper: policy_fn={policy_fn!r} is not callable; pass a function "
-                        "(ctx, op, *args, **kwargs) -> CheckpointPolicy")
-    if output_recompute:
-        raise NotImplementedError("checkpoint_wrapper: output_recompute=True (recomputing the module's output in "
-                                  "the backward) is not supported yet; use output_recompute=False")
-    _check_wrappable(module, "checkpoint_wrapper", type(module).__name__)
+    check_policy_fn(policy_fn, "checkpoint_wrapper")
+    if not callable(module):
+        raise TypeError(f"checkpoint_wrapper: module={module!r} is not callable; pass a module or an operator")
     p = get_platform()
+    if output_recompute and Capability.OUTPUT_RECOMPUTE not in p.capabilities():
+        raise NotImplementedError("checkpoint_wrapper: output_recompute=True is MindSpore's merging of adjacent "
+                                  f"recomputed regions; {p.name} has no counterpart (not in its capabilities()): "
+                                  "use output_recompute=False")
+    options = {"context_fn": context_fn, "policy_fn": policy_fn, "output_recompute": output_recompute}
+    if not is_module(module):
+        @functools.wraps(module)
+        def checkpointed(*args: Any, **kwargs: Any) -> Any:
+            return checkpoint(functools.partial(module, **kwargs), *args, **options)
+
+        return checkpointed
+    _check_wrappable(module, "checkpoint_wrapper", type(module).__name__)
 
     def forward(module: Any, args: tuple[Any, ...], original: Callable[..., Any]) -> Any:
-        return checkpoint(original, *args, context_fn=context_fn, policy_fn=policy_fn)
+        return checkpoint(original, *args, **options)
 
     vars(module)[CHECKPOINT_ATTR] = p.register_forward_hook(module, forward, replace_forward=True)
     return module
+
+
+def is_module(obj: Any) -> bool:
+    """True for a torch ``nn.Module`` / MindSpore ``Cell`` (what has submodules)."""
+    try:
+        next(iter(get_platform().named_modules(obj)))
+    except (AttributeError, TypeError):
+        return False
+    return True
 
 
 def is_checkpointed(module: Any) -> bool:

@@ -5,9 +5,11 @@ selective-checkpointing ``policy_fn`` into the platform's ``recompute(keep=)``.
 
 [Note: what is refused in activation checkpointing]
 ``checkpoint_wrapper(output_recompute=True)`` (MindSpore's merging of adjacent
-recomputed blocks, whose output is then not kept by the next one) is not built and
-raises ``NotImplementedError``. A selective policy answering ``MUST_SWAP`` for an op is
-refused too: swapping is per saved tensor, ``swap_wrapper``'s policy.
+recomputed blocks, whose output is then not kept by the next one) runs where the platform
+has ``Capability.OUTPUT_RECOMPUTE`` (MindSpore, whose ``recompute`` does it) and raises
+``NotImplementedError`` at wrap time elsewhere (torch's checkpoint has no counterpart). A
+selective policy answering ``MUST_SWAP`` for an op is refused: swapping is per saved
+tensor, ``swap_wrapper``'s policy.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class SelectiveCheckpointContext:
 
     is_recompute: bool
     op_output: Any = None
+
+
+def check_policy_fn(policy_fn: Any, caller: str) -> None:
+    """Raises ``TypeError`` naming ``caller`` when ``policy_fn`` is neither ``None`` nor callable."""
+    if policy_fn is not None and not callable(policy_fn):
+        raise TypeError(f"{caller}: policy_fn={policy_fn!r} is not callable; pass a function "
+                        "(ctx, op, *args, **kwargs) -> CheckpointPolicy")
 
 
 _SAVE = frozenset({"MUST_SAVE", "PREFER_SAVE"})

@@ -50,6 +50,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from hyper_parallel.core.activation_checkpoint.checkpoint import is_module
 from hyper_parallel.core.activation_checkpoint.policy import CheckpointPolicy
 from hyper_parallel.core.activation_checkpoint.region import checkpoint_phase
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -276,7 +277,7 @@ def swap_wrapper(module: Any, policy_fn: Callable[[Any], Any] | None = None) -> 
         raise ValueError(f"swap_wrapper: {type(module).__name__} is linked by SwapManager already; swap the "
                          "modules first, then link them")
     handle = _SwapHandle(type(module).__name__, policy_fn)
-    if not _is_module(module):
+    if not is_module(module):
         @functools.wraps(module)
         def swapped(*args: Any, **kwargs: Any) -> Any:
             return handle.run(functools.partial(module, **kwargs), args, [])
@@ -299,14 +300,6 @@ def swap_stats(module: Any) -> SwapStats:
         ValueError: ``module`` is not swapped.
     """
     return dataclasses.replace(_handle(module, "swap_stats").stats)
-
-
-def _is_module(obj: Any) -> bool:
-    try:
-        next(iter(get_platform().named_modules(obj)))
-    except (AttributeError, TypeError):
-        return False
-    return True
 
 
 def _handle(module: Any, caller: str) -> _SwapHandle:
@@ -339,7 +332,7 @@ class SwapManager:
                 already on that side.
         """
         for name, layer in (("first_layer", first_layer), ("second_layer", second_layer)):
-            if not _is_module(layer):
+            if not is_module(layer):
                 raise ValueError(f"SwapManager.set_forward_prefetch_layer: {name} is a wrapped callable; link "
                                  "modules (the prefetch runs in a module's backward pre-hook)")
         if first_layer is second_layer:

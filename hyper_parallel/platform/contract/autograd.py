@@ -93,7 +93,8 @@ class AutogradSection(ABC):
 
     @abstractmethod
     def recompute(self, fn: Callable[..., Any], *args: Any,
-                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None) -> Any:
+                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None,
+                  output_recompute: bool = False) -> Any:
         """Run ``fn(*args)`` and return its output, keeping none of the tensors that the
         operations inside ``fn`` save for backward; the backward runs ``fn(*args)`` again,
         with recording on, when it first needs one of them, and uses the recomputed ones
@@ -128,13 +129,25 @@ class AutogradSection(ABC):
         ``output`` what it returned). ``True`` keeps that output from the forward: the
         recomputation returns it instead of running the operation again (memory: the
         output, held until the backward; time: the operation is not rerun). ``False``
-        recomputes it. Operations are matched by kind and order of call, as torch's
-        ``create_selective_checkpoint_contexts`` (which the torch backend uses) does;
-        the MindSpore backend does the same with ``mindspore.utils.MsDispatchMode``.
+        recomputes it. Operations are matched by name and order of call, as torch's
+        ``create_selective_checkpoint_contexts`` does, in dispatch modes below autograd
+        (torch ``TorchDispatchMode``, MindSpore ``mindspore.utils.MsDispatchMode``); what
+        runs inside ``platform.selective_checkpoint.unmatched_operations()`` is neither
+        kept nor counted ([Note: selective checkpointing] in
+        ``platform/selective_checkpoint``). One backward per forward: a second
+        recomputation of the region raises.
+
+        ``output_recompute`` (MindSpore's ``recompute(output_recompute=True)``): the
+        output is recomputed too. A recomputed region whose input is such an output keeps
+        the way to recompute it instead of the tensor, and its recomputation runs the
+        first region's first, so two adjacent regions are recomputed as one and the
+        tensor between them is not kept. torch has no counterpart: the torch backends
+        raise ``NotImplementedError``.
 
         Raises:
             RuntimeError: from the framework, when the recomputation saves tensors of
                 other shapes or dtypes, or fewer, than the forward (``fn`` took another
                 path), or, with ``keep``, calls a kept operation on inputs of other
                 shapes or dtypes; whatever ``fn`` or ``keep`` raises.
+            NotImplementedError: ``output_recompute`` on torch.
         """

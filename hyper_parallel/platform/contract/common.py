@@ -51,6 +51,7 @@ class Capability(enum.Enum):
     ASYNC_COLLECTIVES = "collectives with async_op=True run in the background"
     STREAMS = "device streams and events (not no-ops)"
     FUSED_ATTENTION = "attention and its backward run by a fused kernel of the framework (not tiled plain ops)"
+    OUTPUT_RECOMPUTE = "recompute(output_recompute=True): adjacent recomputed regions merged (MindSpore's own)"
 
 
 @dataclass(frozen=True)

@@ -146,18 +146,21 @@ class MindSporeAutograd(AutogradSection):
                             lambda tensor: tensor)
 
     def recompute(self, fn: Callable[..., Any], *args: Any,
-                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None) -> Any:
+                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None,
+                  output_recompute: bool = False) -> Any:
         """``mindspore.recompute(fn, *args, use_reentrant=False)``: the saved-tensor-hooks
         form (any callable; the reentrant form takes Cells only and differentiates the
         Cell's own Parameters, not what a hook substituted for them). It saves the RNG
         state and restores it for the recomputation, and stops it at the last saved
         tensor, as torch does. ``keep`` enters two dispatch modes through its
-        ``context_fn`` ([Note: selective checkpointing] in ``platform/selective_checkpoint``)."""
+        ``context_fn`` ([Note: selective checkpointing] in ``platform/selective_checkpoint``).
+        ``output_recompute`` is MindSpore's own: the output passes through its
+        ``_OutputSaver``, whose saved copy a following recomputed region keeps instead of
+        the tensor."""
         from mindspore.common.recompute import recompute
 
-        if keep is None:
-            return recompute(fn, *args, use_reentrant=False)
-        return recompute(fn, *args, use_reentrant=False, context_fn=lambda: selective_contexts(keep))
+        contexts = {} if keep is None else {"context_fn": lambda: selective_contexts(keep)}
+        return recompute(fn, *args, use_reentrant=False, output_recompute=output_recompute, **contexts)
 
     def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
         """``mindspore.vjp(fn, *tensor_inputs, weights=params)``.

@@ -209,9 +209,15 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return torch.is_grad_enabled()
 
     def recompute(self, fn: Callable[..., Any], *args: Any,
-                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None) -> Any:
+                  keep: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool] | None = None,
+                  output_recompute: bool = False) -> Any:
         # Non-reentrant: saved-tensor hooks, gradients through the first forward's graph;
         # the RNG state is kept and restored (preserve_rng_state defaults to True).
+        if output_recompute:
+            raise NotImplementedError("recompute: output_recompute=True is MindSpore's merging of adjacent "
+                                      "recomputed regions (mindspore.recompute(output_recompute=True)); "
+                                      "torch.utils.checkpoint has no counterpart and it is not built on torch: "
+                                      "use output_recompute=False")
         if keep is None:
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
