@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +59,17 @@ def unmatched_operations() -> Iterator[None]:
         yield
     finally:
         _UNMATCHED.reset(token)
+
+
+def unmatched(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` (a module hook) run inside ``unmatched_operations()``."""
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with unmatched_operations():
+            return hook(*args, **kwargs)
+
+    return run
 
 
 def signature(value: Any) -> Any:

@@ -97,7 +97,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
@@ -107,21 +107,7 @@ from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam, W
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import ReduceOp
-from hyper_parallel.platform.selective_checkpoint import unmatched_operations
-
-
-def unmatched(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` run inside ``unmatched_operations()``: what fully_shard does around a unit
-    inside a selectively checkpointed module differs between the forward and the
-    recomputation, so it is not matched ([Note: selective checkpointing] in
-    ``platform/selective_checkpoint``)."""
-
-    @functools.wraps(hook)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with unmatched_operations():
-            return hook(*args, **kwargs)
-
-    return run
+from hyper_parallel.platform.selective_checkpoint import unmatched
 
 
 #: The attribute of a fully sharded module that holds its ``HSDPState``.

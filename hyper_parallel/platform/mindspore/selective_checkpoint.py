@@ -21,18 +21,16 @@ from hyper_parallel.platform.selective_checkpoint import Keep, KeptOutputs
 _MACHINERY = frozenset({"StopGradient"})
 
 
-def _always_run(name: str) -> bool:
-    from mindspore.ops.auto_generate.cpp_create_prim_instance_helper import op_labels
-
-    labels = op_labels.get(name, {})
-    return name in _MACHINERY or bool(labels.get("side_effect_mem") or labels.get("side_effect_hidden"))
-
-
 def selective_contexts(keep: Keep) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     """The (forward, recomputation) dispatch modes of one checkpointed call, sharing its
     kept outputs: ``mindspore.recompute``'s ``context_fn`` result."""
     from mindspore import ops
+    from mindspore.ops.auto_generate.cpp_create_prim_instance_helper import op_labels
     from mindspore.utils import MsDispatchMode
+
+    def always_run(name: str) -> bool:
+        labels = op_labels.get(name, {})
+        return name in _MACHINERY or bool(labels.get("side_effect_mem") or labels.get("side_effect_hidden"))
 
     def detach(value: Any) -> Any:
         if isinstance(value, (list, tuple)):
@@ -51,10 +49,10 @@ def selective_contexts(keep: Keep) -> tuple[AbstractContextManager[Any], Abstrac
 
         def __ms_dispatch__(self, func: Any, args: Any, kwargs: dict[str, Any] | None = None) -> Any:
             return kept.forward(func, func.name, tuple(args), dict(kwargs or {}), lambda: call(func, args, kwargs),
-                                _always_run(func.name))
+                                always_run(func.name))
 
     class _Reusing(_Keeping):
         def __ms_dispatch__(self, func: Any, args: Any, kwargs: dict[str, Any] | None = None) -> Any:
-            return kept.recompute(func.name, tuple(args), lambda: call(func, args, kwargs), _always_run(func.name))
+            return kept.recompute(func.name, tuple(args), lambda: call(func, args, kwargs), always_run(func.name))
 
     return _Keeping(), _Reusing()
