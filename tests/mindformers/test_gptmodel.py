@@ -288,14 +288,12 @@ def check_gpt_fsdp(swap: dict | None = None, recompute: dict | None = None) -> d
     data_parallel = world size (FSDP only), its ``swap_config`` fields ``swap`` and
     ``recompute_config`` fields ``recompute``, then ``value_and_grad`` on the sharded
     parameters; the matrix products run (forward, recomputation and backward) counted by
-    a ``MsDispatchMode`` around it."""
-    import collections
-
-    from mindspore.utils import MsDispatchMode
+    ``count_ops`` (a ``MsDispatchMode``) around it."""
     import mindspore as ms
 
     from hyper_parallel import DTensor
     from hyper_parallel.core.activation_checkpoint import is_checkpointed, swap_stats
+    from tests.activation_checkpoint.test_selective_checkpoint import count_ops
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
@@ -308,14 +306,7 @@ def check_gpt_fsdp(swap: dict | None = None, recompute: dict | None = None) -> d
     def loss_fn(i, l):
         return model(i, labels=l)[0]
 
-    counts: collections.Counter = collections.Counter()
-
-    class Count(MsDispatchMode):
-        def __ms_dispatch__(self, func, args, kwargs=None):
-            counts[func.name] += 1
-            return func(*args, **kwargs) if kwargs else func(*args)
-
-    with Count():
+    with count_ops() as counts:
         loss, grads = ms.value_and_grad(loss_fn, grad_position=None, weights=[q for _, q in named])(
             ms.Tensor(ids[rows]), ms.Tensor(labels[rows]))
     out = {}

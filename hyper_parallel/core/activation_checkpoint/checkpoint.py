@@ -145,11 +145,13 @@ def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None 
         TypeError: ``policy_fn`` is not callable.
         ValueError: it answered ``MUST_SWAP`` (use ``swap_wrapper``) or something else
             than a ``CheckpointPolicy`` or a bool (raised at that op).
-        NotImplementedError: ``output_recompute`` on torch (no counterpart in
-            ``torch.utils.checkpoint``).
+        NotImplementedError: ``output_recompute`` where the platform lacks
+            ``Capability.OUTPUT_RECOMPUTE`` (torch: no counterpart in
+            ``torch.utils.checkpoint``), before anything runs.
     """
     p = get_platform()
     check_policy_fn(policy_fn, "checkpoint")
+    _check_output_recompute(output_recompute, "checkpoint")
     runs = 0
     contexts = context_fn() if context_fn is not None else None
     if context_fn is not None and not (isinstance(contexts, tuple) and len(contexts) == 2):
@@ -210,25 +212,14 @@ def checkpoint_wrapper(module: Any, *, context_fn: ContextFn | None = None, poli
     check_policy_fn(policy_fn, "checkpoint_wrapper")
     if not callable(module):
         raise TypeError(f"checkpoint_wrapper: module={module!r} is not callable; pass a module or an operator")
-    p = get_platform()
-    if output_recompute and Capability.OUTPUT_RECOMPUTE not in p.capabilities():
-        raise NotImplementedError("checkpoint_wrapper: output_recompute=True is MindSpore's merging of adjacent "
-                                  f"recomputed regions; {p.name} has no counterpart (not in its capabilities()): "
-                                  "use output_recompute=False")
+    _check_output_recompute(output_recompute, "checkpoint_wrapper")
     options = {"context_fn": context_fn, "policy_fn": policy_fn, "output_recompute": output_recompute}
-    if not is_module(module):
-        @functools.wraps(module)
-        def checkpointed(*args: Any, **kwargs: Any) -> Any:
-            return checkpoint(functools.partial(module, **kwargs), *args, **options)
-
-        return checkpointed
-    _check_wrappable(module, "checkpoint_wrapper", type(module).__name__)
-
-    def forward(module: Any, args: tuple[Any, ...], original: Callable[..., Any]) -> Any:
-        return checkpoint(original, *args, **options)
-
-    vars(module)[CHECKPOINT_ATTR] = p.register_forward_hook(module, forward, replace_forward=True)
-    return module
+    if is_module(module):
+        _check_wrappable(module, "checkpoint_wrapper", type(module).__name__)
+    wrapped, handle = wrap_calls(module, lambda fn, args, owner: checkpoint(fn, *args, **options))
+    if handle is not None:
+        vars(module)[CHECKPOINT_ATTR] = handle
+    return wrapped
 
 
 def is_module(obj: Any) -> bool:
@@ -238,6 +229,34 @@ def is_module(obj: Any) -> bool:
     except (AttributeError, TypeError):
         return False
     return True
+
+
+def wrap_calls(module: Any, run: Callable[[Callable[..., Any], tuple[Any, ...], Any], Any]) -> tuple[Any, Any]:
+    """Route every call of ``module`` through ``run(fn, args, owner)`` (``fn(*args)`` is the
+    original call). A module's forward is replaced in place
+    (``platform.register_forward_hook(replace_forward=True)``; ``owner`` is the module)
+    and ``(module, hook handle)`` returned; any other callable is returned wrapped, its
+    keyword arguments bound into ``fn`` and ``owner`` ``None``: ``(wrapper, None)``.
+    Shared by ``checkpoint_wrapper`` and ``swap_wrapper``."""
+    if not is_module(module):
+        @functools.wraps(module)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            return run(functools.partial(module, **kwargs), args, None)
+
+        return wrapped, None
+
+    def forward(owner: Any, args: tuple[Any, ...], original: Callable[..., Any]) -> Any:
+        return run(original, args, owner)
+
+    return module, get_platform().register_forward_hook(module, forward, replace_forward=True)
+
+
+def _check_output_recompute(output_recompute: bool, caller: str) -> None:
+    p = get_platform()
+    if output_recompute and Capability.OUTPUT_RECOMPUTE not in p.capabilities():
+        raise NotImplementedError(f"{caller}: output_recompute=True is MindSpore's merging of adjacent recomputed "
+                                  f"regions; {p.name} has no counterpart (not in its capabilities()): use "
+                                  "output_recompute=False")
 
 
 def is_checkpointed(module: Any) -> bool:

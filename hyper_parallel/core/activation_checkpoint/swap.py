@@ -50,7 +50,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from hyper_parallel.core.activation_checkpoint.checkpoint import is_module
+from hyper_parallel.core.activation_checkpoint.checkpoint import is_module, wrap_calls
 from hyper_parallel.core.activation_checkpoint.policy import CheckpointPolicy
 from hyper_parallel.core.activation_checkpoint.region import checkpoint_phase
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -277,20 +277,12 @@ def swap_wrapper(module: Any, policy_fn: Callable[[Any], Any] | None = None) -> 
         raise ValueError(f"swap_wrapper: {type(module).__name__} is linked by SwapManager already; swap the "
                          "modules first, then link them")
     handle = _SwapHandle(type(module).__name__, policy_fn)
-    if not is_module(module):
-        @functools.wraps(module)
-        def swapped(*args: Any, **kwargs: Any) -> Any:
-            return handle.run(functools.partial(module, **kwargs), args, [])
-
-        vars(swapped)[SWAP_ATTR] = handle
-        return swapped
-
-    def forward(mod: Any, args: tuple[Any, ...], original: Callable[..., Any]) -> Any:
-        return handle.run(original, args, [param for _, param in p.named_parameters(mod)])
-
-    handle.hooks.append(p.register_forward_hook(module, forward, replace_forward=True))
-    vars(module)[SWAP_ATTR] = handle
-    return module
+    wrapped, hook = wrap_calls(module, lambda fn, args, owner: handle.run(
+        fn, args, [] if owner is None else [param for _, param in p.named_parameters(owner)]))
+    if hook is not None:
+        handle.hooks.append(hook)
+    vars(wrapped)[SWAP_ATTR] = handle
+    return wrapped
 
 
 def swap_stats(module: Any) -> SwapStats:
