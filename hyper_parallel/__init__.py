@@ -37,6 +37,8 @@ from hyper_parallel.core.shard import DFunction, ShardingPlan, shard_module
 from hyper_parallel.core.pipeline_parallel import (
     CommComputeOverlap,
     HookCoordinator,
+    HookRole,
+    MetaStepType,
     PipelineSchedule,
     PipelineStage,
     Schedule1F1B,
@@ -71,8 +73,8 @@ __all__ = [
     # fully_shard / HSDP
     "CPUOffloadPolicy", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "fully_shard",
     # pipeline and expert parallelism
-    "CommComputeOverlap", "HookCoordinator", "MoE", "PipelineSchedule", "PipelineStage", "Schedule1F1B",
-    "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
+    "CommComputeOverlap", "HookCoordinator", "HookRole", "MetaStepType", "MoE", "PipelineSchedule", "PipelineStage",
+    "Schedule1F1B", "ScheduleDualPipeV", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
     "ScheduleZBVZeroBubble",
     # activation checkpointing
     "apply_activation_checkpointing", "checkpoint_wrapper",

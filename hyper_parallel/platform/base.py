@@ -4,7 +4,8 @@ Each section lives in its own module under ``hyper_parallel.platform.contract``;
 module composes them. A backend subclasses ``Platform`` and implements every member;
 ``DifferentiableCollectives`` supplies the differentiable section once for all backends.
 ``Platform`` itself adds a few concrete members derived from the abstract ones
-(``framework``, ``device_type``, ``split_group``, ``stack``, ``check_attention``),
+(``framework``, ``device_type``, ``split_group``, ``stack``, ``check_attention``,
+``differentiable_all_to_all_single_async``),
 written once here so no backend repeats them; a backend may still override one with a
 native implementation.
 """
@@ -134,6 +135,26 @@ class Platform(
         if q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and q.shape[1] and k.shape[1]:
             q, k, v = self.narrow(q, 1, 0, 1), self.narrow(k, 1, 0, 1), self.narrow(v, 1, 0, 1)
         self.attention(q, k, v)
+
+    def differentiable_all_to_all_single_async(self, tensor: Any, input_split_sizes: Sequence[int],
+                                               output_split_sizes: Sequence[int], group: Any = None) -> Any:
+        """Expert-parallel token dispatch/combine (upstream hyper-parallel's name, which
+        MindFormers' ``OverlapExpertParallel`` calls): the uneven all-to-all of dim 0 of
+        ``tensor`` ``[rows, *rest]``, ``input_split_sizes[s]`` rows to group rank ``s`` and
+        ``output_split_sizes[s]`` rows from it, as ``differentiable_all_to_all(tensor, 0, 0,
+        group, input_split_sizes, output_split_sizes)``; backward: the reverse all-to-all.
+
+        Derived: issued and waited for here (on an accelerator the wait orders the
+        compute stream after the collective). The torch backend returns torch's
+        ``AsyncCollectiveTensor`` instead, whose wait runs at the result's first use, so a
+        thread that issues it goes on to its next sync hook at once (comm/compute overlap).
+
+        Raises:
+            ValueError: as ``differentiable_all_to_all`` (sizes that do not add up to
+                ``tensor.shape[0]``, or lists not one entry per rank).
+        """
+        return self.differentiable_all_to_all(tensor, 0, 0, group, input_split_sizes=list(input_split_sizes),
+                                              output_split_sizes=list(output_split_sizes))
 
     def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
         """Stack equal-shaped tensors along a new ``dim`` (``[*shape]`` each ->

@@ -4,7 +4,7 @@ Runs where MindFormers is installed: the ``mindformers-cpu`` matrix entry
 (``platform/mindformers-cpu``: MindSpore 2.10 CPU, MindFormers ``--no-deps`` with its
 import dependencies); skipped elsewhere with that reason. What is checked so far:
 ``import mindformers`` works, every ``hyper_parallel`` name its sources import resolves
-except the ones listed below as not built yet, and MindFormers' own helpers that read a
+(``NOT_BUILT`` lists any that do not), and MindFormers' own helpers that read a
 DTensor's ``layout`` compute the right pieces on 2 ranks."""
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ import pytest
 
 from tests.mindformers.test_gptmodel import pytestmark  # noqa: F401  (the MindFormers / MindSpore skips)
 
-#: Names MindFormers 2.0.0 imports that this package does not provide yet, each only
-#: imported inside the function of a feature not built (docs/mindformers.md lists them):
-#: the pipeline x expert-parallel overlap's hook roles and meta schedule steps.
-NOT_BUILT = {
-    ("hyper_parallel.core.pipeline_parallel.hook_coordinator", "HookRole"),
-    ("hyper_parallel.core.pipeline_parallel.scheduler", "MetaStepType"),
-}
+#: Names MindFormers 2.0.0 imports that this package does not provide (none left; the
+#: pipeline x expert-parallel overlap's ``HookRole`` and ``MetaStepType`` were the last).
+NOT_BUILT: set[tuple[str, str]] = set()
 
 
 def _imported_names() -> set[tuple[str, str]]:

@@ -85,6 +85,16 @@ def _module(p: Any, forward: Any, attributes: dict[str, Any]) -> Any:
     return type("TestModule", (base,), {"__init__": __init__, method: forward})()
 
 
+def chain_modules(p: Any, blocks: list[Any]) -> Any:
+    """A framework module running ``blocks`` one after the other (``block{i}``)."""
+    def forward(self: Any, x: Any) -> Any:
+        for i in range(len(blocks)):
+            x = getattr(self, f"block{i}")(x)
+        return x
+
+    return _module(p, forward, {f"block{i}": block for i, block in enumerate(blocks)})
+
+
 def build_moe_block(p: Any, moe: Any, weights: dict[str, Any], dispatch: Any, combine: Any) -> Any:
     """``x -> x + moe(x @ pre)``: a framework module holding ``pre``, ``router`` and this
     rank's experts' ``w1.{l}``/``w2.{l}`` (numpy values in ``weights``), whose forward

@@ -43,7 +43,7 @@ class _Events(HookCoordinator):
             self.log.append(("B", name))
 
 
-def _model(p, overlap):
+def _model(p, overlap, chunk_hooks: bool = False):
     rng = np.random.default_rng(1)
     weights = [p.make_parameter(p.from_numpy((rng.standard_normal((DIM, DIM)) / 2).astype(np.float32)))
                for _ in range(2 * LAYERS)]
@@ -56,10 +56,14 @@ def _model(p, overlap):
         dispatches, combines = [dispatch] * LAYERS, [combine] * LAYERS
 
     def forward(x):
+        if chunk_hooks:  # MindFormers' apply_chunk_overlap_hooks: the chunk's input and output
+            x = p.differentiable_sync_hook(x, "CHUNK_START", overlap.coordinator)
         for layer in range(LAYERS):
             routed = dispatches[layer](x @ weights[2 * layer])
             expert = routed @ weights[2 * layer + 1] * 0.5 + routed * routed * 0.1
             x = x + combines[layer](expert)
+        if chunk_hooks:
+            x = p.differentiable_sync_hook(x, "CHUNK_END", overlap.coordinator)
         return x
 
     return forward, weights
@@ -79,7 +83,8 @@ def check_overlap(inject: str) -> None:
 
     coordinator = _Events(fail_at="B" if inject == "backward_hook" else None)
     overlap = CommComputeOverlap(coordinator, timeout_s=60.0)
-    forward, weights = _model(p, overlap)
+    chunk_hooks = inject == "chunk_hooks"
+    forward, weights = _model(p, overlap, chunk_hooks)
     out0, backward0 = p.vjp(forward, [xs[0]], weights)  # microbatch 0's forward, before the pair
     np.testing.assert_array_equal(p.to_numpy(out0), expected[0][0])
     coordinator.log.clear()
@@ -99,14 +104,35 @@ def check_overlap(inject: str) -> None:
     for i, grad in enumerate(grads0):
         np.testing.assert_array_equal(p.to_numpy(grad), expected[0][1][i], err_msg=f"gradient {i} under overlap")
     # The pairing: forward A..C of each layer against backward C..A, D_LAST unpaired.
+    # With chunk hooks, the forward's CHUNK_END comes after it stopped at D_LAST and passes.
     hooks = {side: [name for s, name in coordinator.log if s == side] for side in "FB"}
-    assert hooks["F"] == ["A", "B", "C", "D"] * (LAYERS - 1) + ["A", "B", "C", "D_LAST"], hooks
-    assert hooks["B"] == ["D_LAST", "C", "B", "A"] + ["D", "C", "B", "A"] * (LAYERS - 1), hooks
+    start, end = (["CHUNK_START"], ["CHUNK_END"]) if chunk_hooks else ([], [])
+    assert hooks["F"] == start + ["A", "B", "C", "D"] * (LAYERS - 1) + ["A", "B", "C", "D_LAST"] + end, hooks
+    assert hooks["B"] == end + ["D_LAST", "C", "B", "A"] + ["D", "C", "B", "A"] * (LAYERS - 1) + start, hooks
     grads1 = backward1([gs[1]])[1]
     for i, grad in enumerate(grads1):
         np.testing.assert_array_equal(p.to_numpy(grad), expected[1][1][i], err_msg=f"gradient {i} after overlap")
 
 
-@pytest.mark.parametrize("inject", ["none", "backward", "backward_hook"])
+@pytest.mark.parametrize("inject", ["none", "chunk_hooks", "backward", "backward_hook"])
 def test_overlap_matches_sequential(run_on_ranks, inject: str) -> None:
     run_on_ranks(check_overlap, inject, world_size=2)
+
+
+def test_explicit_calls_outside_a_pairing() -> None:
+    """MindFormers' explicit calls: outside ``run`` a thread does not coordinate and they
+    return at once; a wrong role is refused."""
+    from hyper_parallel.core.pipeline_parallel import HookRole
+
+    coordinator = HookCoordinator(timeout_s=1.0)
+    assert not coordinator.is_enabled()
+    coordinator.rendezvous(HookRole.COMPUTE)
+    coordinator.notify_dispatched(HookRole.COMM)
+    with pytest.raises(TypeError, match="role='compute' must be HookRole.COMM or HookRole.COMPUTE"):
+        coordinator.rendezvous("compute")
+    with pytest.raises(ValueError, match="only HookRole.COMM announces"):
+        coordinator.notify_dispatched(HookRole.COMPUTE)
+    seen = []
+    CommComputeOverlap(coordinator).run(lambda: seen.append(coordinator.is_enabled()),
+                                        lambda: seen.append(coordinator.is_enabled()))
+    assert seen == [True, True] and not coordinator.is_enabled()

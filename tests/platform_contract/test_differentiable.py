@@ -85,16 +85,21 @@ def check_all_to_all(split_dim: int, concat_dim: int) -> None:
     np.testing.assert_array_equal(grad, _ulysses_expected(gs, r, n, concat_dim, split_dim))
 
 
-def check_all_to_all_uneven() -> None:
-    """Token dispatch: uneven rows on dim 0 (zeros included) there and back."""
+def check_all_to_all_uneven(entry: str) -> None:
+    """Token dispatch: uneven rows on dim 0 (zeros included) there and back, through
+    ``differentiable_all_to_all`` or the derived ``differentiable_all_to_all_single_async``
+    (torch: its functional collective, waited for at first use)."""
     p = get_platform()
     n, r = p.world_size(), p.rank()
     sizes = [[(a + 2 * b) % 3 for b in range(n)] for a in range(n)]
     xs = [rank_data(a, (sum(sizes[a]), 4)) for a in range(n)]
     out_sizes = [sizes[s][r] for s in range(n)]
     gs = [rank_data(a, (sum(sizes[s][a] for s in range(n)), 4), seed=7) for a in range(n)]
-    out, grad = _vjp(p, lambda x: p.differentiable_all_to_all(x, 0, 0, None, sizes[r], out_sizes),
-                     xs[r], lambda _: gs[r])
+    if entry == "async":
+        a2a = lambda x: p.differentiable_all_to_all_single_async(x, sizes[r], out_sizes)  # noqa: E731
+    else:
+        a2a = lambda x: p.differentiable_all_to_all(x, 0, 0, None, sizes[r], out_sizes)  # noqa: E731
+    out, grad = _vjp(p, a2a, xs[r], lambda _: gs[r])
     expected = [xs[s][sum(sizes[s][:r]): sum(sizes[s][:r + 1])] for s in range(n)]
     np.testing.assert_array_equal(out, np.concatenate(expected))
     # Rank s's output gradient holds one block per source rank q, in q order.
@@ -128,8 +133,9 @@ def test_differentiable_all_to_all(run_on_ranks, world_size: int, split_dim: int
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-def test_differentiable_all_to_all_uneven(run_on_ranks, world_size: int) -> None:
-    run_on_ranks(check_all_to_all_uneven, world_size=world_size)
+@pytest.mark.parametrize("entry", ["sync", "async"])
+def test_differentiable_all_to_all_uneven(run_on_ranks, world_size: int, entry: str) -> None:
+    run_on_ranks(check_all_to_all_uneven, entry, world_size=world_size)
 
 
 def _launch_seq_to_head(p, x, n: int, split_dim: int):

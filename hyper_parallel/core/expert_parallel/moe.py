@@ -139,8 +139,8 @@ class MoE:
                                             group=self.group).wait()
         plan.counts = p.to_numpy(gathered).reshape(self.group_size, self.num_experts)
         send, receive = self._split_sizes(plan)
-        return p.differentiable_all_to_all(x_sorted, 0, 0, self.group, input_split_sizes=send,
-                                           output_split_sizes=receive)
+        # waited for at the first use on torch: an overlapping thread reaches its next hook at once
+        return p.differentiable_all_to_all_single_async(x_sorted, send, receive, self.group)
 
     def combine(self, y: Any, plan: RoutingPlan) -> Any:
         """Communication: the reverse all-to-all, bringing expert outputs ``[received,
@@ -149,7 +149,7 @@ class MoE:
         if self.group_size == 1:
             return y
         send, receive = self._split_sizes(plan)
-        return p.differentiable_all_to_all(y, 0, 0, self.group, input_split_sizes=receive, output_split_sizes=send)
+        return p.differentiable_all_to_all_single_async(y, receive, send, self.group)
 
     def _split_sizes(self, plan: RoutingPlan) -> tuple[list[int], list[int]]:
         assert plan.counts is not None, "dispatch sets the counts"

@@ -11,9 +11,10 @@ __all__ = ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
            "TensorSpec"]
 
 from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap  # noqa: E402
-from hyper_parallel.core.pipeline_parallel.hook_coordinator import HookCoordinator  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.hook_coordinator import HookCoordinator, HookRole  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.scheduler import MetaStepType, PipelineContext  # noqa: E402
 
-__all__ += ["CommComputeOverlap", "HookCoordinator"]
+__all__ += ["CommComputeOverlap", "HookCoordinator", "HookRole", "MetaStepType", "PipelineContext"]
 
 from hyper_parallel.core.pipeline_parallel.runtime import (ScheduleDualPipeV,  # noqa: E402
                                                            ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)

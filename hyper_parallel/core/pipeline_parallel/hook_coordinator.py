@@ -19,16 +19,43 @@ its communication has been issued, so a communication kernel is always issued be
 compute it is paired with (on an accelerator the issue is asynchronous and the compute
 then runs under it). A side that finishes (or fails) stops coordinating: the other's
 hooks return at once, so no thread is ever left waiting.
+
+[Note: chunk brackets] A pipeline's ``OVERLAP_B_F`` step runs a whole stage chunk per
+thread, with work before the first MoE layer and after the last. MindFormers' callback
+(upstream hyper-parallel's protocol) brackets the chunks itself: the forward function
+opens with ``rendezvous(HookRole.COMPUTE)`` and, if still coordinating, closes with
+``notify_dispatched(HookRole.COMM)`` and ``rendezvous(HookRole.COMPUTE)``; the backward
+function closes with ``rendezvous(HookRole.COMPUTE)``; the hooks ``CHUNK_START`` /
+``CHUNK_END`` on a chunk's input and output do the same from inside the model. Here the
+forward's opening is ``wait_backward_started`` (which ``CommComputeOverlap.run`` has
+already done, so it returns at once); a closing marks the side as past its hooks (the
+other side's hooks stop waiting for it, as after ``finish``) and waits until the other
+side is past its hooks too, so neither thread leaves the chunk while the other still
+runs hooks. The forward passes its ``D_LAST`` before its closing and stops coordinating
+there (``is_enabled()`` is then false, which is how MindFormers' callback skips its
+closing); ``notify_dispatched`` marks this side's latest communication as issued, which
+releases a computing partner as the side's next rendezvous would.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 
 FORWARD, BACKWARD = "forward", "backward"
 #: hooks after which a side's next segment communicates (see [Note: A/B/C/D rendezvous])
 _COMM_NEXT = {FORWARD: frozenset({"A", "C"}), BACKWARD: frozenset({"B", "D"})}
-HOOK_NAMES = frozenset({"A", "B", "C", "D", "D_LAST"})
+#: the chunk brackets of [Note: chunk brackets]
+CHUNK_HOOKS = frozenset({"CHUNK_START", "CHUNK_END"})
+HOOK_NAMES = frozenset({"A", "B", "C", "D", "D_LAST"}) | CHUNK_HOOKS
+
+
+class HookRole(enum.Enum):
+    """What the calling thread does next at an explicit rendezvous (upstream
+    hyper-parallel's and MindFormers' name): communicate or compute."""
+
+    COMM = "comm"
+    COMPUTE = "compute"
 
 
 class HookCoordinator:
@@ -38,7 +65,9 @@ class HookCoordinator:
     in its forward and ``backward_hook(name)`` in its backward; a hook coordinates only
     when called on the thread registered for its direction (``begin``): a forward
     re-run on the backward thread (MindSpore's recompute of an out-of-order backward)
-    passes through.
+    passes through. A chunk's own brackets (``is_enabled``, ``rendezvous``,
+    ``notify_dispatched``; the ``CHUNK_START`` / ``CHUNK_END`` hooks) follow [Note: chunk
+    brackets].
 
     Args:
         timeout_s: the longest a thread waits for its partner; past it the waiting
@@ -52,6 +81,8 @@ class HookCoordinator:
         self._arrived: dict[str, int] = {FORWARD: 0, BACKWARD: 0}  # rendezvous reached per side
         self._names: dict[str, list[str]] = {FORWARD: [], BACKWARD: []}  # hook name of each rendezvous
         self._done: dict[str, bool] = {FORWARD: True, BACKWARD: True}  # side no longer coordinating
+        self._closing: dict[str, bool] = {FORWARD: False, BACKWARD: False}  # side past its hooks
+        self._issued: dict[str, int] = {FORWARD: 0, BACKWARD: 0}  # rendezvous whose communication is issued
 
     def begin(self, forward_thread: int, backward_thread: int) -> None:
         """Start a pairing: hooks on ``forward_thread`` (a thread ident) are the forward
@@ -68,6 +99,8 @@ class HookCoordinator:
             self._arrived = {FORWARD: 0, BACKWARD: 0}
             self._names = {FORWARD: [], BACKWARD: []}
             self._done = {FORWARD: False, BACKWARD: False}
+            self._closing = {FORWARD: False, BACKWARD: False}
+            self._issued = {FORWARD: 0, BACKWARD: 0}
 
     def finish(self, side: str) -> None:
         """``side`` stops coordinating (it returned, raised, or passed its ``D_LAST``);
@@ -94,10 +127,74 @@ class HookCoordinator:
         """Called by a sync hook's backward."""
         self._hook(BACKWARD, name)
 
+    def _side(self) -> str | None:
+        """The side the calling thread coordinates for, or ``None`` (not one of the
+        pairing's threads, or its side stopped coordinating)."""
+        ident = threading.get_ident()
+        for side in (FORWARD, BACKWARD):
+            if self._threads[side] == ident and not self._done[side]:
+                return side
+        return None
+
+    def is_enabled(self) -> bool:
+        """Whether the calling thread coordinates now: it is one of a running pairing's
+        two threads and its side has not stopped (the forward stops at its ``D_LAST``)."""
+        with self._cond:
+            return self._side() is not None
+
+    def rendezvous(self, role: HookRole) -> None:
+        """A chunk bracket ([Note: chunk brackets]) called by the thread itself:
+        on the forward before its first hook, wait for the backward to start; after its
+        hooks (and on the backward), wait until the other side is past its hooks. A
+        thread that does not coordinate returns at once.
+
+        Raises:
+            TypeError: ``role`` is not a ``HookRole``.
+            RuntimeError: the other side did not arrive within ``timeout_s``.
+        """
+        if not isinstance(role, HookRole):
+            raise TypeError(f"HookCoordinator.rendezvous: role={role!r} must be HookRole.COMM or HookRole.COMPUTE")
+        side = self._side()
+        if side == FORWARD and self._arrived[FORWARD] == 0 and not self._closing[FORWARD]:
+            self.wait_backward_started()
+        elif side is not None:
+            self._close(side)
+
+    def notify_dispatched(self, role: HookRole = HookRole.COMM) -> None:
+        """The calling thread has issued the communication after its latest rendezvous:
+        a partner computing meanwhile may go on ([Note: chunk brackets]).
+
+        Raises:
+            ValueError: ``role`` is not ``HookRole.COMM`` (only communication is announced).
+        """
+        if role is not HookRole.COMM:
+            raise ValueError(f"HookCoordinator.notify_dispatched: role={role!r}; only HookRole.COMM announces an "
+                             "issued communication")
+        with self._cond:
+            side = self._side()
+            if side is not None:
+                self._issued[side] = self._arrived[side]
+                self._cond.notify_all()
+
+    def _close(self, side: str) -> None:
+        other = BACKWARD if side == FORWARD else FORWARD
+        with self._cond:
+            self._closing[side] = True
+            self._cond.notify_all()
+            self._wait(lambda: self._done[other] or self._closing[other], side,
+                       f"the {other} thread to pass its last hook")
+
     def _hook(self, side: str, name: str) -> None:
         if name not in HOOK_NAMES:
             raise ValueError(f"HookCoordinator: hook name {name!r} is not one of {sorted(HOOK_NAMES)}")
         if threading.get_ident() != self._threads[side] or self._done[side]:
+            return
+        if name in CHUNK_HOOKS:  # the forward meets START then END, the backward END then START
+            if (side == FORWARD) != (name == "CHUNK_START"):  # the side's end: close
+                self.notify_dispatched(HookRole.COMM)
+                self.rendezvous(HookRole.COMPUTE)
+            elif side == FORWARD:  # the forward's start: open (the backward's start needs nothing)
+                self.rendezvous(HookRole.COMPUTE)
             return
         if name == "D_LAST":
             if side == FORWARD:
@@ -119,8 +216,9 @@ class HookCoordinator:
             k = self._arrived[side]
             self._names[side].append(name)
             self._cond.notify_all()
-            self._wait(lambda: self._done[other] or self._arrived[other] >= k, side, f"rendezvous {k}")
-            if self._done[other] and self._arrived[other] < k:
+            self._wait(lambda: self._done[other] or self._closing[other] or self._arrived[other] >= k, side,
+                       f"rendezvous {k}")
+            if self._arrived[other] < k:  # the other side stopped, or is past its hooks
                 return
             mine, theirs = name in _COMM_NEXT[side], self._names[other][k - 1] in _COMM_NEXT[other]
             if mine == theirs:
@@ -132,5 +230,6 @@ class HookCoordinator:
                                    "MoE layers, wrapped by wrap_dispatch/wrap_combine (the last with is_last_layer)")
             if mine:
                 return
-            self._wait(lambda: self._done[other] or self._arrived[other] > k, side,
+            self._wait(lambda: (self._done[other] or self._closing[other] or self._arrived[other] > k
+                                or self._issued[other] >= k), side,
                        f"the {other} thread to issue its communication after rendezvous {k}")

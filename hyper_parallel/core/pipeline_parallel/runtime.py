@@ -36,9 +36,11 @@ from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommCompu
 from hyper_parallel.core.pipeline_parallel.messages import (META_LEN, Mailbox, MessageKey, TensorSpec, decode_specs,
                                                             encode_specs, receive, send, spec_of)
 from hyper_parallel.core.pipeline_parallel.microbatch import merge_microbatches, split_microbatches
+from hyper_parallel.core.pipeline_parallel.scheduler import CUSTOM_TYPES, CustomStepFn, PipelineContext
 from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType, Schedule
 from hyper_parallel.core.pipeline_parallel.schedules.dualpipe import dualpipe_v
-from hyper_parallel.core.pipeline_parallel.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
+from hyper_parallel.core.pipeline_parallel.schedules.generators import (gpipe, interleaved_1f1b, one_f_one_b,
+                                                                       pair_backward_forward)
 from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication
 from hyper_parallel.core.pipeline_parallel.schedules.validate import validate
 from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import interleaved_zero_bubble, zbv_zero_bubble
@@ -116,6 +118,7 @@ class PipelineSchedule:
                 stage._split_weight_grads()
         self._incoming = self._incoming_messages()
         self._specs_known = False
+        self._custom: dict[ActionType, CustomStepFn] = {}  # register_custom_function
         #: after a step: the most (stage, microbatch) forwards this rank held for their
         #: backward at once, the runtime's count of what the simulator calls peak activations
         self.peak_activations = 0
@@ -124,6 +127,77 @@ class PipelineSchedule:
     def actions(self) -> list[Action]:
         """This rank's lowered action list."""
         return self.schedule[self._rank]
+
+    @property
+    def _stage_dict(self) -> dict[int, PipelineStage]:
+        """This rank's stages by stage index (upstream hyper-parallel's attribute, which
+        MindFormers' custom step function reads)."""
+        return self._stages
+
+    def register_custom_function(self, action_type: ActionType, fn: CustomStepFn) -> None:
+        """Run ``fn(action, ctx)`` in place of this runtime's own execution of every
+        action of ``action_type`` (torch's ``_PipelineScheduleRuntime.register_custom_function``;
+        MindFormers registers its pipeline x expert-parallel overlap for
+        ``MetaStepType.OVERLAP_B_F``). ``ctx`` is a ``PipelineContext``; the function runs
+        the action through the stages' ``forward_one_chunk`` / ``backward_one_chunk`` and
+        the schedule's ``wait_fwd_recv`` / ``wait_bwd_recv`` / ``update_losses``
+        (``core/pipeline_parallel/scheduler``). A later registration for the same type
+        replaces the earlier one.
+
+        Raises:
+            ValueError: ``action_type`` is not a compute type (``F``, ``B``, ``I``, ``W``,
+                ``OVERLAP_B_F``), or no rank's schedule has an action of that type (the
+                function would never run: build the schedule with ``overlap_b_f=True``
+                for ``OVERLAP_B_F``).
+            TypeError: ``fn`` is not callable.
+        """
+        if action_type not in CUSTOM_TYPES:
+            raise ValueError(f"{type(self).__name__}.register_custom_function: action_type={action_type!r} is not a "
+                             f"compute action type; use one of {sorted(t.name for t in CUSTOM_TYPES)}")
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__}.register_custom_function: fn={fn!r} is not callable; give "
+                            "fn(action, ctx) -> None")
+        if not any(a.type is action_type for actions in self.schedule.values() for a in actions):
+            fix = " (build the schedule with overlap_b_f=True)" if action_type is A.OVERLAP_B_F else ""
+            raise ValueError(f"{type(self).__name__}.register_custom_function: no rank runs a {action_type.name} "
+                             f"action in this schedule, so fn would never run{fix}")
+        self._custom[action_type] = fn
+
+    def wait_fwd_recv(self, stage_index: int, microbatch_index: int) -> None:
+        """Upstream's wait for the forward input a ``RECV_F`` received (the custom step
+        function calls it before ``forward_one_chunk``). Here the ``RECV_F`` actions
+        complete their receive before the compute action runs, so this checks it is there.
+
+        Raises:
+            RuntimeError: no step is running, or stage ``stage_index`` (after the first) has
+                no input for the microbatch.
+        """
+        run = self._stages[stage_index]._running("wait_fwd_recv")
+        if stage_index > 0 and (stage_index, microbatch_index) not in run.inputs:
+            raise RuntimeError(f"{type(self).__name__}.wait_fwd_recv: stage {stage_index} has no input for "
+                               f"microbatch {microbatch_index}; its RECV_F (or the previous stage's forward on this "
+                               "rank) must come first in the schedule")
+
+    def wait_bwd_recv(self, stage_index: int, microbatch_index: int) -> None:
+        """Upstream's wait for the output gradient a ``RECV_B`` received; as
+        ``wait_fwd_recv``, the receive has completed and this checks the gradient is there.
+
+        Raises:
+            RuntimeError: no step is running, or stage ``stage_index`` (before the last) has
+                no output gradient for the microbatch.
+        """
+        run = self._stages[stage_index]._running("wait_bwd_recv")
+        if stage_index < self.num_stages - 1 and (stage_index, microbatch_index) not in run.output_grads:
+            raise RuntimeError(f"{type(self).__name__}.wait_bwd_recv: stage {stage_index} has no output gradient for "
+                               f"microbatch {microbatch_index}; its RECV_B (or the next stage's backward on this "
+                               "rank) must come first in the schedule")
+
+    def update_losses(self, stage: PipelineStage, output: Any, losses: list[Any]) -> None:
+        """Append ``output`` (what ``stage.forward_one_chunk`` returned) to ``losses`` if
+        ``stage`` is the last (upstream's ``update_losses``). The step's own results do not
+        depend on it: ``run`` / ``step`` return the last stage's outputs in microbatch order."""
+        if stage.is_last:
+            losses.append(output)
 
     @property
     def exec_order(self) -> Schedule:
@@ -281,9 +355,15 @@ class PipelineSchedule:
             stage._reset_grads()
         run = _StepState(self, microbatches, targets, every_kwargs)
         self.peak_activations = 0
-        for action in self.actions:
-            run.execute(action)
-            self.peak_activations = max(self.peak_activations, len(run.backward))
+        for stage in self._stages.values():
+            stage._step = run  # forward_one_chunk / backward_one_chunk run inside this step
+        try:
+            for action in self.actions:
+                run.execute(action)
+                self.peak_activations = max(self.peak_activations, len(run.backward))
+        finally:
+            for stage in self._stages.values():
+                stage._step = None
         for work in run.sends:
             work.wait()
         return run
@@ -312,12 +392,22 @@ class _StepState:
         self.losses: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
         self.sends: list[Work] = []
+        n = schedule.n_microbatches
+        # what a custom step function sees (register_custom_function)
+        self.context = PipelineContext(
+            schedule,
+            [args for args, _ in microbatches] if microbatches else [()] * n,
+            [kwargs for _, kwargs in microbatches] if microbatches else (every_kwargs or [{}] * n),
+            targets)
 
     def execute(self, action: Action) -> None:
         s, m = action.stage_index, action.microbatch_index
         sched, place = self.schedule, self.schedule._place
-        if action.type is A.F:
-            self.forward(s, m)
+        custom = sched._custom.get(action.type)
+        if custom is not None:
+            custom(action, self.context)
+        elif action.type is A.F:
+            self.forward_step(s, m)
         elif action.type is A.B:
             self.backward_full(s, m)
         elif action.type is A.I:
@@ -327,7 +417,7 @@ class _StepState:
         elif action.type is A.OVERLAP_B_F:
             b, f = action.sub_actions
             assert sched.overlap is not None, "checked at construction"
-            sched.overlap.run(lambda: self.forward(f.stage_index, f.microbatch_index),
+            sched.overlap.run(lambda: self.forward_step(f.stage_index, f.microbatch_index),
                               lambda: self.backward_full(b.stage_index, b.microbatch_index))
         elif action.type is A.RECV_F:
             self.inputs[(s, m)] = self.mailbox.get(place(s - 1), ("F", s - 1, m))
@@ -341,13 +431,24 @@ class _StepState:
             raise NotImplementedError(f"pipeline runtime: action {action} ({action.type.name}) is not run by "
                                       f"{type(sched).__name__}")
 
-    def forward(self, s: int, m: int) -> None:
+    def forward_step(self, s: int, m: int) -> None:
+        """The runtime's own ``F``: the forward on the microbatch's inputs, its output
+        recorded for ``update_losses`` as a custom function's would be."""
+        self.schedule.update_losses(self.schedule._stages[s], self.forward(s, m), self.context.losses)
+
+    def forward(self, s: int, m: int, args: Any = None, kwargs: dict[str, Any] | None = None) -> Any:
+        """Stage ``s``'s forward of microbatch ``m``; ``args`` (stage 0) and ``kwargs``
+        default to the microbatch's. Returns the stage's output (detached; the last
+        stage's, or with a ``loss_fn`` its loss)."""
         sched, p = self.schedule, self.p
         stage = sched._stages[s]
         if s == 0:
-            args, kwargs = self.microbatches[m]
+            args = self.microbatches[m][0] if args is None else tuple(args)
+            kwargs = self.microbatches[m][1] if kwargs is None else kwargs
         else:
-            args, kwargs = self.inputs.pop((s, m)), self.every_kwargs[m] if self.every_kwargs else {}
+            args = self.inputs.pop((s, m))
+            if kwargs is None:
+                kwargs = self.every_kwargs[m] if self.every_kwargs else {}
         params = [param for _, param in stage.named_params]
         split = stage.weight_split
         capture = None if split is None else Capture()
@@ -391,6 +492,9 @@ class _StepState:
             else:
                 self.outputs_to_send[(s, m)] = outs
         self.backward[(s, m)] = backward
+        if not stage.is_last:
+            return outs if len(outs) > 1 else outs[0]
+        return self.losses[m] if sched.loss_fn is not None else self.outputs[m]
 
     def _recording(self, s: int, capture: Capture | None) -> AbstractContextManager[None]:
         """Around a backward of stage ``s``: its split linear layers record into the
@@ -491,13 +595,23 @@ class ScheduleGPipe(PipelineSchedule):
 class Schedule1F1B(PipelineSchedule):
     """1F1B (PipeDream-flush, Narayanan et al., 2021): warm-up forwards, then one forward
     and one backward in turn; holds at most ``num_stages - rank`` microbatches of
-    activations. One stage per rank."""
+    activations. One stage per rank.
+
+    Args:
+        overlap_b_f: pair each steady-state backward with the next forward
+            (``OVERLAP_B_F``), as ``ScheduleInterleaved1F1B`` does.
+        overlap: the ``CommComputeOverlap`` that runs the pairs (default: a new one).
+    """
 
     def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
-                 loss_fn: LossFn | None = None, *, scale_grads: bool | None = None) -> None:
+                 loss_fn: LossFn | None = None, *, scale_grads: bool | None = None, overlap_b_f: bool = False,
+                 overlap: CommComputeOverlap | None = None) -> None:
         stages = _single_stage("Schedule1F1B", stage)
-        super().__init__(stages, n_microbatches, loss_fn, one_f_one_b(stages[0].group_size, n_microbatches),
-                         scale_grads=scale_grads)
+        compute = one_f_one_b(stages[0].group_size, n_microbatches)
+        if overlap_b_f:
+            compute = {rank: pair_backward_forward(actions) for rank, actions in compute.items()}
+            overlap = overlap or CommComputeOverlap()
+        super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads, overlap=overlap)
 
 
 class ScheduleInterleaved1F1B(PipelineSchedule):
@@ -525,8 +639,8 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
             raise TypeError(f"ScheduleInterleaved1F1B: stages={stages!r} must be a non-empty list of PipelineStage")
         size = stages[0].group_size
         compute = interleaved_1f1b(size, stages[0].num_stages // size, n_microbatches, overlap_b_f=overlap_b_f)
-        if overlap_b_f and overlap is None:
-            overlap = CommComputeOverlap()
+        if overlap_b_f:
+            overlap = overlap or CommComputeOverlap()
         super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads, overlap=overlap)
 
 

@@ -108,6 +108,7 @@ class PipelineStage:
         self.output_rebuilds: tuple[Rebuild | None, ...] | None = None
         self._grads: list[Any] | None = None  # per parameter: this step's accumulated gradient
         self.weight_split: LinearWeightSplit | None = None
+        self._step: Any = None  # the schedule's running step (runtime._StepState), during a step
 
     @property
     def named_params(self) -> list[tuple[str, Any]]:
@@ -173,6 +174,59 @@ class PipelineStage:
     def _split_weight_grads(self) -> None:
         if self.weight_split is None:
             self.weight_split = LinearWeightSplit(self.platform, self.submodule)
+
+    # -- one microbatch inside a running step, for custom step functions ----------------
+    # (upstream hyper-parallel's and torch's per-chunk calls; see core/pipeline_parallel/scheduler)
+
+    def _running(self, caller: str) -> Any:
+        if self._step is None:
+            raise RuntimeError(f"PipelineStage.{caller}: stage {self.stage_index} is not in a running step; call it "
+                               "from a function registered with schedule.register_custom_function")
+        return self._step
+
+    def forward_one_chunk(self, microbatch_index: int, args: Sequence[Any] | None = None,
+                          kwargs: dict[str, Any] | None = None) -> Any:
+        """This stage's forward of one microbatch, recorded for its backward, as the
+        schedule's ``F`` runs it: the output goes to the next stage (sent by the ``SEND_F``
+        that follows). ``args`` are stage 0's inputs (a later stage takes what the
+        previous stage sent); ``kwargs`` the microbatch's keyword inputs (``None``: the
+        microbatch's own).
+
+        Returns:
+            The stage's output, detached (the last stage's: its loss, or its outputs when
+            the schedule has no ``loss_fn``).
+
+        Raises:
+            RuntimeError: called outside a step.
+        """
+        return self._running("forward_one_chunk").forward(self.stage_index, microbatch_index, args, kwargs)
+
+    def backward_one_chunk(self, microbatch_index: int, last_backward: bool = False) -> None:
+        """This stage's backward of one microbatch, as the schedule's ``B`` runs it (the
+        input gradient goes to the previous stage by the following ``SEND_B``; parameter
+        gradients add up in the step). ``last_backward`` is upstream's marker of a step's
+        last backward; the step here hands gradients over after its last action, so it
+        changes nothing.
+
+        Raises:
+            RuntimeError: called outside a step.
+        """
+        del last_backward
+        self._running("backward_one_chunk").backward_full(self.stage_index, microbatch_index)
+
+    def recompute_one_chunk(self, microbatch_index: int) -> None:
+        """Upstream's early re-run of the forward a backward will need, called by
+        MindFormers' overlap step on the main thread before the two overlap threads start.
+        Nothing to do here: a recomputation runs inside ``backward_one_chunk``, where the
+        sync hooks a forward re-run fires on the backward thread pass through ([Note:
+        A/B/C/D rendezvous]: a hook coordinates only on its direction's thread), and the
+        forward thread records nothing until the backward reached its first rendezvous.
+
+        Raises:
+            RuntimeError: called outside a step.
+        """
+        self._running("recompute_one_chunk")
+        del microbatch_index
 
     def _reset_grads(self) -> None:
         self._grads = None

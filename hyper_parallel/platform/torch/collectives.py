@@ -121,6 +121,20 @@ class TorchCollectives:
                                         async_op=async_op)
         return _work(native, out, async_op)
 
+    def differentiable_all_to_all_single_async(self, tensor: Any, input_split_sizes: Sequence[int],
+                                               output_split_sizes: Sequence[int], group: Any = None) -> Any:
+        """torch's ``_functional_collectives.all_to_all_single_autograd``: an
+        ``AsyncCollectiveTensor`` whose wait runs at its first use (see the derived
+        member in ``platform/base.py``)."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        if tensor.ndim == 0:
+            raise ValueError("differentiable_all_to_all_single_async: tensor is 0-dimensional; it needs a dim 0")
+        n = dist.get_world_size(self._group(group))
+        in_sizes = check_split_sizes(input_split_sizes, tensor.shape[0], n, argument="input_split_sizes")
+        out_sizes = check_split_sizes(output_split_sizes, None, n, argument="output_split_sizes")
+        return all_to_all_single_autograd(tensor.contiguous(), out_sizes, in_sizes, self._group(group))
+
     def broadcast(self, tensor: Any, src: int, group: Any = None, async_op: bool = False) -> Work:
         n = dist.get_world_size(self._group(group))
         if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < n:

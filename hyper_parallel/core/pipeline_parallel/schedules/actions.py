@@ -63,6 +63,18 @@ class Action:
             raise ValueError(f"Action: {self.type.name} takes sub_actions={self.sub_actions!r} only for OVERLAP_B_F "
                              "(use Action.overlap(b, f))")
 
+    @property
+    def micro_index(self) -> int:
+        """Upstream hyper-parallel's name for ``microbatch_index`` (MindFormers' custom
+        step function reads it)."""
+        return self.microbatch_index
+
+    @property
+    def sub_steps(self) -> tuple[Action, ...]:
+        """Upstream hyper-parallel's name for ``sub_actions``: ``(B, F)`` of an
+        ``OVERLAP_B_F``."""
+        return self.sub_actions
+
     @staticmethod
     def overlap(backward: Action, forward: Action) -> Action:
         """``OVERLAP_B_F`` of ``backward`` (type ``B``) and ``forward`` (type ``F``).
