@@ -136,3 +136,13 @@ def test_explicit_calls_outside_a_pairing() -> None:
     CommComputeOverlap(coordinator).run(lambda: seen.append(coordinator.is_enabled()),
                                         lambda: seen.append(coordinator.is_enabled()))
     assert seen == [True, True] and not coordinator.is_enabled()
+
+    def bracketed_forward() -> None:  # MindFormers' forward brackets around a chunk without hooks
+        coordinator.rendezvous(HookRole.COMPUTE)
+        coordinator.notify_dispatched(HookRole.COMM)
+        coordinator.rendezvous(HookRole.COMPUTE)
+
+    # a backward without hooks that closes at once: the forward's opening must not wait for a
+    # first rendezvous that never comes (timeout_s=1 would raise)
+    CommComputeOverlap(coordinator, timeout_s=5.0).run(bracketed_forward,
+                                                       lambda: coordinator.rendezvous(HookRole.COMPUTE))

@@ -126,3 +126,52 @@ def check_bad_input() -> None:
 
 def test_bad_input(run_on_ranks) -> None:
     run_on_ranks(check_bad_input, world_size=1)
+
+
+def check_custom_functions() -> None:
+    """``register_custom_function``: a custom ``F`` that runs the forward through
+    ``forward_one_chunk`` / ``update_losses`` gives the plain step's losses and gradients
+    exactly and sees every forward; bad registrations, and the chunk calls outside a step,
+    are refused."""
+    from hyper_parallel.core.pipeline_parallel import MetaStepType
+
+    p = get_platform()
+    rng = np.random.default_rng(3)
+    x, y = (p.from_numpy(rng.standard_normal((8, DIM)).astype(np.float32)) for _ in range(2))
+    results, seen = [], []
+
+    def custom_forward(action, ctx) -> None:
+        stage = ctx.schedule._stage_dict[action.stage_index]
+        ctx.schedule.wait_fwd_recv(action.stage_index, action.micro_index)
+        out = stage.forward_one_chunk(action.micro_index, ctx.arg_mbs[action.micro_index],
+                                      ctx.kwarg_mbs[action.micro_index])
+        ctx.schedule.update_losses(stage, out, ctx.losses)
+        seen.append((str(action), float(p.to_numpy(ctx.losses[-1]))))
+
+    for custom in (False, True):
+        stage = PipelineStage(build_chain(p, layer_weights(2)), 0, 1)
+        schedule = Schedule1F1B(stage, 4, mse)
+        if custom:
+            schedule.register_custom_function(MetaStepType.F, custom_forward)
+        losses: list = []
+        schedule.step(x, target=y, losses=losses)
+        results.append(([float(p.to_numpy(v)) for v in losses], [p.to_numpy(g) for g in stage.param_grads().values()]))
+    assert results[1][0] == results[0][0] and [loss for _, loss in seen] == results[0][0], (results, seen)
+    assert [a for a, _ in seen] == ["0F0", "0F1", "0F2", "0F3"], seen
+    for got, want in zip(results[1][1], results[0][1]):
+        np.testing.assert_array_equal(got, want)
+
+    with pytest.raises(ValueError, match="action_type=<ActionType.SEND_F: 'SEND_F'> is not a compute action type"):
+        schedule.register_custom_function(MetaStepType.SEND_F, custom_forward)
+    with pytest.raises(TypeError, match="fn='f' is not callable"):
+        schedule.register_custom_function(MetaStepType.F, "f")
+    with pytest.warns(UserWarning, match="no rank runs an action of type OVERLAP_B_F in this schedule, so fn will not run"):
+        schedule.register_custom_function(MetaStepType.OVERLAP_B_F, custom_forward)
+    with pytest.raises(RuntimeError, match="stage 0 is not in a running step; call it from a function registered"):
+        stage.forward_one_chunk(0)
+    with pytest.raises(RuntimeError, match="is not in a running step"):
+        schedule.wait_bwd_recv(0, 0)
+
+
+def test_custom_functions(run_on_ranks) -> None:
+    run_on_ranks(check_custom_functions, world_size=1)

@@ -116,7 +116,8 @@ class HookCoordinator:
         started before the forward records anything (MindSpore can run the backward of
         only the newest recording natively; see its ``vjp``)."""
         with self._cond:
-            self._wait(lambda: self._done[BACKWARD] or self._arrived[BACKWARD] >= 1, FORWARD,
+            self._wait(lambda: self._done[BACKWARD] or self._closing[BACKWARD] or self._arrived[BACKWARD] >= 1,
+                       FORWARD,
                        "the backward thread to start")
 
     def forward_hook(self, name: str) -> None:

@@ -27,6 +27,7 @@ unless ``scale_grads=True``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -144,11 +145,13 @@ class PipelineSchedule:
         (``core/pipeline_parallel/scheduler``). A later registration for the same type
         replaces the earlier one.
 
+        Warns (``UserWarning``) when no rank's schedule has an action of that type: the
+        function will not run (an ``OVERLAP_B_F`` needs ``overlap_b_f=True`` and a steady
+        state).
+
         Raises:
             ValueError: ``action_type`` is not a compute type (``F``, ``B``, ``I``, ``W``,
-                ``OVERLAP_B_F``), or no rank's schedule has an action of that type (the
-                function would never run: build the schedule with ``overlap_b_f=True``
-                for ``OVERLAP_B_F``).
+                ``OVERLAP_B_F``).
             TypeError: ``fn`` is not callable.
         """
         if action_type not in CUSTOM_TYPES:
@@ -158,9 +161,12 @@ class PipelineSchedule:
             raise TypeError(f"{type(self).__name__}.register_custom_function: fn={fn!r} is not callable; give "
                             "fn(action, ctx) -> None")
         if not any(a.type is action_type for actions in self.schedule.values() for a in actions):
-            fix = " (build the schedule with overlap_b_f=True)" if action_type is A.OVERLAP_B_F else ""
-            raise ValueError(f"{type(self).__name__}.register_custom_function: no rank runs a {action_type.name} "
-                             f"action in this schedule, so fn would never run{fix}")
+            # not an error: MindFormers registers its overlap whenever it asked for one, and a
+            # schedule too short for a steady state (n_microbatches=1) still trains correctly
+            fix = (" (Schedule1F1B / ScheduleInterleaved1F1B pair them with overlap_b_f=True, given a steady "
+                   "state: more microbatches than pipeline ranks)") if action_type is A.OVERLAP_B_F else ""
+            warnings.warn(f"{type(self).__name__}.register_custom_function: no rank runs an action of type "
+                          f"{action_type.name} in this schedule, so fn will not run{fix}", stacklevel=2)
         self._custom[action_type] = fn
 
     def wait_fwd_recv(self, stage_index: int, microbatch_index: int) -> None:
