@@ -360,6 +360,34 @@ def test_gptmodel_cp_flash_attention_refuses_bsh_documents(run_on_ranks) -> None
         assert "actual_seq_qlen" in message and "'TND'" in message, message
 
 
+def check_track_max_logit_refused(method: str, ulysses: int | None) -> str:
+    """``track_max_attention_logit`` (QK-clip's per-head maximum logit) reads the
+    primitive's ``softmax_max``, which the attention under colossal / hybrid CP does not
+    compute: refused by name on every rank, not a failure inside MindFormers' ``amax``.
+    Outside ``value_and_grad``, as above."""
+    import mindspore as ms
+    from mindformers.pynative.layers.flash_attention import FlashAttention
+
+    def build(parallelism):
+        config = cp_config(parallelism)
+        config.track_max_attention_logit = True
+        return build_gpt(config, FlashAttention, _attention_classes()[1])
+
+    model = parallelize(build, context_parallel=2, context_parallel_method=method, data_parallel=1,
+                        **({} if ulysses is None else {"ulysses_degree_in_cp": ulysses}))
+    try:
+        model(**{n: ms.Tensor(a) for n, a in cp_batch().items()})
+    except NotImplementedError as e:
+        return str(e)
+    raise AssertionError("track_max_attention_logit under context parallelism was not refused")
+
+
+@pytest.mark.parametrize("method,ulysses", [("colossal", None)])
+def test_gptmodel_cp_refuses_track_max_attention_logit(run_on_ranks, method, ulysses) -> None:
+    for message in run_on_ranks(check_track_max_logit_refused, method, ulysses, world_size=2, timeout_s=300):
+        assert "track_max_attention_logit=True reads softmax_max" in message, message
+
+
 def check_mla_async(cp: int, ulysses: int) -> dict:
     """MindFormers' asynchronous context parallelism (``context_parallel_async``, methods
     "ulysses" / "hybrid") on the multi-latent-attention model of ``test_gptmodel_tp`` (the

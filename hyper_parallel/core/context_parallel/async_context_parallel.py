@@ -154,5 +154,5 @@ class AsyncContextParallel(ContextParallel):
             out.append(bshd if (s, h) == (1, 2) else bshd.transpose(1, 2))
         if plan.mesh is not None:  # hybrid: [Note: q/k/v as DTensors]
             out = wrap_qkv(plan, seq_len, out, s, h)
-        push_frame(Frame(name, plan, seq_len, module_call_site(module)))
+        push_frame(Frame(name, plan, seq_len, module_call_site(module), module=module))
         return self._replace(args, kwargs, out)

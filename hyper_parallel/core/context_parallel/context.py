@@ -90,6 +90,7 @@ class Frame:
         plan: its resolved configuration.
         seq_len: the global sequence length of this forward's q/k/v.
         called: set by ``scaled_dot_product_attention`` when it ran inside the frame.
+        module: the hooked module (a framework op called inside it may read its settings).
     """
 
     module_name: str
@@ -97,6 +98,7 @@ class Frame:
     seq_len: int
     site: Any = None  # the Python frame running the module's call; None: not found, always live
     called: bool = field(default=False)
+    module: Any = None
 
 
 def module_call_site(module: Any) -> Any:

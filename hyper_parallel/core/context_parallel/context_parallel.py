@@ -268,7 +268,7 @@ class ContextParallel(ParallelStyle):
             q, k, v = (seq_to_heads(p, t, s, h, plan.ulysses_group) for t in (q, k, v))
         if plan.mesh is not None:
             q, k, v = wrap_qkv(plan, seq_len, (q, k, v), self.seq_dim, self.head_dim)
-        push_frame(Frame(name, plan, seq_len, module_call_site(module)))
+        push_frame(Frame(name, plan, seq_len, module_call_site(module), module=module))
         return self._replace(args, kwargs, [q, k, v])
 
     def _post_hook(self, plan: Plan, name: str, out: Any) -> Any:

@@ -18,8 +18,8 @@ q/k/v and compute every head on every rank.
 Outputs: ``(softmax_max, softmax_sum, softmax_out, attention_out)`` with the first three
 ``None``: the kernels return the log-sum-exp of each row, not its maximum, and
 ``softmax_max`` is read as the row maximum (MindFormers' ``track_max_attention_logit``),
-which a log-sum-exp would overstate by up to ``log(seq)``; a consumer of them fails on
-the ``None`` instead.
+which a log-sum-exp would overstate by up to ``log(seq)``; a module under context
+parallelism that sets ``track_max_attention_logit`` is refused by name.
 """
 
 from __future__ import annotations
@@ -97,6 +97,26 @@ def _documents(a: dict[str, Any], layout: str, op: str) -> list[int] | None:
     return [0, *q_ends]
 
 
+def _refuse_row_maximum(op: str) -> None:
+    """Raise if the module under context parallelism reads ``softmax_max`` (MindFormers'
+    ``FlashAttention`` with ``track_max_attention_logit``, for QK-clip), which is ``None``
+    here (see the module docstring): a clear error instead of its ``amax`` failing on
+    ``None``.
+
+    Raises:
+        NotImplementedError: naming the setting and the fixes.
+    """
+    from hyper_parallel.core.context_parallel.context import current_frame
+
+    frame = current_frame()
+    if frame is not None and getattr(frame.module, "track_max_attention_logit", False):
+        raise NotImplementedError(f"{op} in {frame.module_name}: track_max_attention_logit=True reads softmax_max, the "
+                                  "row maximum of the attention logits, which this attention does not compute (its "
+                                  "kernels keep each row's log-sum-exp); set track_max_attention_logit=False, or use "
+                                  "pure Ulysses context parallelism (ulysses_degree == cp), where the primitive runs "
+                                  "itself")
+
+
 def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """The primitive's result on DTensors, computed by core, or ``None`` for the caller's
     generic path (sharding rules, which replicate the inputs and run the primitive).
@@ -113,7 +133,8 @@ def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[
 
     Raises:
         NotImplementedError: under context parallelism, a mask, dropout or bias the exchange
-            does not express; unequal documents.
+            does not express; unequal documents; a module that reads ``softmax_max``
+            (``track_max_attention_logit``).
         ValueError: ``actual_seq_qlen`` / ``actual_seq_kvlen`` with a layout other than
             ``TND`` (the primitive's own rule), or missing under ``TND``.
     """
@@ -130,6 +151,8 @@ def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[
     if not context_parallel and independent_shards_problem(q, k, v, layout, head_num) is not None:
         return None
     op = _OP if context_parallel else "FlashAttentionScore on DTensors"
+    if context_parallel:
+        _refuse_row_maximum(op)
     causal, problem = _mask(a)
     if problem is not None:
         if context_parallel:
