@@ -272,8 +272,10 @@ def check_cp(cp: int, eod: bool = False, method: str = "colossal", ulysses: int 
     return rank_result(model.parameters_and_names(), loss, grads, main_grad=True)
 
 
-def _compare(one: dict, ranks: list[dict]) -> None:
-    world = len(ranks)
+def _compare(one: dict, ranks: list[dict], summed_over: int | None = None) -> None:
+    """``summed_over``: the ranks whose gradients fully_shard sums (default: all; tensor
+    parallel ranks hold the same tokens and are not summed)."""
+    world = summed_over or len(ranks)
     # every rank holds BATCH * SEQ / world tokens, none masked (no pad token, none ignored):
     # the mean of the ranks' mean losses is the whole batch's
     np.testing.assert_allclose(np.mean([r["loss"] for r in ranks]), one["loss"], rtol=1e-5)
@@ -417,3 +419,42 @@ def test_mla_async_context_parallel(run_on_ranks, cp, ulysses, world) -> None:
     one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
     ranks = run_on_ranks(check_mla_async, cp, ulysses, world_size=world, timeout_s=600)
     _compare(one, ranks)
+
+
+def check_mla_tp_cp() -> dict:
+    """MindFormers' tensor parallelism (``apply_non_moe_tp`` on the multi-latent-attention
+    model) with its Ulysses context parallelism: the core attention receives q/k/v as
+    DTensors on the tp mesh with their heads sharded, runs context parallelism on its own
+    heads ([Note: context parallelism over tensor-parallel heads]) and hands back a tp
+    DTensor. ``CPUFlashAttention`` is the core attention (pure Ulysses hands plain tensors:
+    MindFormers' ``FlashAttention`` would run the primitive, which has no CPU kernel)."""
+    import mindspore as ms
+
+    from hyper_parallel import DTensor
+    from tests.mindformers.test_gptmodel_tp import build_mla_gpt
+
+    model = parallelize(lambda parallelism: build_mla_gpt(flash_attention=True, core_attention=_attention_classes()[0]),
+                        context_parallel=2, context_parallel_method="ulysses", ulysses_degree_in_cp=2,
+                        tensor_parallel=2, data_parallel=1)
+    inputs = cp_batch()
+    names = sorted(inputs)
+    params = [q for _, q in model.parameters_and_names()]
+
+    def loss_fn(*values):
+        loss = model(**dict(zip(names, values)))[0]
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    loss, grads = ms.value_and_grad(loss_fn, grad_position=None, weights=params)(*(ms.Tensor(inputs[n])
+                                                                                  for n in names))
+    return rank_result(model.parameters_and_names(), loss, grads)
+
+
+def test_mla_tensor_and_context_parallel(run_on_ranks) -> None:
+    """tp 2 x cp 2 (Ulysses) on 4 ranks against one rank: the tp ranks hold the same
+    tokens and replicated parameters' whole gradients (a replicated loss seeded once, see
+    docs/mindformers.md on the loss sense), the cp ranks each their mean loss over half the
+    tokens (fully_shard sums over cp)."""
+    from tests.mindformers.test_gptmodel_tp import check_mla_one_rank
+
+    one = run_on_ranks(check_mla_one_rank, world_size=1, timeout_s=300)[0]
+    _compare(one, run_on_ranks(check_mla_tp_cp, world_size=4, timeout_s=600), summed_over=2)  # cp = 2

@@ -91,6 +91,8 @@ class Frame:
         seq_len: the global sequence length of this forward's q/k/v.
         called: set by ``scaled_dot_product_attention`` when it ran inside the frame.
         module: the hooked module (a framework op called inside it may read its settings).
+        outer: the mesh and placements q/k/v came on when they were DTensors sharded by
+            heads (``sharded_qkv.take_outer_sharding``); ``None`` for plain tensors.
     """
 
     module_name: str
@@ -99,6 +101,7 @@ class Frame:
     site: Any = None  # the Python frame running the module's call; None: not found, always live
     called: bool = field(default=False)
     module: Any = None
+    outer: Any = None
 
 
 def module_call_site(module: Any) -> Any:

@@ -32,7 +32,8 @@ from hyper_parallel.core.context_parallel.context import (Frame, Plan, find_fram
                                                           push_frame)
 from hyper_parallel.core.context_parallel.load_balance import check_seq_len
 from hyper_parallel.core.context_parallel.masks import document_ids
-from hyper_parallel.core.context_parallel.sharded_qkv import refuse_dtensor_qkv, unwrap_output, wrap_qkv
+from hyper_parallel.core.context_parallel.sharded_qkv import (restore_outer_sharding, take_outer_sharding,
+                                                             unwrap_output, wrap_qkv)
 from hyper_parallel.core.context_parallel.ulysses import check_heads, heads_to_seq, replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.tensor_parallel.style import ParallelStyle
@@ -258,9 +259,9 @@ class ContextParallel(ParallelStyle):
     def _pre_hook(self, plan: Plan, name: str, module: Any, args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         q, k, v = self._qkv(name, args, kwargs)
+        # [Note: context parallelism over tensor-parallel heads] in sharded_qkv
+        (q, k, v), outer = take_outer_sharding(name, (q, k, v), self.seq_dim, plan.mesh)
         seq_len = self.check(plan, name, q, k, v, kwargs)
-        if plan.mesh is not None:
-            refuse_dtensor_qkv(name, (q, k, v))
         if plan.ulysses_size > 1:
             p = get_platform()
             n, s, h = plan.ulysses_size, self.seq_dim, self.head_dim
@@ -268,7 +269,7 @@ class ContextParallel(ParallelStyle):
             q, k, v = (seq_to_heads(p, t, s, h, plan.ulysses_group) for t in (q, k, v))
         if plan.mesh is not None:
             q, k, v = wrap_qkv(plan, seq_len, (q, k, v), self.seq_dim, self.head_dim)
-        push_frame(Frame(name, plan, seq_len, module_call_site(module), module=module))
+        push_frame(Frame(name, plan, seq_len, module_call_site(module), module=module, outer=outer))
         return self._replace(args, kwargs, [q, k, v])
 
     def _post_hook(self, plan: Plan, name: str, out: Any) -> Any:
@@ -292,4 +293,4 @@ class ContextParallel(ParallelStyle):
                 raise TypeError(f"ContextParallel on {name}: the forward must return the attention output tensor, "
                                 f"got {type(out).__name__}")
             out = heads_to_seq(get_platform(), out, self.seq_dim, self.head_dim, plan.ulysses_group)
-        return out
+        return restore_outer_sharding(out, frame.outer)

@@ -54,10 +54,61 @@ def qkv_placements(plan: Plan, seq_dim: int, head_dim: int) -> tuple[Placement, 
     return (Shard(seq_dim),)
 
 
+#: q/k/v's mesh and placements when they reach the module as DTensors sharded by heads
+#: (tensor parallelism): ``(mesh, placements)``
+Outer = tuple[Any, tuple[Placement, ...]]
+
+
+def take_outer_sharding(name: str, tensors: Sequence[Any], seq_dim: int,
+                        cp_mesh: Any) -> tuple[list[Any], Outer | None]:
+    """[Note: context parallelism over tensor-parallel heads] q/k/v that reach a
+    ``ContextParallel`` module as DTensors of another mesh (MindFormers' tensor
+    parallelism hands its core attention heads sharded over ``tp``) are independent
+    attention problems per rank of that mesh: each rank runs context parallelism on its
+    own heads. Returns their local pieces (``to_local``, differentiable) and ``(mesh,
+    placements)``, which ``restore_outer_sharding`` puts back on the output; plain
+    tensors come back as they are with ``None``. No communication.
+
+    Raises:
+        NotImplementedError: a mix of DTensors and plain tensors, different meshes or
+            placements, a ``Partial``, a shard of the sequence dim, or the context-parallel
+            mesh itself; naming the placements.
+    """
+    dtensors = [t for t in tensors if isinstance(t, DTensor)]
+    if not dtensors:
+        return list(tensors), None
+    first = dtensors[0]
+    given = "; ".join(f"{t.device_mesh} {list(t.placements)}" for t in dtensors)
+    problem = None
+    if len(dtensors) != len(tensors):
+        problem = "some of q, k, v are DTensors and some plain tensors"
+    elif any(t.device_mesh != first.device_mesh or tuple(t.placements) != tuple(first.placements) for t in dtensors):
+        problem = "their meshes or placements differ"
+    elif cp_mesh is not None and first.device_mesh == cp_mesh:
+        problem = "they are on the context-parallel mesh itself"
+    elif any(pl.is_partial() for pl in first.placements):
+        problem = "a placement is Partial (reduce it first)"
+    elif any(pl.is_shard() and pl.dim % first.ndim == seq_dim for pl in first.placements):
+        problem = f"the sequence dim {seq_dim} is sharded already"
+    if problem is not None:
+        raise NotImplementedError(f"ContextParallel on {name}: q, k, v arrive as DTensors ({given}) and {problem}; "
+                                  "context parallelism runs on each rank's heads of q, k, v sharded by heads (tensor "
+                                  "parallelism) or replicated, all alike, or on plain tensors")
+    return [t.to_local() for t in tensors], (first.device_mesh, tuple(first.placements))
+
+
+def restore_outer_sharding(out: Any, outer: Outer | None) -> Any:
+    """The module's output (this rank's piece, laid out as q) back on the mesh q/k/v
+    came on with their placements (see ``take_outer_sharding``)."""
+    if outer is None:
+        return out
+    mesh, placements = outer
+    return DTensor.from_local(out, mesh, placements)
+
+
 def refuse_dtensor_qkv(name: str, tensors: Sequence[Any]) -> None:
-    """Raise if q/k/v reach a ``ContextParallel`` module with a K/V exchange as DTensors
-    already (before the pre-hook's first collective): the hooks shard this rank's plain
-    pieces.
+    """Raise if q/k/v reach an ``AsyncContextParallel`` module as DTensors (its
+    projections hand the core attention this rank's plain pieces).
 
     Raises:
         NotImplementedError: naming their placements and the fix.
@@ -65,9 +116,9 @@ def refuse_dtensor_qkv(name: str, tensors: Sequence[Any]) -> None:
     given = [f"{t.device_mesh} {list(t.placements)}" for t in tensors if isinstance(t, DTensor)]
     if given:
         raise NotImplementedError(f"ContextParallel on {name}: q, k, v arrive as DTensors ({'; '.join(given)}), e.g. "
-                                  "heads sharded by tensor parallelism; context parallelism with a K/V exchange "
-                                  "takes this rank's plain pieces: hand the core attention local tensors "
-                                  "(use_local_output=True), or use pure Ulysses (ulysses_degree == cp)")
+                                  "heads sharded by tensor parallelism; asynchronous context parallelism takes this "
+                                  "rank's plain pieces: hand the core attention local tensors (use_local_output=True), "
+                                  "or use ContextParallel")
 
 
 def wrap_qkv(plan: Plan, seq_len: int, tensors: Sequence[Any], seq_dim: int, head_dim: int) -> list[Any]:

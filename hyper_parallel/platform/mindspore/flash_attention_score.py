@@ -136,7 +136,9 @@ def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[
             does not express; unequal documents; a module that reads ``softmax_max``
             (``track_max_attention_logit``).
         ValueError: ``actual_seq_qlen`` / ``actual_seq_kvlen`` with a layout other than
-            ``TND`` (the primitive's own rule), or missing under ``TND``.
+            ``TND`` (the primitive's own rule), or missing under ``TND``; under context
+            parallelism, q/k/v of another rank than the layout's (3-D ``BSH`` / ``SBH`` /
+            ``TND``, 4-D ``BNSD`` / ``BSND``).
     """
     from hyper_parallel.core.context_parallel.sharded_qkv import (attention_on_dtensors, attention_on_local_shards,
                                                                   independent_shards_problem,
@@ -153,6 +155,11 @@ def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[
     op = _OP if context_parallel else "FlashAttentionScore on DTensors"
     if context_parallel:
         _refuse_row_maximum(op)
+        rank = 3 if layout in ("BSH", "SBH", "TND") else 4
+        if any(t.ndim != rank for t in (q, k, v)):
+            # the primitive's own rule (it refuses these on Ascend too)
+            raise ValueError(f"{op}: input_layout={layout!r} takes {rank}-D query, key and value; got "
+                             f"{[tuple(t.shape) for t in (q, k, v)]}")
     causal, problem = _mask(a)
     if problem is not None:
         if context_parallel:
