@@ -14,12 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType
-
-if TYPE_CHECKING:
-    from hyper_parallel.core.pipeline_parallel.runtime import PipelineSchedule
 
 #: upstream hyper-parallel's name for the action types (``MetaStepType.OVERLAP_B_F`` is
 #: ``ActionType.OVERLAP_B_F``; the other members are this project's ``F``, ``B``, ``I``,
@@ -46,14 +43,14 @@ class PipelineContext:
             ``schedule.update_losses`` (every forward of the step, custom or not).
     """
 
-    schedule: PipelineSchedule
+    schedule: Any  # the runtime's PipelineSchedule (runtime imports this module)
     arg_mbs: list[tuple[Any, ...]]
     kwarg_mbs: list[dict[str, Any]]
     target_mbs: list[Any] = field(default_factory=list)
     losses: list[Any] = field(default_factory=list)
 
     @property
-    def schedule_ref(self) -> PipelineSchedule:
+    def schedule_ref(self) -> Any:
         """torch's name for ``schedule``."""
         return self.schedule
 
