@@ -155,11 +155,12 @@ class HookCoordinator:
         """
         if not isinstance(role, HookRole):
             raise TypeError(f"HookCoordinator.rendezvous: role={role!r} must be HookRole.COMM or HookRole.COMPUTE")
-        side = self._side()
-        if side == FORWARD and self._arrived[FORWARD] == 0 and not self._closing[FORWARD]:
-            self.wait_backward_started()
-        elif side is not None:
-            self._close(side)
+        with self._cond:  # reentrant: the waits below take it again
+            side = self._side()
+            if side == FORWARD and self._arrived[FORWARD] == 0 and not self._closing[FORWARD]:
+                self.wait_backward_started()
+            elif side is not None:
+                self._close(side)
 
     def notify_dispatched(self, role: HookRole = HookRole.COMM) -> None:
         """The calling thread has issued the communication after its latest rendezvous:

@@ -178,11 +178,8 @@ class PipelineSchedule:
             RuntimeError: no step is running, or stage ``stage_index`` (after the first) has
                 no input for the microbatch.
         """
-        run = self._stages[stage_index]._running("wait_fwd_recv")
-        if stage_index > 0 and (stage_index, microbatch_index) not in run.inputs:
-            raise RuntimeError(f"{type(self).__name__}.wait_fwd_recv: stage {stage_index} has no input for "
-                               f"microbatch {microbatch_index}; its RECV_F (or the previous stage's forward on this "
-                               "rank) must come first in the schedule")
+        self._check_received("wait_fwd_recv", stage_index, microbatch_index, stage_index > 0, "inputs", "input",
+                             "its RECV_F (or the previous stage's forward on this rank)")
 
     def wait_bwd_recv(self, stage_index: int, microbatch_index: int) -> None:
         """Upstream's wait for the output gradient a ``RECV_B`` received; as
@@ -192,11 +189,15 @@ class PipelineSchedule:
             RuntimeError: no step is running, or stage ``stage_index`` (before the last) has
                 no output gradient for the microbatch.
         """
-        run = self._stages[stage_index]._running("wait_bwd_recv")
-        if stage_index < self.num_stages - 1 and (stage_index, microbatch_index) not in run.output_grads:
-            raise RuntimeError(f"{type(self).__name__}.wait_bwd_recv: stage {stage_index} has no output gradient for "
-                               f"microbatch {microbatch_index}; its RECV_B (or the next stage's backward on this "
-                               "rank) must come first in the schedule")
+        self._check_received("wait_bwd_recv", stage_index, microbatch_index, stage_index < self.num_stages - 1,
+                             "output_grads", "output gradient", "its RECV_B (or the next stage's backward on this rank)")
+
+    def _check_received(self, caller: str, s: int, m: int, expected: bool, store: str, what: str,
+                        source: str) -> None:
+        run = self._stages[s]._running(caller)
+        if expected and (s, m) not in getattr(run, store):
+            raise RuntimeError(f"{type(self).__name__}.{caller}: stage {s} has no {what} for microbatch {m}; {source} "
+                               "must come first in the schedule")
 
     def update_losses(self, stage: PipelineStage, output: Any, losses: list[Any]) -> None:
         """Append ``output`` (what ``stage.forward_one_chunk`` returned) to ``losses`` if

@@ -218,10 +218,8 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
                                       "recomputed regions (mindspore.recompute(output_recompute=True)); "
                                       "torch.utils.checkpoint has no counterpart and it is not built on torch: "
                                       "use output_recompute=False")
-        if keep is None:
-            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
-                                                 context_fn=lambda: selective_contexts(keep))
+        contexts = {} if keep is None else {"context_fn": lambda: selective_contexts(keep)}
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **contexts)
 
     def release_saved_tensors(self, sources: Sequence[Any], reload: Callable[[int], Any], *,
                               offload: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
