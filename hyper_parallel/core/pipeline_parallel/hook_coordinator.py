@@ -147,7 +147,8 @@ class HookCoordinator:
         """A chunk bracket ([Note: chunk brackets]) called by the thread itself:
         on the forward before its first hook, wait for the backward to start; after its
         hooks (and on the backward), wait until the other side is past its hooks. A
-        thread that does not coordinate returns at once.
+        thread that does not coordinate returns at once. ``role`` (upstream's signature)
+        is checked, not used: where the bracket stands decides what it waits for.
 
         Raises:
             TypeError: ``role`` is not a ``HookRole``.
