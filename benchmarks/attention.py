@@ -34,7 +34,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -54,27 +56,38 @@ def _current_rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def case_torch(impl: str, seq: int, dtype: str, iters: int) -> dict:
-    """One local case on torch: seconds per forward + backward and working memory."""
+def _local_step(impl: str, seq: int, dtype: str, device: str) -> Callable[[], None]:
+    """Inputs ``[1, seq, 8, 64]`` of ``dtype`` on ``device`` (seeded by ``seq``) and one causal
+    forward + backward on them: ours (``impl == "ours"``) or torch's SDPA. On CPU each call
+    clones the inputs (the tables' memory counts them as the call's); on CUDA the inputs
+    are allocated after the memory baseline instead."""
     import numpy as np
     import torch
 
     import hyper_parallel as hp
 
-    hp.init(platform="torch")
     rng = np.random.default_rng(seq)
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    q, k, v, dout = (torch.from_numpy(rng.standard_normal((1, seq, HEADS, HEAD_DIM)).astype(np.float32)).to(tdtype)
-                     for _ in range(4))
+    q, k, v, dout = (torch.from_numpy(rng.standard_normal((1, seq, HEADS, HEAD_DIM)).astype(np.float32))
+                     .to(device, getattr(torch, dtype)) for _ in range(4))
 
     def run() -> None:
-        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        qq, kk, vv = ((t.clone() if device == "cpu" else t.detach()).requires_grad_(True) for t in (q, k, v))
         if impl == "ours":
             out = hp.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
         else:
             out = torch.nn.functional.scaled_dot_product_attention(
                 qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), is_causal=True).transpose(1, 2)
         out.backward(dout)
+
+    return run
+
+
+def case_torch(impl: str, seq: int, dtype: str, iters: int) -> dict:
+    """One local case on torch: seconds per forward + backward and working memory."""
+    import hyper_parallel as hp
+
+    hp.init(platform="torch-cpu")
+    run = _local_step(impl, seq, dtype, "cpu")
 
     times = []
     for i in range(iters + 1):
@@ -121,8 +134,9 @@ def case_mindspore(impl: str, seq: int, iters: int) -> dict:
     return {"seconds": statistics.median(times), "peak_bytes": max(_rss() - base, 0)}
 
 
-def case_train_step(impl: str, iters: int) -> dict:
-    """The ``small`` decoder's training step on one rank: ours, or with torch SDPA."""
+def _train_setup(impl: str, device: str) -> tuple[Any, Callable[[int], None]]:
+    """The ``small`` decoder on ``device`` (ours, or with torch SDPA as its core attention)
+    and its training step ``step(i)`` on batch ``i`` (forward, backward, AdamW)."""
     import json as json_module
 
     import torch
@@ -132,10 +146,9 @@ def case_train_step(impl: str, iters: int) -> dict:
     from hyper_parallel.train.data import Corpus, rank_batch
     from hyper_parallel.train.model import build_model
 
-    torch.set_num_threads(1)
-    p = hp.init(platform="torch")
+    p = hp.init(platform=f"torch-{device}")
     cfg = PRESETS["small"]
-    model = build_model(p, cfg, 0)
+    model = build_model(p, cfg, 0).to(device)
     if impl == "torch":
         class SDPA(torch.nn.Module):
             def forward(self, q, k, v):
@@ -148,24 +161,103 @@ def case_train_step(impl: str, iters: int) -> dict:
     seq_len, batch = 512, 8
     corpus = Corpus.load((str(Path(json_module.__file__).parent),), seq_len + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times = []
 
     def step(i: int) -> None:
         b = rank_batch(corpus.train, 0, i + 1, batch, seq_len, 0, 1)
-        tokens, positions, targets = (torch.from_numpy(a) for a in (b.tokens, b.positions, b.targets))
+        tokens, positions, targets = (torch.from_numpy(a).to(device) for a in (b.tokens, b.positions, b.targets))
         loss = model(tokens, positions, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
         float(loss)
 
+    return model, step
+
+
+def case_train_step(impl: str, iters: int) -> dict:
+    """The ``small`` decoder's training step on one CPU rank: ours, or with torch SDPA."""
+    import torch
+
+    torch.set_num_threads(1)
+    _, step = _train_setup(impl, "cpu")
+    times = []
     for i in range(iters + 2):
         start = time.perf_counter()
         step(i)
         if i >= 2:
             times.append(time.perf_counter() - start)
     return {"seconds": statistics.median(times), "peak_bytes": peak_tensor_bytes(lambda: step(iters + 2)),
-            "tokens_per_step": seq_len * batch}
+            "tokens_per_step": 512 * 8}
+
+
+def cuda_local(seqs: list[int], dtypes: list[str], iters: int) -> list[dict]:
+    """The ``local`` table on one GPU, in this process: CUDA time by events around
+    ``iters`` calls after one warm-up (median), memory as the peak of
+    ``torch.cuda.max_memory_allocated`` over one call above what was allocated before the
+    inputs (the inputs count, as with MemTracker). Each row names the kernel ours ran and
+    the one torch's SDPA picked."""
+    import torch
+
+    import hyper_parallel as hp
+    from hyper_parallel.platform import AttentionMask
+    from hyper_parallel.platform.torch import attention as attn
+
+    hp.init(platform="torch-cuda")
+    rows = []
+    for seq in seqs:
+        for dtype in dtypes:
+            tdtype = getattr(torch, dtype)
+            results = {}
+            for impl in ("ours", "torch"):
+                torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                run = _local_step(impl, seq, dtype, "cuda")
+
+                times = []
+                for i in range(iters + 1):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    run()
+                    end.record()
+                    torch.cuda.synchronize()
+                    if i:
+                        times.append(start.elapsed_time(end) / 1e3)
+                results[impl] = {"seconds": statistics.median(times),
+                                 "peak_bytes": torch.cuda.max_memory_allocated() - base}
+                del run
+            probe = torch.empty(1, seq, HEADS, HEAD_DIM, device="cuda", dtype=tdtype)
+            choice = torch._fused_sdp_choice(*(probe.transpose(1, 2),) * 3, None, 0.0, True)
+            key = {"seq": seq, "dtype": dtype, "kernel": attn.cuda_kernel(probe, probe, probe, AttentionMask("top_left")),
+                   "torch_kernel": torch.nn.attention.SDPBackend(choice).name.lower()}
+            _pair(rows, "cuda local", key, results["ours"], results["torch"])
+    return rows
+
+
+def cuda_train_step(iters: int) -> list[dict]:
+    """The ``train step`` table on one GPU: the ``small`` decoder, float32, ours against the
+    same model with torch SDPA as its core attention."""
+    import torch
+
+    results = {}
+    for impl in ("ours", "torch"):
+        model, step = _train_setup(impl, "cuda")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        times = []
+        for i in range(iters + 2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(i)
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+        results[impl] = {"seconds": statistics.median(times), "peak_bytes": torch.cuda.max_memory_allocated() - base}
+        del model, step
+    rows: list[dict] = []
+    _pair(rows, "cuda train step", {}, results["ours"], results["torch"])
+    return rows
 
 
 def _spawn(args: list[str]) -> dict:
@@ -190,16 +282,26 @@ def _pair(rows: list[dict], table: str, key: dict, ours: dict, ref: dict) -> Non
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["# Local attention and the train step: hyper_parallel / the framework's own", "",
-             "Time: median seconds of forward + backward (train step: + AdamW), each case in a fresh process; "
-             "memory: peak MiB of live tensors (torch's MemTracker) on torch, peak RSS above the inputs on MindSpore. "
-             "Ratios are ours / reference (below 1: better).", ""]
+    if any(r["table"].startswith("cuda") for r in rows):
+        caption = ("Time: median of forward + backward (train step: + AdamW) after one warm-up, CUDA events (train "
+                   "step: wall clock between synchronizations), all cases in one process; memory: peak of "
+                   "`torch.cuda.max_memory_allocated` above what was allocated before the inputs (inputs included). "
+                   "Ratios are ours / reference (below 1: better).")
+    else:
+        caption = ("Time: median seconds of forward + backward (train step: + AdamW), each case in a fresh process; "
+                   "memory: peak MiB of live tensors (torch's MemTracker) on torch, peak RSS above the inputs on "
+                   "MindSpore. Ratios are ours / reference (below 1: better).")
+    lines = ["# Local attention and the train step: hyper_parallel / the framework's own", "", caption, ""]
     titles = {"local": "torch-cpu: `hp.scaled_dot_product_attention` vs `F.scaled_dot_product_attention`, "
                        "causal `[1, S, 8, 64]`",
               "mindspore": "mindspore-cpu: tiled kernel vs plain ops (full score matrix), causal `[1, S, 8, 64]` "
                            "float32",
               "train step": "torch-cpu, one rank, one thread: `hyper-parallel train` decoder (`small`) vs the same "
-                            "model with torch SDPA"}
+                            "model with torch SDPA",
+              "cuda local": "torch-cuda, one GPU: `hp.scaled_dot_product_attention` vs `F.scaled_dot_product_attention`, "
+                            "causal `[1, S, 8, 64]` (kernel: ours / torch's SDPA choice)",
+              "cuda train step": "torch-cuda, one GPU: `hyper-parallel train` decoder (`small`, float32) vs the same "
+                                 "model with torch SDPA"}
     for table, title in titles.items():
         sel = [r for r in rows if r["table"] == table]
         if not sel:
@@ -208,6 +310,8 @@ def markdown(rows: list[dict]) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for r in sel:
             case = " ".join(f"{k}={r[k]}" for k in ("seq", "dtype") if k in r) or "step"
+            if "kernel" in r:
+                case += f" ({r['kernel']} / {r['torch_kernel']})"
             if "error" in r:
                 lines.append(f"| {case} | {r['ours_ms']:.1f} | {r['ref_ms']:.1f} | - | {r['ours_mib']:.1f} | "
                              f"{r['ref_mib']:.1f} | - ({r['error'][:60]}) |")
@@ -226,8 +330,20 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--skip-mindspore", action="store_true")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "attention")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the local and train-step tables on one GPU (--cuda-seqs, --dtypes), in this process")
+    parser.add_argument("--cuda-seqs", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     parser.add_argument("--case", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda":
+        rows = cuda_local(args.cuda_seqs, args.dtypes, args.iters) + cuda_train_step(args.iters * 3)
+        out = args.out.with_name(args.out.name + "_cuda") if args.out.name == "attention" else args.out
+        import torch
+
+        write_results(out, {**host_meta(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, rows,
+                      markdown(rows))
+        return 0
     if args.case:
         kind, *rest = args.case
         if kind == "torch":

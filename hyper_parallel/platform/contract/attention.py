@@ -22,8 +22,9 @@ and top-left causal blocks), merging by log-sum-exp: never a score matrix.
 Each backend's kernels (see ``docs/platform.md``):
 
 - torch-cpu: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``;
-- torch-cuda: ``aten._scaled_dot_product_flash_attention`` (float16/bfloat16) and
-  ``aten._scaled_dot_product_efficient_attention`` (float32), with their backwards;
+- torch-cuda: the kernel torch's SDPA picks: ``aten._flash_attention_forward`` (float16 /
+  bfloat16, packed documents as one varlen call), ``aten._scaled_dot_product_efficient_attention``
+  or ``aten._scaled_dot_product_cudnn_attention``, with their backwards;
 - torch-npu: ``torch_npu.npu_fusion_attention`` and ``npu_fusion_attention_grad``;
 - mindspore-ascend: the ``FlashAttentionScore`` primitive and its grad;
 - mindspore-cpu: a tiled online-softmax forward and a recomputing backward (MindSpore
