@@ -5,6 +5,7 @@ Not a benchmark itself (``run_all.py`` skips ``_``-prefixed files)."""
 from __future__ import annotations
 
 import json
+import os
 import platform as host_platform
 import sys
 import time
@@ -15,7 +16,8 @@ from typing import Any
 
 def host_meta() -> dict[str, str]:
     """The machine and Python a result came from (for the JSON ``meta``)."""
-    return {"host": host_platform.platform(), "python": sys.version.split()[0]}
+    return {"host": host_platform.platform(), "python": sys.version.split()[0], "cpus": str(os.cpu_count()),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset")}
 
 
 def timed(fn: Callable[[], Any], warmup: int, iters: int, barrier: Callable[[], Any]) -> list[float]:
