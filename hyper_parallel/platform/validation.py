@@ -127,7 +127,7 @@ def check_gather_out(out: Any, tensor: Any, group_size: int, *, member: str) -> 
 
 
 def _dims(x: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in x.shape)
+    return tuple(map(int, x.shape))
 
 
 def check_attention_inputs(q: Any, k: Any, v: Any, mask: AttentionMask, dtypes: Sequence[str],
@@ -146,10 +146,11 @@ def check_attention_inputs(q: Any, k: Any, v: Any, mask: AttentionMask, dtypes: 
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention: q, k, v must be 4-D [batch, seq, heads, head_dim], got shapes {_dims(q)}, "
                          f"{_dims(k)}, {_dims(v)}; reshape to BSHD")
-    if _dims(k) != _dims(v) or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    q_dims, k_dims = _dims(q), _dims(k)
+    if k_dims != _dims(v) or q_dims[0] != k_dims[0] or q_dims[3] != k_dims[3]:
         raise ValueError(f"attention: q {_dims(q)} and k/v {_dims(k)}/{_dims(v)} do not fit; k and v need the same "
                          "shape [batch, kv_seq, kv_heads, head_dim], with q's batch and head_dim")
-    heads, kv_heads = int(q.shape[2]), int(k.shape[2])
+    heads, kv_heads = q_dims[2], k_dims[2]
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"attention: q has {heads} heads, not a multiple of k/v's {kv_heads} heads; "
                          "grouped-query attention needs heads divisible by kv_heads")
@@ -158,17 +159,18 @@ def check_attention_inputs(q: Any, k: Any, v: Any, mask: AttentionMask, dtypes: 
     if dtypes[0] not in supported:
         raise ValueError(f"attention on {backend}: dtype {dtypes[0]} is not taken by {kernel}; use one of "
                          f"{', '.join(supported)}")
-    mask.check(int(q.shape[1]), int(k.shape[1]))
+    mask.check(q_dims[1], k_dims[1])
 
 
 def check_attention_backward(dout: Any, q: Any, out: Any, lse: Any) -> None:
     """Raise ValueError unless ``dout``/``out`` are shaped like ``q`` and ``lse`` is
     ``[batch, heads, q_seq]`` (``Platform.attention_backward``)."""
+    q_dims = _dims(q)
     for name, x in (("dout", dout), ("out", out)):
-        if _dims(x) != _dims(q):
-            raise ValueError(f"attention_backward: {name} has shape {_dims(x)}, but q has {_dims(q)}; {name} is "
+        if _dims(x) != q_dims:
+            raise ValueError(f"attention_backward: {name} has shape {_dims(x)}, but q has {q_dims}; {name} is "
                              "[batch, q_seq, heads, head_dim] like q")
-    b, sq, h, _ = _dims(q)
+    b, sq, h, _ = q_dims
     if _dims(lse) != (b, h, sq):
         raise ValueError(f"attention_backward: lse has shape {_dims(lse)}; it must be [batch, heads, q_seq] = "
                          f"{[b, h, sq]} (attention's second output)")

@@ -20,6 +20,8 @@ status=0
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
     tests/platform_contract/test_attention.py tests/backends/test_torch_cuda_attention.py 2>&1 | tee "$OUT/tests.txt" \
     || status=1
+# BENCH_ARGS: more options for the benchmark (e.g. --cuda-seqs 4096 16384 --dtypes bfloat16)
+# shellcheck disable=SC2086
 timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/attention.py --device cuda --iters "${ITERS:-5}" \
-    --out "$OUT/attention" 2>&1 | tee "$OUT/bench.txt" || status=1
+    --out "$OUT/attention" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" || status=1
 exit $status
