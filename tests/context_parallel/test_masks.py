@@ -8,11 +8,13 @@ block a ring step holds, all-gathered keys (Ulysses groups included). numpy only
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyper_parallel.core.context_parallel.load_balance import shard_positions
 from hyper_parallel.core.context_parallel.masks import plan_block
+from hyper_parallel.platform import AttentionMask
 from tests.platform_contract._attention_reference import allowed_pairs
 
 
@@ -20,9 +22,11 @@ def _covered(q_len: int, k_len: int, q_pos: np.ndarray, k_pos: np.ndarray, causa
              docs: np.ndarray | None) -> np.ndarray:
     """How many calls cover each (query row, key index) pair."""
     count = np.zeros((q_len, k_len), np.int64)
-    for run in plan_block(q_pos, k_pos, causal, docs):
+    plans = plan_block(q_pos, k_pos, causal, docs)
+    for run in plans:
         for call in run.calls:
-            assert run.start <= call.q_start and call.q_start + call.q_len <= run.start + run.length
+            # A call starts in its run and may span the following runs ([Note: coalesced calls]).
+            assert run.start <= call.q_start < run.start + run.length and call.q_start + call.q_len <= q_len
             keys = np.concatenate([np.arange(s, s + n) for s, n in call.k_runs])
             allowed = allowed_pairs(call.q_len, len(keys), call.mask)
             rows = np.arange(call.q_start, call.q_start + call.q_len)
@@ -59,3 +63,23 @@ def test_calls_cover_the_allowed_pairs_once(cp: int, chunk: int, load_balance: b
     got = _covered(len(q_pos), len(k_pos), q_pos, k_pos, causal, docs)
     assert got.max(initial=0) <= 1, "a pair is covered by two calls"
     np.testing.assert_array_equal(got.astype(bool), want)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_load_balanced_ring_makes_one_call_per_step(cp: int) -> None:
+    """[Note: coalesced calls]: with load balancing, each step of the ring is one kernel call
+    per rank (the head and tail chunks joined), as torch's ring attention makes: the own
+    block one top-left causal call, an earlier rank's block one unmasked call over both
+    chunks (or over the tail alone where the head sees nothing of it)."""
+    seq = 2 * cp * 8
+    for g in range(cp):
+        q_pos = shard_positions(seq, cp, g, True)
+        for step in range(cp):
+            k_pos = shard_positions(seq, cp, (g - step) % cp, True)
+            calls = [call for run in plan_block(q_pos, k_pos, True, None) for call in run.calls]
+            assert len(calls) == 1, (g, step, calls)
+            if step == 0:
+                # square: top-left and bottom-right agree (a rank whose chunks are adjacent has one run)
+                assert calls[0].mask.causal in ("top_left", "bottom_right") and calls[0].q_len == len(q_pos)
+            else:
+                assert calls[0].mask == AttentionMask()

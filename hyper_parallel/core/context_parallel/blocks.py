@@ -56,14 +56,38 @@ def forward_calls(p: Any, accs: list[BlockResult | None], plans: list[RunPlan], 
                   scale: float | None, *, merge_all: bool = False) -> None:
     """Merge the calls of each run of ``plans`` into ``accs`` (one entry per run,
     ``None`` until a call lands): ``q`` BSHD, ``k``/``v`` the key tensor of the calls.
-    A run's only call is kept as the kernel returned it unless ``merge_all`` (more calls
-    will be merged in later: the ring)."""
-    for i, run in enumerate(plans):
+    A call spanning later runs ([Note: coalesced calls]) hands each its rows. A run's
+    only result is kept as the kernel returned it unless ``merge_all`` (more calls will
+    be merged in later: the ring)."""
+    landings = [0] * len(plans)
+    for run in plans:
+        for call in run.calls:
+            for j in _runs_of(plans, call):
+                landings[j] += 1
+    for run in plans:
         for call in run.calls:
             result = p.attention(_rows(p, q, 1, call.q_start, call.q_len), key_runs(p, k, call),
                                  key_runs(p, v, call), scale=scale, mask=call.mask)
-            result = _pad_rows(p, result, call, run)
-            accs[i] = result if len(run.calls) == 1 and not merge_all else merge(p, accs[i], result)
+            for j in _runs_of(plans, call):
+                part, rows = _clip(p, result, call, plans[j])
+                part = _pad_rows(p, part, rows, plans[j])
+                accs[j] = part if landings[j] == 1 and not merge_all else merge(p, accs[j], part)
+
+
+def _runs_of(plans: list[RunPlan], call: BlockCall) -> list[int]:
+    """The indices of the runs whose rows ``call`` covers (runs are sorted and adjacent)."""
+    end = call.q_start + call.q_len
+    return [j for j, run in enumerate(plans) if run.start < end and call.q_start < run.start + run.length]
+
+
+def _clip(p: Any, result: BlockResult, call: BlockCall, run: RunPlan) -> tuple[BlockResult, BlockCall]:
+    """The rows of ``call``'s result that lie in ``run``, and the call narrowed to them."""
+    lo, hi = max(call.q_start, run.start), min(call.q_start + call.q_len, run.start + run.length)
+    if (lo, hi) == (call.q_start, call.q_start + call.q_len):
+        return result, call
+    out, lse = result
+    rows = BlockCall(lo, hi - lo, call.k_runs, call.mask)
+    return (p.narrow(out, 1, lo - call.q_start, hi - lo), p.narrow(lse, 2, lo - call.q_start, hi - lo)), rows
 
 
 def finish(p: Any, accs: list[BlockResult | None], plans: list[RunPlan], q: Any) -> BlockResult:

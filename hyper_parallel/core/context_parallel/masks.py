@@ -26,6 +26,23 @@ calls with a structural ``AttentionMask`` (never a dense mask):
   position in each form above).
 
 The calls of one run are merged by log-sum-exp ([Note: log-sum-exp merge]).
+
+[Note: coalesced calls]
+Load balancing gives a rank two runs (the head and the tail chunk), and planning each run
+on its own makes more, smaller kernel calls than the work needs: a fused kernel's time
+per call and its parallelism over rows (threads on CPU, thread blocks on a GPU) are
+better spent on one larger call (torch's ring attention makes one call per step). Two
+rules join calls across runs (``_coalesce``), never with documents:
+
+- a rank's queries against the same positions, sorted (the ring's first step, where each
+  rank attends to its own block): query row ``i`` sees key ``j`` exactly when
+  ``j <= i``, so the whole block is one top-left causal call, whatever its runs;
+- consecutive runs whose only call is an unmasked one over the same key runs become one
+  call over all their rows.
+
+A joined call belongs to the first run it covers and spans the rows of the next ones,
+which keep no call of their own; ``blocks.forward_calls`` hands each run its rows of the
+result.
 """
 
 from __future__ import annotations
@@ -86,7 +103,8 @@ class BlockCall:
 @dataclass(frozen=True)
 class RunPlan:
     """The calls of one query run (rows ``start .. start + length``), merged by
-    log-sum-exp; no calls when the run sees no key."""
+    log-sum-exp; no calls when the run sees no key, or when a call of an earlier run
+    spans its rows too ([Note: coalesced calls])."""
 
     start: int
     length: int
@@ -154,7 +172,42 @@ def plan_block(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, docs: np.ndar
         if docs is not None:
             calls = [call for call in calls if _sees_any(call)]
         plans.append(RunPlan(q_start, q_len, tuple(calls)))
-    return plans
+    return _coalesce(plans, q_pos, k_pos, causal, docs)
+
+
+def _lone_unmasked(run: RunPlan) -> bool:
+    """The run's only call covers its rows without a mask."""
+    return len(run.calls) == 1 and run.calls[0].mask == AttentionMask() and \
+        (run.calls[0].q_start, run.calls[0].q_len) == (run.start, run.length)
+
+
+def _coalesce(plans: list[RunPlan], q_pos: np.ndarray, k_pos: np.ndarray, causal: bool,
+              docs: np.ndarray | None) -> list[RunPlan]:
+    """``plans`` with calls joined across runs; see [Note: coalesced calls]."""
+    if docs is not None or len(plans) < 2:
+        return plans
+    n = len(q_pos)
+    if causal and len(k_pos) == n and np.array_equal(q_pos, k_pos) and bool(np.all(np.diff(q_pos) > 0)):
+        whole = BlockCall(0, n, ((0, n),), AttentionMask("top_left"))
+        return [RunPlan(plans[0].start, plans[0].length, (whole,))] + [RunPlan(r.start, r.length, ())
+                                                                        for r in plans[1:]]
+    joined: list[RunPlan] = []
+    i = 0
+    while i < len(plans):
+        run, j = plans[i], i + 1
+        if _lone_unmasked(run):
+            keys = run.calls[0].k_runs
+            while j < len(plans) and _lone_unmasked(plans[j]) and plans[j].calls[0].k_runs == keys:
+                j += 1
+        if j - i == 1:
+            joined.append(run)
+        else:
+            rows = sum(r.length for r in plans[i:j])
+            joined.append(RunPlan(run.start, run.length, (BlockCall(run.start, rows, run.calls[0].k_runs,
+                                                                    AttentionMask()),)))
+            joined += [RunPlan(r.start, r.length, ()) for r in plans[i + 1:j]]
+        i = j
+    return joined
 
 
 def _sees_any(call: BlockCall) -> bool:
