@@ -70,9 +70,14 @@ def check_mindformers_overlap(schedule_type: str) -> list:
                                 {(s.stage_index, k): p.to_numpy(v) for s in stages for k, v in s.param_grads().items()})
     expected = [(str(a), 7, 7) for a in schedule.actions if a.type is MetaStepType.OVERLAP_B_F]
     assert pairs == expected and pairs, (p.rank(), pairs, expected)
-    assert results[True][0] == results[False][0]
+    # Equal up to summation order: MindSpore's CPU kernels split their reductions over one
+    # thread pool, which the overlap's two threads share, so a concurrent launch can change
+    # the split (exact in repeated runs here, 1 loss of 1 rank off once in a loaded CI run).
+    # A wrong pairing of the two threads' all-to-alls or a lost gradient is O(1).
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5, err_msg=f"rank {p.rank()} losses")
     for key, grad in results[False][1].items():
-        np.testing.assert_array_equal(results[True][1][key], grad, err_msg=f"rank {p.rank()} gradient {key}")
+        np.testing.assert_allclose(results[True][1][key], grad, rtol=1e-5, atol=1e-5 * float(np.abs(grad).max()),
+                                   err_msg=f"rank {p.rank()} gradient {key}")
     return pairs
 
 
