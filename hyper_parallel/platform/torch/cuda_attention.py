@@ -166,7 +166,10 @@ def plan(q: Any, k: Any, v: Any, mask: AttentionMask) -> tuple[str, list[pieces.
     """The kernel a call runs and its groups (``None``: packed documents in one varlen call);
     a piece's ``causal`` is in the kernel's own alignment ([Note: CUDA attention kernels]).
     cuDNN runs only calls it takes whole (its frontend refuses some shapes, one query
-    against one key among them); their pieces run on flash, or the efficient kernel."""
+    against one key among them); their pieces run on flash, or the efficient kernel.
+    ``q`` ``[batch, q_seq, heads, head_dim]``, ``k``/``v`` ``[batch, kv_seq, kv_heads,
+    head_dim]`` on CUDA; raises nothing itself (a kernel torch declines for every choice
+    falls back to flash or efficient by dtype, whose own errors surface at the call)."""
     name = choose_kernel(q, k, v)
     q_seq, kv_seq = int(q.shape[1]), int(k.shape[1])
     if varlen_takes(name, mask):
@@ -224,7 +227,20 @@ def _lse_rows(lse: Any, batch: int, seq: int) -> Any:
 
 
 def varlen_forward(q: Any, k: Any, v: Any, scale: float, mask: AttentionMask) -> tuple[Any, Any]:
-    """``Platform.attention`` of packed documents in one ``aten._flash_attention_forward`` call."""
+    """``Platform.attention`` of packed documents in one ``aten._flash_attention_forward`` call
+    (the documents of every batch row packed as one ``[batch * q_seq, heads, head_dim]``).
+
+    Args:
+        q: ``[batch, q_seq, heads, head_dim]`` float16 / bfloat16; k, v:
+            ``[batch, kv_seq, kv_heads, head_dim]``; ``mask`` with ``varlen_takes(FLASH, mask)``.
+
+    Returns:
+        ``(out [batch, q_seq, heads, head_dim] in q's dtype, lse [batch, heads, q_seq] float32)``.
+
+    Raises:
+        RuntimeError: this torch build's varlen flash returns its log-sum-exp in another
+            layout than ``[heads, total_q]`` (refused rather than misread).
+    """
     assert mask.cu_seqlens_q is not None and mask.cu_seqlens_kv is not None
     b, sq, h, d = q.shape
     sk = k.shape[1]
@@ -243,7 +259,10 @@ def varlen_forward(q: Any, k: Any, v: Any, scale: float, mask: AttentionMask) ->
 def varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: float,
                     mask: AttentionMask) -> tuple[Any, Any, Any]:
     """``Platform.attention_backward`` of packed documents in one
-    ``aten._flash_attention_backward`` call."""
+    ``aten._flash_attention_backward`` call, given ``out`` ``[batch, q_seq, heads, head_dim]``
+    and ``lse`` ``[batch, heads, q_seq]`` over every key the queries see; returns
+    ``(dq, dk, dv)`` shaped and typed like ``q``, ``k``, ``v``. Raises what torch's kernel
+    raises (the inputs are checked by ``Platform.attention_backward`` before)."""
     assert mask.cu_seqlens_q is not None and mask.cu_seqlens_kv is not None
     b, sq, h, d = q.shape
     sk = k.shape[1]
