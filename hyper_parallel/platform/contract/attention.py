@@ -25,8 +25,10 @@ Each backend's kernels (see ``docs/platform.md``):
 - torch-cuda: the kernel torch's SDPA picks: ``aten._flash_attention_forward`` (float16 /
   bfloat16, packed documents as one varlen call), ``aten._scaled_dot_product_efficient_attention``
   or ``aten._scaled_dot_product_cudnn_attention``, with their backwards;
-- torch-npu: ``torch_npu.npu_fusion_attention`` and ``npu_fusion_attention_grad``;
-- mindspore-ascend: the ``FlashAttentionScore`` primitive and its grad;
+- torch-npu: ``torch_npu.npu_fusion_attention`` and ``npu_fusion_attention_grad`` (packed
+  documents as one TND call, ``hyper_parallel.platform.packed_documents``);
+- mindspore-ascend: the ``FlashAttentionScore`` primitive and its grad (causal packed
+  documents as one TND call);
 - mindspore-cpu: a tiled online-softmax forward and a recomputing backward (MindSpore
   2.10 registers no FlashAttentionScore on CPU), memory ``O(seq x tile)``.
 """

@@ -6,8 +6,9 @@
 - mindspore-ascend: the ``FlashAttentionScore`` primitive and ``FlashAttentionScoreGrad``
   ([Note: Ascend FlashAttentionScore]).
 
-Packed documents (and, on Ascend, bottom-right causal with more queries than keys) run
-on the pieces of ``hyper_parallel.platform.attention_pieces``.
+Packed documents (on Ascend: those not taken in one TND call, see
+[Note: Ascend FlashAttentionScore]; and bottom-right causal with more queries than keys)
+run on the pieces of ``hyper_parallel.platform.attention_pieces``.
 
 [Note: MindSpore CPU attention tiles]
 The forward is FlashAttention-2's (Dao, "FlashAttention-2: Faster Attention with Better
@@ -64,6 +65,10 @@ are the global statistics (``exp(s - lse) / 1`` is the global softmax), as MindS
 ring attention passes its merged max/sum. Layout BSND (our BSHD), GQA native. Masks:
 ``sparse_mode`` 0 without a mask; 2 (leftUpCausal) and 3 (rightDownCausal) with the
 compressed ``2048 x 2048`` upper-triangular mask (1 = discard) those modes require.
+Causal packed documents run as one call in layout TND (``actual_seq_qlen`` /
+``actual_seq_kvlen``, ``sparse_mode`` 3, ``packed_documents.tnd_call``; statistics per
+[Note: TND softmax statistics]); non-causal documents, which MindSpore's TND does not
+take, run as pieces.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ import numpy as np
 
 from hyper_parallel.platform.attention_pieces import LSE_FLOOR, plan_pieces, run_backward, run_forward
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
+from hyper_parallel.platform.packed_documents import TndCall, tnd_call
 from hyper_parallel.platform.validation import check_attention_backward, check_attention_inputs
 
 #: Queries per tile on CPU (rows per kv head are ``Q_TILE * group``); see
@@ -425,6 +431,60 @@ def _ascend_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: A
     return dq, dk, dv
 
 
+def _packed(x: Any) -> Any:
+    """``[batch, seq, heads, dim]`` -> ``[batch * seq, heads, dim]`` ([Note: packed rows])."""
+    b, s, h, d = _shape(x)
+    return x.reshape(b * s, h, d)
+
+
+def _ascend_tnd(q: Any, k: Any, mask: AttentionMask) -> TndCall | None:
+    """The one TND call for causal packed documents, or None. MindSpore's TND layout takes
+    a causal mask only (its docstring: "Attn mask must be a lower trianglar matrix, so
+    sparse_mode should be 2 or 3", "Next_tokens is 0"): non-causal documents run as pieces."""
+    if mask.causal == "none":
+        return None
+    b, sq, h, _ = _shape(q)
+    return tnd_call(mask, b, sq, int(k.shape[1]), h)
+
+
+def _ascend_tnd_forward(p: Any, q: Any, k: Any, v: Any, scale: float, call: TndCall) -> tuple[Any, Any]:
+    """Causal packed documents in one FlashAttentionScore call, layout TND, ``sparse_mode``
+    3 (bottom-right causal per sequence); the statistics read back token-major
+    ([Note: TND softmax statistics]). ``(out [B, Sq, N, D], lse [B, N, Sq] float32)``."""
+    from mindspore.ops.auto_generate.gen_ops_prim import FlashAttentionScore
+
+    b, sq, h, d = _shape(q)
+    _, attn_mask = _ascend_mode(p, "bottom_right")
+    kernel = FlashAttentionScore(head_num=h, scale_value=scale, pre_tokens=_ASCEND_ALL_TOKENS, next_tokens=0,
+                                 input_layout="TND", sparse_mode=3)
+    softmax_max, softmax_sum, _, out = kernel(_packed(q), _packed(k), _packed(v), None, None, None, attn_mask, None,
+                                              list(call.actual_seq_qlen), list(call.actual_seq_kvlen))
+    stat = softmax_max.reshape(-1, 8)[:, 0] + p._mint.log(softmax_sum.reshape(-1, 8)[:, 0])
+    lse = p._ops.gather(stat, p._ms.Tensor(call.to_tokens), 0).reshape(b, sq, h)
+    return out.reshape(b, sq, h, d), p._mint.transpose(lse, 1, 2).contiguous()
+
+
+def _ascend_tnd_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: float,
+                         call: TndCall) -> tuple[Any, Any, Any]:
+    """FlashAttentionScoreGrad of ``_ascend_tnd_forward``'s call with ``softmax_max = lse``,
+    ``softmax_sum = 1`` in the kernel's statistics layout."""
+    from mindspore.ops.auto_generate.gen_ops_prim import FlashAttentionScoreGrad
+
+    ms = p._ms
+    h = _shape(q)[2]
+    _, attn_mask = _ascend_mode(p, "bottom_right")
+    tokens = p._mint.transpose(lse.astype(ms.float32), 1, 2).reshape(-1)  # [T * N], token-major
+    softmax_max = p._ops.gather(tokens, ms.Tensor(call.to_kernel), 0).reshape(-1, h, 1)
+    softmax_max = softmax_max.broadcast_to(_shape(softmax_max)[:2] + (8,)).contiguous()
+    softmax_sum = p._mint.ones(_shape(softmax_max), dtype=ms.float32)
+    kernel = FlashAttentionScoreGrad(head_num=h, scale_value=scale, pre_tokens=_ASCEND_ALL_TOKENS, next_tokens=0,
+                                     inner_precise=0, input_layout="TND", sparse_mode=3)
+    dq, dk, dv, _ = kernel(_packed(q), _packed(k), _packed(v), _packed(dout), None, None, None, attn_mask,
+                           softmax_max, softmax_sum, None, _packed(out), None, list(call.actual_seq_qlen),
+                           list(call.actual_seq_kvlen))
+    return dq.reshape(_shape(q)), dk.reshape(_shape(k)), dv.reshape(_shape(v))
+
+
 def _ascend_groups(q_seq: int, kv_seq: int, mask: AttentionMask) -> list | None:
     """The attention_pieces plan when the kernel cannot take ``mask`` in one call (packed
     documents; bottom-right causal with more queries than keys, whose first rows see no
@@ -436,6 +496,8 @@ def _ascend_groups(q_seq: int, kv_seq: int, mask: AttentionMask) -> list | None:
 
 def _ascend_attention(p: Any, q: Any, k: Any, v: Any, scale: float, mask: AttentionMask) -> tuple[Any, Any]:
     _check_ascend(p, q)
+    if (tnd := _ascend_tnd(q, k, mask)) is not None:
+        return _ascend_tnd_forward(p, q, k, v, scale, tnd)
     groups = _ascend_groups(int(q.shape[1]), int(k.shape[1]), mask)
     if groups is None:
         return _ascend_forward(p, q, k, v, scale, mask.causal)
@@ -446,6 +508,8 @@ def _ascend_attention(p: Any, q: Any, k: Any, v: Any, scale: float, mask: Attent
 def _ascend_attention_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: float,
                                mask: AttentionMask) -> tuple[Any, Any, Any]:
     _check_ascend(p, q)
+    if (tnd := _ascend_tnd(q, k, mask)) is not None:
+        return _ascend_tnd_backward(p, dout, q, k, v, out, lse, scale, tnd)
     groups = _ascend_groups(int(q.shape[1]), int(k.shape[1]), mask)
     if groups is None:
         return _ascend_backward(p, dout, q, k, v, out, lse, scale, mask.causal)

@@ -7,9 +7,10 @@ Which kernel runs:
 |---|---|---|---|
 | cpu | float64, float32, bfloat16, float16 | ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``) | none, top-left causal of any shape |
 | cuda | float16, bfloat16, float32 | the kernel torch's own SDPA picks: FlashAttention-2, memory-efficient or cuDNN (``platform/torch/cuda_attention.py``, [Note: CUDA attention kernels]) | per kernel; flash takes packed documents in one varlen call |
-| npu | float16, bfloat16, float32 | ``torch_npu.npu_fusion_attention`` (+ ``npu_fusion_attention_grad``) | none, top-left (``sparse_mode`` 2), bottom-right with ``kv_seq >= q_seq`` (3) |
+| npu | float16, bfloat16, float32 | ``torch_npu.npu_fusion_attention`` (+ ``npu_fusion_attention_grad``) | none, top-left (``sparse_mode`` 2), bottom-right with ``kv_seq >= q_seq`` (3); packed documents in one TND call (``actual_seq_qlen`` / ``actual_seq_kvlen``, ``packed_documents.one_call_takes``) |
 
-Every other form (bottom-right where not native, packed documents) runs as pieces of the
+Every other form (bottom-right where not native, packed documents a kernel does not take
+in one call) runs as pieces of the
 native forms merged by log-sum-exp (``platform.attention_pieces``): never a score matrix.
 Layouts: the contract is BSHD; torch's SDPA kernels take ``[batch, heads, seq, dim]``,
 which is a transposed view here (no copy), and NPU takes BSND as it is.
@@ -23,8 +24,9 @@ import torch
 
 from hyper_parallel.platform import attention_pieces as pieces
 from hyper_parallel.platform.contract.attention import AttentionMask
+from hyper_parallel.platform.packed_documents import TndCall, tnd_call
 from hyper_parallel.platform.torch import cuda_attention as cuda
-from hyper_parallel.platform.torch.kernel_layout import bhsd, dead_to_inf
+from hyper_parallel.platform.torch.kernel_layout import bhsd, dead_to_inf, packed_rows
 from hyper_parallel.platform.validation import check_attention_inputs
 
 _CPU_DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -108,6 +110,53 @@ def _npu_backward(scale: float, causal_form: str) -> pieces.BackwardKernel:
     return kernel
 
 
+def _npu_tnd_forward(q: Any, k: Any, v: Any, scale: float, mask: AttentionMask,
+                     call: TndCall) -> tuple[Any, Any]:
+    """Packed documents in one ``npu_fusion_attention`` call, layout TND ([Note: packed rows]):
+    ``sparse_mode`` 3 (bottom-right causal per sequence) or 0, ``actual_seq_qlen`` /
+    ``actual_seq_kvlen`` the sequences' cumulative ends. Returns ``(out [batch, q_seq,
+    heads, head_dim], lse [batch, heads, q_seq] float32)``, the statistics read back
+    token-major ([Note: TND softmax statistics])."""
+    import torch_npu  # imported only on NPU: it needs Ascend CANN
+
+    b, sq, h, d = q.shape
+    causal = mask.causal != "none"
+    res = torch_npu.npu_fusion_attention(
+        packed_rows(q), packed_rows(k), packed_rows(v), h, "TND",
+        atten_mask=_npu_mask(q.device) if causal else None, scale=scale, keep_prob=1.0,
+        sparse_mode=3 if causal else 0, actual_seq_qlen=list(call.actual_seq_qlen),
+        actual_seq_kvlen=list(call.actual_seq_kvlen))
+    out, softmax_max, softmax_sum = res[0], res[1], res[2]  # max/sum: [T, N, 8], per-sequence head-major
+    stat = softmax_max.reshape(-1, 8)[:, 0] + torch.log(softmax_sum.reshape(-1, 8)[:, 0])
+    lse = stat[torch.from_numpy(call.to_tokens).to(q.device)].reshape(b, sq, h).transpose(1, 2)
+    return out.reshape(b, sq, h, d), lse.contiguous()
+
+
+def _npu_tnd_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: float, mask: AttentionMask,
+                      call: TndCall) -> tuple[Any, Any, Any]:
+    """``npu_fusion_attention_grad`` of ``_npu_tnd_forward``'s call, given ``lse``
+    ``[batch, heads, q_seq]`` over every key the queries see (max = lse, sum = 1, laid out
+    as the kernel's statistics)."""
+    import torch_npu  # imported only on NPU: it needs Ascend CANN
+
+    h = q.shape[2]
+    causal = mask.causal != "none"
+    tokens = dead_to_inf(lse.float()).transpose(1, 2).reshape(-1)  # [T * N], token-major
+    softmax_max = tokens[torch.from_numpy(call.to_kernel).to(q.device)].reshape(-1, h, 1).expand(-1, h, 8)
+    softmax_max = softmax_max.contiguous()
+    softmax_sum = torch.ones_like(softmax_max)
+    dq, dk, dv = torch_npu.npu_fusion_attention_grad(
+        packed_rows(q), packed_rows(k), packed_rows(v), packed_rows(dout), h, "TND",
+        atten_mask=_npu_mask(q.device) if causal else None, softmax_max=softmax_max, softmax_sum=softmax_sum,
+        attention_in=packed_rows(out), scale_value=scale, keep_prob=1.0, sparse_mode=3 if causal else 0,
+        actual_seq_qlen=list(call.actual_seq_qlen), actual_seq_kvlen=list(call.actual_seq_kvlen))[:3]
+    return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+
+
+def _npu_tnd(q: Any, k: Any, mask: AttentionMask) -> TndCall | None:
+    return tnd_call(mask, int(q.shape[0]), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]))
+
+
 # -- dispatch --------------------------------------------------------------------------------
 
 def _plan(device_type: str, q: Any, k: Any, mask: AttentionMask) -> tuple[list[pieces.Group], str]:
@@ -133,6 +182,8 @@ def forward(p: Any, q: Any, k: Any, v: Any, scale: float, mask: AttentionMask) -
             if cuda_groups is None:
                 return cuda.varlen_forward(q, k, v, scale, mask)
             return pieces.run_forward(p, cuda.forward_kernel(name, scale), q, k, v, cuda_groups)
+        if device_type == "npu" and (tnd := _npu_tnd(q, k, mask)) is not None:
+            return _npu_tnd_forward(q, k, v, scale, mask, tnd)
         groups, form = _plan(device_type, q, k, mask)
         kernel = _cpu_forward(scale) if device_type == "cpu" else _npu_forward(scale, form)
         return pieces.run_forward(p, kernel, q, k, v, groups)
@@ -148,6 +199,8 @@ def backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scal
             if cuda_groups is None:
                 return cuda.varlen_backward(dout, q, k, v, out, lse, scale, mask)
             return pieces.run_backward(p, cuda.backward_kernel(name, scale), dout, q, k, v, out, lse, cuda_groups)
+        if device_type == "npu" and (tnd := _npu_tnd(q, k, mask)) is not None:
+            return _npu_tnd_backward(dout, q, k, v, out, lse, scale, mask, tnd)
         groups, form = _plan(device_type, q, k, mask)
         kernel = _cpu_backward(scale) if device_type == "cpu" else _npu_backward(scale, form)
         return pieces.run_backward(p, kernel, dout, q, k, v, out, lse, groups)

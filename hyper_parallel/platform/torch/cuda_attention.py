@@ -37,7 +37,8 @@ import torch
 
 from hyper_parallel.platform import attention_pieces as pieces
 from hyper_parallel.platform.contract.attention import AttentionMask
-from hyper_parallel.platform.torch.kernel_layout import bhsd, dead_to_inf
+from hyper_parallel.platform.packed_documents import one_call_takes, row_offsets
+from hyper_parallel.platform.torch.kernel_layout import bhsd, dead_to_inf, packed_rows
 
 FLASH, EFFICIENT, CUDNN = "flash", "efficient", "cudnn"
 KERNELS = (FLASH, EFFICIENT, CUDNN)
@@ -188,36 +189,18 @@ def plan(q: Any, k: Any, v: Any, mask: AttentionMask) -> tuple[str, list[pieces.
 
 def varlen_takes(name: str, mask: AttentionMask) -> bool:
     """True when kernel ``name`` runs ``mask``'s packed documents in one variable-length
-    call: flash, every document with queries and keys, its causal form native per
-    document (bottom-right with at least as many keys as queries; top-left square)."""
-    if name != FLASH or not mask.documents:
-        return False
-    assert mask.cu_seqlens_q is not None and mask.cu_seqlens_kv is not None
-    lengths = [(b - a, d - c) for a, b, c, d in zip(mask.cu_seqlens_q, mask.cu_seqlens_q[1:], mask.cu_seqlens_kv,
-                                                    mask.cu_seqlens_kv[1:])]
-    if any(lq == 0 or lk == 0 for lq, lk in lengths):
-        return False
-    if mask.causal == "bottom_right":
-        return all(lk >= lq for lq, lk in lengths)
-    if mask.causal == "top_left":
-        return all(lk == lq for lq, lk in lengths)
-    return True
+    call: flash, and ``packed_documents.one_call_takes`` (every document with queries and
+    keys, its causal form native per document)."""
+    return name == FLASH and one_call_takes(mask)
 
 
 # -- packed documents: one variable-length flash call ------------------------------------------
 
 def _cumulative(cu: tuple[int, ...], batch: int, seq: int, device: Any) -> tuple[Any, int]:
     """The document offsets of every batch row packed one after another (``[batch * docs + 1]``
-    int32) and the longest document."""
-    base = torch.tensor(cu[:-1], dtype=torch.int32)
-    rows = (base.unsqueeze(0) + seq * torch.arange(batch, dtype=torch.int32).unsqueeze(1)).reshape(-1)
-    total = torch.cat([rows, torch.tensor([batch * seq], dtype=torch.int32)])
-    return total.to(device), max(b - a for a, b in zip(cu, cu[1:]))
-
-
-def _packed(x: Any) -> Any:
-    b, s, h, d = x.shape
-    return x.reshape(b * s, h, d)
+    int32, [Note: packed rows]) and the longest document."""
+    offsets = torch.from_numpy(row_offsets(cu, batch, seq).astype("int32"))
+    return offsets.to(device), max(b - a for a, b in zip(cu, cu[1:]))
 
 
 def _lse_rows(lse: Any, batch: int, seq: int) -> Any:
@@ -246,8 +229,8 @@ def varlen_forward(q: Any, k: Any, v: Any, scale: float, mask: AttentionMask) ->
     sk = k.shape[1]
     cu_q, max_q = _cumulative(mask.cu_seqlens_q, b, sq, q.device)
     cu_k, max_k = _cumulative(mask.cu_seqlens_kv, b, sk, q.device)
-    res = torch.ops.aten._flash_attention_forward(_packed(q), _packed(k), _packed(v), cu_q, cu_k, max_q, max_k, 0.0,
-                                                  mask.causal != "none", False, scale=scale)
+    res = torch.ops.aten._flash_attention_forward(packed_rows(q), packed_rows(k), packed_rows(v), cu_q, cu_k, max_q,
+                                                  max_k, 0.0, mask.causal != "none", False, scale=scale)
     lse = res[1]
     if lse.dim() != 2:
         raise RuntimeError(f"attention on torch-cuda: varlen flash returned a log-sum-exp of shape {tuple(lse.shape)}, "
@@ -271,6 +254,6 @@ def varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale
     lse_packed = dead_to_inf(lse.float()).transpose(0, 1).reshape(h, b * sq).contiguous()
     seed, offset = _rng_placeholders(q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        _packed(dout), _packed(q), _packed(k), _packed(v), _packed(out), lse_packed, cu_q, cu_k, max_q, max_k, 0.0,
-        mask.causal != "none", seed, offset, scale=scale)
+        packed_rows(dout), packed_rows(q), packed_rows(k), packed_rows(v), packed_rows(out), lse_packed, cu_q, cu_k,
+        max_q, max_k, 0.0, mask.causal != "none", seed, offset, scale=scale)
     return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)

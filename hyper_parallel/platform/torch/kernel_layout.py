@@ -21,3 +21,10 @@ def dead_to_inf(lse: Any) -> Any:
     contiguous: the backward kernels compute ``exp(s - lse)``, which is then 0 where ``-inf``
     would give NaN."""
     return torch.where(lse > pieces.LSE_FLOOR, lse, math.inf).contiguous()
+
+
+def packed_rows(x: Any) -> Any:
+    """``[batch, seq, heads, dim]`` -> ``[batch * seq, heads, dim]``, batch rows one after
+    another (a view when ``x`` is contiguous; [Note: packed rows] in ``packed_documents``)."""
+    b, s, h, d = x.shape
+    return x.reshape(b * s, h, d)
