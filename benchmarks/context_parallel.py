@@ -59,6 +59,7 @@ MODES = {
     "ring": (1, "ring", False),
     "ring+lb": (1, "ring", True),
     "hybrid 2x2 ring": (2, "ring", False),
+    "hybrid 2x2 ring+lb": (2, "ring", True),
 }
 
 

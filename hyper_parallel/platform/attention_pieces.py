@@ -23,7 +23,10 @@ are independent; pieces that share query rows are merged by log-sum-exp
 The backward runs the kernel's backward on every piece with the merged output and
 log-sum-exp of its rows: each piece's ``dq`` is its share (summed), each piece's
 ``dk``/``dv`` its keys' share (summed where pieces share keys). No piece is ever empty
-(torch's CPU kernel divides by zero on zero keys). Nothing here holds more than one
+(torch's CPU kernel divides by zero on zero keys), and every query row of a piece sees at
+least one of its keys: a row that sees no key is in no piece (its gradients are the zeros
+the assembly fills), so the log-sum-exp a kernel's backward reads is finite on every row
+it computes and the kernels are called without masking ``-inf`` rows. Nothing here holds more than one
 piece's kernel workspace: no score matrix.
 
 [Note: log-sum-exp merge]

@@ -5,7 +5,7 @@ Which kernel runs:
 
 | device | dtype | kernel | mask forms taken natively |
 |---|---|---|---|
-| cpu | float64, float32, bfloat16, float16 | ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``) | none, top-left causal of any shape |
+| cpu | float64, float32, bfloat16, float16 | ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``; ``platform/torch/cpu_attention.py``) | none, top-left causal of any shape; square causal with fewer batch x heads than threads split over more ([Note: CPU causal thread balance]) |
 | cuda | float16, bfloat16, float32 | the kernel torch's own SDPA picks: FlashAttention-2, memory-efficient or cuDNN (``platform/torch/cuda_attention.py``, [Note: CUDA attention kernels]) | per kernel; flash takes packed documents in one varlen call |
 | npu | float16, bfloat16, float32 | ``torch_npu.npu_fusion_attention`` (+ ``npu_fusion_attention_grad``) | none, top-left (``sparse_mode`` 2), bottom-right with ``kv_seq >= q_seq`` (3); packed documents in one TND call (``actual_seq_qlen`` / ``actual_seq_kvlen``, ``packed_documents.one_call_takes``) |
 
@@ -25,8 +25,9 @@ import torch
 from hyper_parallel.platform import attention_pieces as pieces
 from hyper_parallel.platform.contract.attention import AttentionMask
 from hyper_parallel.platform.packed_documents import TndCall, tnd_call
+from hyper_parallel.platform.torch import cpu_attention as cpu
 from hyper_parallel.platform.torch import cuda_attention as cuda
-from hyper_parallel.platform.torch.kernel_layout import bhsd, dead_to_inf, packed_rows
+from hyper_parallel.platform.torch.kernel_layout import packed_rows
 from hyper_parallel.platform.validation import check_attention_inputs
 
 _CPU_DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -49,23 +50,6 @@ def check_inputs(backend: str, q: Any, k: Any, v: Any, mask: AttentionMask) -> N
 
 
 # -- CPU ------------------------------------------------------------------------------------
-
-def _cpu_forward(scale: float) -> pieces.ForwardKernel:
-    def kernel(q: Any, k: Any, v: Any, causal: bool) -> tuple[Any, Any]:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            bhsd(q), bhsd(k), bhsd(v), 0.0, causal, scale=scale)
-        return bhsd(out), lse
-    return kernel
-
-
-def _cpu_backward(scale: float) -> pieces.BackwardKernel:
-    def kernel(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: bool) -> tuple[Any, Any, Any]:
-        lse = dead_to_inf(lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32))
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            bhsd(dout), bhsd(q), bhsd(k), bhsd(v), bhsd(out), lse, 0.0, causal, scale=scale)
-        return bhsd(dq), bhsd(dk), bhsd(dv)
-    return kernel
-
 
 # -- NPU ------------------------------------------------------------------------------------
 
@@ -100,7 +84,7 @@ def _npu_backward(scale: float, causal_form: str) -> pieces.BackwardKernel:
         form = causal_form if causal else "none"
         mode = _npu_sparse_mode(form)
         # max = lse, sum = 1 is the global softmax (MindSpeed's ring passes merged max/sum).
-        softmax_max = dead_to_inf(lse.float()).unsqueeze(-1).expand(*lse.shape, 8).contiguous()
+        softmax_max = lse.float().unsqueeze(-1).expand(*lse.shape, 8).contiguous()
         softmax_sum = torch.ones_like(softmax_max)
         dq, dk, dv = torch_npu.npu_fusion_attention_grad(
             q, k, v, dout, q.shape[2], "BSND", atten_mask=_npu_mask(q.device) if mode else None,
@@ -141,7 +125,7 @@ def _npu_tnd_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, sca
 
     h = q.shape[2]
     causal = mask.causal != "none"
-    tokens = dead_to_inf(lse.float()).transpose(1, 2).reshape(-1)  # [T * N], token-major
+    tokens = lse.float().transpose(1, 2).reshape(-1)  # [T * N], token-major
     softmax_max = tokens[torch.from_numpy(call.to_kernel).to(q.device)].reshape(-1, h, 1).expand(-1, h, 8)
     softmax_max = softmax_max.contiguous()
     softmax_sum = torch.ones_like(softmax_max)
@@ -184,8 +168,10 @@ def forward(p: Any, q: Any, k: Any, v: Any, scale: float, mask: AttentionMask) -
             return pieces.run_forward(p, cuda.forward_kernel(name, scale), q, k, v, cuda_groups)
         if device_type == "npu" and (tnd := _npu_tnd(q, k, mask)) is not None:
             return _npu_tnd_forward(q, k, v, scale, mask, tnd)
+        if device_type == "cpu" and cpu.balanced(q, k, mask):
+            return cpu.balanced_forward(p, q, k, v, scale)
         groups, form = _plan(device_type, q, k, mask)
-        kernel = _cpu_forward(scale) if device_type == "cpu" else _npu_forward(scale, form)
+        kernel = cpu.forward_kernel(scale) if device_type == "cpu" else _npu_forward(scale, form)
         return pieces.run_forward(p, kernel, q, k, v, groups)
 
 
@@ -201,6 +187,8 @@ def backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scal
             return pieces.run_backward(p, cuda.backward_kernel(name, scale), dout, q, k, v, out, lse, cuda_groups)
         if device_type == "npu" and (tnd := _npu_tnd(q, k, mask)) is not None:
             return _npu_tnd_backward(dout, q, k, v, out, lse, scale, mask, tnd)
+        if device_type == "cpu" and cpu.balanced(q, k, mask):
+            return cpu.balanced_backward(p, dout, q, k, v, out, lse, scale)
         groups, form = _plan(device_type, q, k, mask)
-        kernel = _cpu_backward(scale) if device_type == "cpu" else _npu_backward(scale, form)
+        kernel = cpu.backward_kernel(scale) if device_type == "cpu" else _npu_backward(scale, form)
         return pieces.run_backward(p, kernel, dout, q, k, v, out, lse, groups)

@@ -38,7 +38,7 @@ import torch
 from hyper_parallel.platform import attention_pieces as pieces
 from hyper_parallel.platform.contract.attention import AttentionMask
 from hyper_parallel.platform.packed_documents import one_call_takes, row_offsets
-from hyper_parallel.platform.torch.kernel_layout import bhsd, dead_to_inf, packed_rows
+from hyper_parallel.platform.torch.kernel_layout import bhsd, packed_rows
 
 FLASH, EFFICIENT, CUDNN = "flash", "efficient", "cudnn"
 KERNELS = (FLASH, EFFICIENT, CUDNN)
@@ -132,7 +132,7 @@ def backward_kernel(name: str, scale: float) -> pieces.BackwardKernel:
     def flash(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: bool) -> tuple[Any, Any, Any]:
         seed, offset = _rng_placeholders(q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, dead_to_inf(lse.float()), None, None, q.shape[1], k.shape[1], 0.0, causal, seed,
+            dout, q, k, v, out, lse.float().contiguous(), None, None, q.shape[1], k.shape[1], 0.0, causal, seed,
             offset, scale=scale)
         return dq, dk, dv
 
@@ -140,7 +140,7 @@ def backward_kernel(name: str, scale: float) -> pieces.BackwardKernel:
         group = q.shape[2] // k.shape[2]
         sq = q.shape[1]
         padded = math.ceil(sq / 32) * 32
-        lse = torch.nn.functional.pad(dead_to_inf(lse.float()), (0, padded - sq), value=math.inf)
+        lse = torch.nn.functional.pad(lse.float(), (0, padded - sq), value=math.inf)
         seed = _philox_placeholder(q.device)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             bhsd(dout), bhsd(q), bhsd(_repeat_kv(k, group)), bhsd(_repeat_kv(v, group)), None, bhsd(out), lse,
@@ -154,7 +154,7 @@ def backward_kernel(name: str, scale: float) -> pieces.BackwardKernel:
         seed = _philox_placeholder(q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             bhsd(dout), bhsd(q), bhsd(_repeat_kv(k, group)), bhsd(_repeat_kv(v, group)), bhsd(out),
-            dead_to_inf(lse.float()).unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0,
+            lse.float().contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[1], k.shape[1], 0.0,
             causal, scale=scale)
         return bhsd(dq), _fold_kv(bhsd(dk), group), _fold_kv(bhsd(dv), group)
 
@@ -251,7 +251,7 @@ def varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, scale
     sk = k.shape[1]
     cu_q, max_q = _cumulative(mask.cu_seqlens_q, b, sq, q.device)
     cu_k, max_k = _cumulative(mask.cu_seqlens_kv, b, sk, q.device)
-    lse_packed = dead_to_inf(lse.float()).transpose(0, 1).reshape(h, b * sq).contiguous()
+    lse_packed = lse.float().transpose(0, 1).reshape(h, b * sq).contiguous()
     seed, offset = _rng_placeholders(q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         packed_rows(dout), packed_rows(q), packed_rows(k), packed_rows(v), packed_rows(out), lse_packed, cu_q, cu_k,

@@ -1,0 +1,67 @@
+"""torch-cpu's causal split for threads ([Note: CPU causal thread balance] in
+``platform/torch/cpu_attention``): forward and backward equal the float64 reference
+exactly (float64 in, 1e-10) and the unsplit kernel call (bfloat16), over batch rows,
+grouped-query heads and both causal alignments of a square call. World size 1; runs only
+with HYPER_PARALLEL_PLATFORM=torch-cpu."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.contract.attention import AttentionMask
+from tests.platform_contract._attention_reference import allowed_pairs, reference
+
+pytestmark = pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "torch-cpu") != "torch-cpu",
+                                reason="torch CPU kernel test; set HYPER_PARALLEL_PLATFORM=torch-cpu")
+
+S, D = 1024, 16
+#: (batch, heads, kv_heads, causal form)
+SHAPES = [(1, 1, 1, "top_left"), (2, 2, 1, "bottom_right"), (1, 3, 3, "top_left")]
+
+
+def check_split(threads: int) -> list[bool]:
+    """Every shape on ``threads`` threads; whether each ran split."""
+    import torch
+
+    from hyper_parallel.platform.torch import cpu_attention as cpu
+
+    p = get_platform()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    split = []
+    try:
+        rng = np.random.default_rng(5)
+        for b, h, kv, causal in SHAPES:
+            mask = AttentionMask(causal)
+            arrays = [rng.standard_normal((b, S, n, D)) for n in (h, kv, kv, h)]
+            q, k, v, dout = (torch.from_numpy(a) for a in arrays)
+            split.append(cpu.balanced(q, k, mask))
+            out, lse = p.attention(q, k, v, scale=0.25, mask=mask)
+            grads = p.attention_backward(dout, q, k, v, out, lse, scale=0.25, mask=mask)
+            want = reference(*arrays, allowed_pairs(S, S, mask), 0.25)
+            for what, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want):
+                np.testing.assert_allclose(got.numpy(), ref, rtol=1e-10, atol=1e-10, err_msg=f"{what} {b, h, kv}")
+            # bfloat16: the split equals one unsplit kernel call to bfloat16 rounding
+            bq, bk, bv, bdo = (t.to(torch.bfloat16) for t in (q, k, v, dout))
+            out, lse = p.attention(bq, bk, bv, scale=0.25, mask=mask)
+            grads = p.attention_backward(bdo, bq, bk, bv, out, lse, scale=0.25, mask=mask)
+            one_out, one_lse = cpu.forward_kernel(0.25)(bq, bk, bv, True)
+            one = cpu.backward_kernel(0.25)(bdo, bq, bk, bv, one_out, one_lse, True)
+            np.testing.assert_allclose(lse.numpy(), one_lse.numpy(), rtol=1e-5, atol=1e-5)
+            for got, ref in zip((out, *grads), (one_out, *one)):
+                np.testing.assert_allclose(got.float().numpy(), ref.float().numpy(), rtol=3e-2, atol=3e-2)
+    finally:
+        torch.set_num_threads(before)
+    return split
+
+
+def test_split_matches_reference(run_on_ranks) -> None:
+    assert run_on_ranks(check_split, 8, world_size=1)[0] == [True, True, True]
+
+
+def test_enough_heads_run_whole(run_on_ranks) -> None:
+    assert run_on_ranks(check_split, 1, world_size=1)[0] == [False, False, False]
