@@ -5,7 +5,7 @@ module composes them. A backend subclasses ``Platform`` and implements every mem
 ``DifferentiableCollectives`` supplies the differentiable section once for all backends.
 ``Platform`` itself adds a few concrete members derived from the abstract ones
 (``framework``, ``device_type``, ``split_group``, ``stack``, ``check_attention``,
-``differentiable_all_to_all_single_async``),
+``local_attention``, ``differentiable_all_to_all_single_async``),
 written once here so no backend repeats them; a backend may still override one with a
 native implementation.
 """
@@ -36,6 +36,7 @@ from hyper_parallel.platform.contract.modules import ModulesSection
 from hyper_parallel.platform.contract.ops import LOCAL_OPS, TENSOR_METHODS, OpsSection
 from hyper_parallel.platform.contract.streams import StreamsSection
 from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
+from hyper_parallel.platform.local_attention import LocalAttention
 from hyper_parallel.platform.validation import check_partition, normalize_dim
 
 __all__ = [
@@ -135,6 +136,30 @@ class Platform(
         if q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and q.shape[1] and k.shape[1]:
             q, k, v = self.narrow(q, 1, 0, 1), self.narrow(k, 1, 0, 1), self.narrow(v, 1, 0, 1)
         self.attention(q, k, v)
+
+    def local_attention(self, q: Any, k: Any, v: Any, *, is_causal: bool = False, scale: float | None = None) -> Any:
+        """Attention of ``q`` over ``k``/``v`` as they are, differentiable in all three:
+        what ``scaled_dot_product_attention`` computes outside context parallelism.
+
+        Args:
+            q: ``[batch, q_seq, heads, head_dim]`` (BSHD); k, v: ``[batch, kv_seq,
+                kv_heads, head_dim]``, ``heads`` divisible by ``kv_heads``.
+            is_causal: query ``i`` sees keys ``j <= i`` (top-left, as torch's).
+            scale: multiplies ``q k^T``; default ``head_dim ** -0.5``.
+
+        Returns:
+            ``[batch, q_seq, heads, head_dim]`` in ``q``'s dtype.
+
+        Derived: one ``attention`` forward and one ``attention_backward`` in an autograd
+        function (``platform/local_attention.py``). torch overrides it with its own
+        ``scaled_dot_product_attention`` where that runs a fused kernel: the same kernel
+        ``attention`` would run, with torch's C++ autograd instead of a Python one.
+
+        Raises:
+            ValueError: as ``attention``.
+        """
+        mask = AttentionMask("top_left") if is_causal else FULL
+        return self.apply_function(LocalAttention, self, q, k, v, scale, mask)
 
     def differentiable_all_to_all_single_async(self, tensor: Any, input_split_sizes: Sequence[int],
                                                output_split_sizes: Sequence[int], group: Any = None) -> Any:

@@ -65,3 +65,35 @@ def test_split_matches_reference(run_on_ranks) -> None:
 
 def test_enough_heads_run_whole(run_on_ranks) -> None:
     assert run_on_ranks(check_split, 1, world_size=1)[0] == [False, False, False]
+
+
+def check_local_attention() -> list[str]:
+    """``Platform.local_attention``: torch's SDPA autograd where torch runs its flash
+    kernel, the derived function where it would run math (forced here); both equal the
+    float64 reference. Returns the autograd nodes."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    p = get_platform()
+    rng = np.random.default_rng(6)
+    arrays = [rng.standard_normal((2, 9, n, 8)) for n in (4, 2, 2, 4)]
+    want = reference(*arrays, allowed_pairs(9, 9, AttentionMask("top_left")), 8 ** -0.5)
+    nodes = []
+    for backends in ([SDPBackend.FLASH_ATTENTION], [SDPBackend.MATH]):
+        q, k, v = (torch.from_numpy(a).requires_grad_(True) for a in arrays[:3])
+        with sdpa_kernel(backends):
+            out = p.local_attention(q, k, v, is_causal=True)
+        node = out.grad_fn
+        if type(node).__name__.startswith("Transpose"):  # BSHD views of torch's BHSD result
+            node = node.next_functions[0][0]
+        nodes.append(type(node).__name__)
+        out.backward(torch.from_numpy(arrays[3]))
+        for what, got, ref in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), (want[0], *want[2:])):
+            np.testing.assert_allclose(got.detach().numpy(), ref, rtol=1e-10, atol=1e-10, err_msg=f"{what} {backends}")
+    return nodes
+
+
+def test_local_attention_runs_torch_sdpa(run_on_ranks) -> None:
+    flash, math = run_on_ranks(check_local_attention, world_size=1)[0]
+    assert flash.startswith("ScaledDotProductFlashAttentionForCpu"), flash
+    assert "LocalAttention" in math, math

@@ -9,10 +9,10 @@ import numpy as np
 
 from hyper_parallel.core.context_parallel.blocks import block_attention
 from hyper_parallel.core.context_parallel.context import Frame, current_frame
-from hyper_parallel.core.context_parallel.masks import BlockCall, RunPlan, document_ids, plan_block
+from hyper_parallel.core.context_parallel.masks import document_ids, plan_block
 from hyper_parallel.core.context_parallel.ring import ring_attention
 from hyper_parallel.core.context_parallel.sharded_qkv import frame_locals, like_q
-from hyper_parallel.platform import AttentionMask, get_platform
+from hyper_parallel.platform import get_platform
 
 LAYOUTS = ("BSHD", "BNSD")
 
@@ -26,24 +26,9 @@ def _attend(p: Any, q: Any, k: Any, v: Any, q_pos: np.ndarray, k_pos: np.ndarray
 
 def local_attention(q: Any, k: Any, v: Any, *, is_causal: bool = False, scale: float | None = None) -> Any:
     """Attention of BSHD ``q`` over ``k``/``v`` as they are, never routed to context
-    parallelism: one fused-kernel call forward (``platform.attention``) and one backward
-    (``platform.attention_backward``), differentiable in ``q``, ``k``, ``v``.
-
-    Args:
-        q: ``[batch, q_seq, heads, head_dim]``.
-        k, v: ``[batch, kv_seq, kv_heads, head_dim]``, ``heads`` divisible by ``kv_heads``.
-        is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as torch's).
-        scale: multiplies ``q k^T``; default ``head_dim ** -0.5``.
-
-    Returns:
-        ``[batch, q_seq, heads, head_dim]`` in ``q``'s dtype.
-
-    Raises:
-        ValueError: from ``platform.attention``: shapes, or a dtype the kernel does not take.
-    """
-    p = get_platform()
-    call = BlockCall(0, int(q.shape[1]), ((0, int(k.shape[1])),), AttentionMask("top_left" if is_causal else "none"))
-    return block_attention(p, q, k, v, [RunPlan(0, int(q.shape[1]), (call,))], scale)
+    parallelism, differentiable in ``q``, ``k``, ``v``: ``Platform.local_attention`` (the
+    backend's fused kernel, forward and backward; shapes, defaults and errors there)."""
+    return get_platform().local_attention(q, k, v, is_causal=is_causal, scale=scale)
 
 
 def attend_locally(q: Any, k: Any, v: Any, *, is_causal: bool, scale: float | None, cu_seqlens: Any = None) -> Any:

@@ -141,6 +141,30 @@ def _npu_tnd(q: Any, k: Any, mask: AttentionMask) -> TndCall | None:
     return tnd_call(mask, int(q.shape[0]), int(q.shape[1]), int(k.shape[1]), int(q.shape[2]))
 
 
+# -- local attention: torch's own SDPA -------------------------------------------------------
+
+def local(p: Any, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None) -> Any | None:
+    """``Platform.local_attention`` through ``torch.nn.functional.scaled_dot_product_attention``
+    (BSHD in and out, transposed views), or None where torch would run its math path (a
+    score matrix: the derived function runs this module's kernels instead) and on NPU.
+    The kernel torch runs is the one ``attention`` runs (CPU: the same flash kernel; CUDA:
+    the same choice, [Note: CUDA attention kernels]); torch's autograd saves and runs its
+    backward in C++, which a Python autograd function cannot match in host time."""
+    if p.device_type == "npu":
+        return None
+    gqa = q.shape[2] != k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    try:
+        choice = torch._fused_sdp_choice(qt, kt, vt, None, 0.0, is_causal, scale=scale, enable_gqa=gqa)
+    except RuntimeError:  # every kernel torch may use is disabled for these inputs (sdpa_kernel)
+        return None
+    if choice == int(torch.nn.attention.SDPBackend.MATH):
+        return None
+    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=is_causal, scale=scale,
+                                                           enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
 # -- dispatch --------------------------------------------------------------------------------
 
 def _plan(device_type: str, q: Any, k: Any, mask: AttentionMask) -> tuple[list[pieces.Group], str]:

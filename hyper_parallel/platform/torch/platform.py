@@ -407,6 +407,14 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return attn.backward(self, dout, q, k, v, out, lse, q.shape[-1] ** -0.5 if scale is None else float(scale),
                              mask)
 
+    def local_attention(self, q: Any, k: Any, v: Any, *, is_causal: bool = False, scale: float | None = None) -> Any:
+        """torch's own ``scaled_dot_product_attention`` where it runs a fused kernel (the
+        same one ``attention`` runs, with torch's C++ autograd); else the derived function
+        (``attention.local``)."""
+        attn.check_inputs(self.name, q, k, v, AttentionMask("top_left") if is_causal else FULL)
+        out = attn.local(self, q, k, v, is_causal, scale)
+        return super().local_attention(q, k, v, is_causal=is_causal, scale=scale) if out is None else out
+
     def local_op(self, name: str) -> Callable[..., Any]:
         F = torch.nn.functional
         table: dict[str, Callable[..., Any]] = {
