@@ -59,6 +59,42 @@ def check_split(threads: int) -> list[bool]:
     return split
 
 
+def check_split_global_statistics(threads: int) -> bool:
+    """Ring attention's identity through the split: a square causal block's backward given
+    the output and log-sum-exp over more keys (a full block before it) is that block's
+    share: with the full block's share it adds up to the reference gradients (float64)."""
+    import torch
+
+    from hyper_parallel.platform.torch import cpu_attention as cpu
+
+    p = get_platform()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = np.random.default_rng(8)
+        before_keys = 96
+        q, dout = (rng.standard_normal((1, S, 2, D)) for _ in range(2))
+        k, v = (rng.standard_normal((1, before_keys + S, 1, D)) for _ in range(2))
+        allowed = np.concatenate([np.ones((S, before_keys), bool), allowed_pairs(S, S, AttentionMask("top_left"))], 1)
+        out, lse, dq, dk, dv = reference(q, k, v, dout, allowed, 0.25)
+        tq, tk, tv, tdo, tout, tlse = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v, dout, out, lse))
+        own = AttentionMask("top_left")
+        split = cpu.balanced(tq, tk[:, before_keys:], own)
+        g_own = p.attention_backward(tdo, tq, tk[:, before_keys:], tv[:, before_keys:], tout, tlse, scale=0.25,
+                                     mask=own)
+        g_full = p.attention_backward(tdo, tq, tk[:, :before_keys], tv[:, :before_keys], tout, tlse, scale=0.25)
+        np.testing.assert_allclose((g_own[0] + g_full[0]).numpy(), dq, rtol=1e-10, atol=1e-10)
+        for got_own, got_full, ref in ((g_own[1], g_full[1], dk), (g_own[2], g_full[2], dv)):
+            np.testing.assert_allclose(torch.cat([got_full, got_own], 1).numpy(), ref, rtol=1e-10, atol=1e-10)
+    finally:
+        torch.set_num_threads(before)
+    return split
+
+
+def test_split_takes_global_statistics(run_on_ranks) -> None:
+    assert run_on_ranks(check_split_global_statistics, 8, world_size=1)[0]
+
+
 def test_split_matches_reference(run_on_ranks) -> None:
     assert run_on_ranks(check_split, 8, world_size=1)[0] == [True, True, True]
 
