@@ -11,7 +11,8 @@ the *merged* output and log-sum-exp of the call's rows, which makes each call's
 ``dq``/``dk``/``dv`` its exact share of the gradient ([Note: attention kernels] in
 ``platform.contract.attention``): shares are summed, no merge is differentiated and no
 score matrix exists anywhere in core. ``BlockAttention`` is this as one autograd
-function for Ulysses, all-gather and single-device attention; the ring runs the same
+function for Ulysses and single-device packed documents (plain single-device attention is
+``Platform.local_attention``, one fused call); the ring and all-gather run the same
 two halves per rotating block (``ring``).
 """
 
