@@ -28,6 +28,7 @@ log-sum-exp is token-major; ``tnd_statistics_order`` gives the permutation both 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,14 @@ def one_call_takes(mask: AttentionMask) -> bool:
     if mask.causal == "top_left":
         return all(lk == lq for lq, lk in lengths)
     return True
+
+
+def packed_rows(x: Any) -> Any:
+    """``[batch, seq, heads, dim]`` -> ``[batch * seq, heads, dim]``, batch rows one after
+    another ([Note: packed rows]; a view where the framework can make one). Any framework
+    tensor with ``shape`` and ``reshape``."""
+    b, s, h, d = (int(n) for n in x.shape)
+    return x.reshape(b * s, h, d)
 
 
 def row_offsets(cu: tuple[int, ...], batch: int, seq: int) -> np.ndarray:

@@ -79,7 +79,7 @@ import numpy as np
 
 from hyper_parallel.platform.attention_pieces import LSE_FLOOR, plan_pieces, run_backward, run_forward
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
-from hyper_parallel.platform.packed_documents import TndCall, tnd_call
+from hyper_parallel.platform.packed_documents import TndCall, packed_rows, tnd_call
 from hyper_parallel.platform.validation import check_attention_backward, check_attention_inputs
 
 #: Queries per tile on CPU (rows per kv head are ``Q_TILE * group``); see
@@ -431,12 +431,6 @@ def _ascend_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: A
     return dq, dk, dv
 
 
-def _packed(x: Any) -> Any:
-    """``[batch, seq, heads, dim]`` -> ``[batch * seq, heads, dim]`` ([Note: packed rows])."""
-    b, s, h, d = _shape(x)
-    return x.reshape(b * s, h, d)
-
-
 def _ascend_tnd(q: Any, k: Any, mask: AttentionMask) -> TndCall | None:
     """The one TND call for causal packed documents, or None. MindSpore's TND layout takes
     a causal mask only (its docstring: "Attn mask must be a lower trianglar matrix, so
@@ -457,8 +451,9 @@ def _ascend_tnd_forward(p: Any, q: Any, k: Any, v: Any, scale: float, call: TndC
     _, attn_mask = _ascend_mode(p, "bottom_right")
     kernel = FlashAttentionScore(head_num=h, scale_value=scale, pre_tokens=_ASCEND_ALL_TOKENS, next_tokens=0,
                                  input_layout="TND", sparse_mode=3)
-    softmax_max, softmax_sum, _, out = kernel(_packed(q), _packed(k), _packed(v), None, None, None, attn_mask, None,
-                                              list(call.actual_seq_qlen), list(call.actual_seq_kvlen))
+    softmax_max, softmax_sum, _, out = kernel(packed_rows(q), packed_rows(k), packed_rows(v), None, None, None,
+                                              attn_mask, None, list(call.actual_seq_qlen),
+                                              list(call.actual_seq_kvlen))
     stat = softmax_max.reshape(-1, 8)[:, 0] + p._mint.log(softmax_sum.reshape(-1, 8)[:, 0])
     lse = p._ops.gather(stat, p._ms.Tensor(call.to_tokens), 0).reshape(b, sq, h)
     return out.reshape(b, sq, h, d), p._mint.transpose(lse, 1, 2).contiguous()
@@ -479,9 +474,9 @@ def _ascend_tnd_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, ls
     softmax_sum = p._mint.ones(_shape(softmax_max), dtype=ms.float32)
     kernel = FlashAttentionScoreGrad(head_num=h, scale_value=scale, pre_tokens=_ASCEND_ALL_TOKENS, next_tokens=0,
                                      inner_precise=0, input_layout="TND", sparse_mode=3)
-    dq, dk, dv, _ = kernel(_packed(q), _packed(k), _packed(v), _packed(dout), None, None, None, attn_mask,
-                           softmax_max, softmax_sum, None, _packed(out), None, list(call.actual_seq_qlen),
-                           list(call.actual_seq_kvlen))
+    dq, dk, dv, _ = kernel(packed_rows(q), packed_rows(k), packed_rows(v), packed_rows(dout), None, None, None,
+                           attn_mask, softmax_max, softmax_sum, None, packed_rows(out), None,
+                           list(call.actual_seq_qlen), list(call.actual_seq_kvlen))
     return dq.reshape(_shape(q)), dk.reshape(_shape(k)), dv.reshape(_shape(v))
 
 

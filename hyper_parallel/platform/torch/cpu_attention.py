@@ -35,6 +35,10 @@ BALANCE_MIN_SEQ = 1024
 
 
 def forward_kernel(scale: float) -> pieces.ForwardKernel:
+    """``kernel(q, k, v, causal) -> (out, lse)``: one CPU flash call on BSHD ``q``
+    ``[batch, q_seq, heads, dim]``, ``k``/``v`` ``[batch, kv_seq, kv_heads, dim]`` (GQA
+    native), top-left ``causal`` of any shape; ``out`` like ``q``, ``lse``
+    ``[batch, heads, q_seq]`` in ``max(float32, dtype)``. Raises what the kernel raises."""
     def kernel(q: Any, k: Any, v: Any, causal: bool) -> tuple[Any, Any]:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             bhsd(q), bhsd(k), bhsd(v), 0.0, causal, scale=scale)
@@ -43,6 +47,9 @@ def forward_kernel(scale: float) -> pieces.ForwardKernel:
 
 
 def backward_kernel(scale: float) -> pieces.BackwardKernel:
+    """``kernel(dout, q, k, v, out, lse, causal) -> (dq, dk, dv)``: the CPU flash backward,
+    shapes as ``forward_kernel``, given ``out``/``lse`` over every key the queries see
+    (rows of this call's shares); gradients shaped and typed like ``q``, ``k``, ``v``."""
     def kernel(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: bool) -> tuple[Any, Any, Any]:
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

@@ -37,8 +37,8 @@ import torch
 
 from hyper_parallel.platform import attention_pieces as pieces
 from hyper_parallel.platform.contract.attention import AttentionMask
-from hyper_parallel.platform.packed_documents import one_call_takes, row_offsets
-from hyper_parallel.platform.torch.kernel_layout import bhsd, packed_rows
+from hyper_parallel.platform.packed_documents import one_call_takes, packed_rows, row_offsets
+from hyper_parallel.platform.torch.kernel_layout import bhsd
 
 FLASH, EFFICIENT, CUDNN = "flash", "efficient", "cudnn"
 KERNELS = (FLASH, EFFICIENT, CUDNN)

@@ -9,10 +9,3 @@ def bhsd(x: Any) -> Any:
     """``[batch, seq, heads, dim]`` <-> ``[batch, heads, seq, dim]``: a transposed view, no copy
     (torch's SDPA kernels take BHSD, the contract is BSHD)."""
     return x.transpose(1, 2)
-
-
-def packed_rows(x: Any) -> Any:
-    """``[batch, seq, heads, dim]`` -> ``[batch * seq, heads, dim]``, batch rows one after
-    another (a view when ``x`` is contiguous; [Note: packed rows] in ``packed_documents``)."""
-    b, s, h, d = x.shape
-    return x.reshape(b * s, h, d)
