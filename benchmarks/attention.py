@@ -190,9 +190,14 @@ def case_train_step(impl: str, iters: int) -> dict:
             "tokens_per_step": 512 * 8}
 
 
+#: Rounds of ``--iters`` back-to-back calls in the CUDA local table (median over rounds).
+_CUDA_ROUNDS = 5
+
+
 def cuda_local(seqs: list[int], dtypes: list[str], iters: int) -> list[dict]:
     """The ``local`` table on one GPU, in this process: CUDA time by events around
-    ``iters`` calls after one warm-up (median), memory as the peak of
+    ``iters`` calls run back to back, after one warm-up (the median over
+    ``_CUDA_ROUNDS`` such rounds, per call), memory as the peak of
     ``torch.cuda.max_memory_allocated`` over one call above what was allocated before the
     inputs (the inputs count, as with MemTracker). Each row names the kernel ours ran and
     the one torch's SDPA picked."""
@@ -214,15 +219,20 @@ def cuda_local(seqs: list[int], dtypes: list[str], iters: int) -> list[dict]:
                 torch.cuda.reset_peak_memory_stats()
                 run = _local_step(impl, seq, dtype, "cuda")
 
+                run()  # warm-up: cuDNN builds its plan on the first call
+                torch.cuda.synchronize()
                 times = []
-                for i in range(iters + 1):
+                for _ in range(_CUDA_ROUNDS):
+                    # Back to back between two events, not one call between synchronizations:
+                    # a synchronized call's time is its host launch time wherever the kernels
+                    # are short (half precision at 4K), which measures Python, not the GPU.
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                    run()
+                    for _ in range(iters):
+                        run()
                     end.record()
                     torch.cuda.synchronize()
-                    if i:
-                        times.append(start.elapsed_time(end) / 1e3)
+                    times.append(start.elapsed_time(end) / 1e3 / iters)
                 results[impl] = {"seconds": statistics.median(times),
                                  "peak_bytes": torch.cuda.max_memory_allocated() - base}
                 del run
@@ -281,10 +291,16 @@ def _pair(rows: list[dict], table: str, key: dict, ours: dict, ref: dict) -> Non
     print(json.dumps(row), flush=True)
 
 
+def _ms(ms: float) -> str:
+    """Milliseconds to 3 significant digits at least (a 0.3 ms GPU call keeps its ratio's digits)."""
+    return f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
 def markdown(rows: list[dict]) -> str:
     if any(r["table"].startswith("cuda") for r in rows):
-        caption = ("Time: median of forward + backward (train step: + AdamW) after one warm-up, CUDA events (train "
-                   "step: wall clock between synchronizations), all cases in one process; memory: peak of "
+        caption = ("Time: forward + backward per call (train step: + AdamW) after one warm-up, CUDA events around "
+                   f"--iters calls back to back, median of {_CUDA_ROUNDS} rounds (train step: wall clock between "
+                   "synchronizations, median), all cases in one process; memory: peak of "
                    "`torch.cuda.max_memory_allocated` above what was allocated before the inputs (inputs included). "
                    "Ratios are ours / reference (below 1: better).")
     else:
@@ -316,7 +332,7 @@ def markdown(rows: list[dict]) -> str:
                 lines.append(f"| {case} | {r['ours_ms']:.1f} | {r['ref_ms']:.1f} | - | {r['ours_mib']:.1f} | "
                              f"{r['ref_mib']:.1f} | - ({r['error'][:60]}) |")
             else:
-                lines.append(f"| {case} | {r['ours_ms']:.1f} | {r['ref_ms']:.1f} | {r['ratio']:.2f} | "
+                lines.append(f"| {case} | {_ms(r['ours_ms'])} | {_ms(r['ref_ms'])} | {r['ratio']:.2f} | "
                              f"{r['ours_mib']:.1f} | {r['ref_mib']:.1f} | {r['memory_ratio']:.2f} |")
         lines.append("")
     return "\n".join(lines)

@@ -23,10 +23,11 @@ torch's ring attention: ``torch.distributed.tensor.experimental`` dispatches SDP
 ring templates (``_templated_ring_attention`` and its backward) only for the CUDA kernels
 (flash, efficient, cuDNN). The shim here calls those same templates directly, with
 torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
-backward) as the per-block op, inside a small ``autograd.Function``; rotation is set to
-``alltoall`` (a real ring: one ``permute_tensor`` per step) and load balance is torch's
-default (on), so its data is in the same head-tail layout as ours with
-``load_balance=True``.
+backward) as the per-block op, inside a small ``autograd.Function``; it runs twice, with
+rotation ``alltoall`` (a real ring: one ``permute_tensor`` per step; the reference of
+every ratio) and ``allgather`` (torch's default: one all-gather, the counterpart of our
+``kv_exchange="allgather"``). Load balance is torch's default (on), so its data is in the
+same head-tail layout as ours with ``load_balance=True``.
 
     python benchmarks/context_parallel.py [--seqs 2048 4096 16384] [--iters 3] [--budget-mib 24]
         [--layers 4] [--model-budget-mib 256]
@@ -63,8 +64,11 @@ MODES = {
 }
 
 
-def _torch_ring(group):
-    """torch's ring templates on CPU (see the module doc): BNSD q/k/v -> out."""
+def _torch_ring(group, rotate: str):
+    """torch's ring templates on CPU (see the module doc): BNSD q/k/v -> out, the key/value
+    blocks exchanged by ``rotate`` (``"alltoall"``: its ring; ``"allgather"``: one all-gather,
+    its default). torch keeps the rotate method in a global option: it is set before each
+    call. Its backward passes the dK/dV accumulators around the ring either way."""
     import torch
     from torch.distributed.tensor.experimental._context_parallel import _attention as tattn
 
@@ -80,6 +84,7 @@ def _torch_ring(group):
     class Ring(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
+            tattn.set_rotate_method(rotate)
             out, lse = tattn._templated_ring_attention(group, 2, forward_op, q, k, v, is_causal=True)[:2]
             ctx.save_for_backward(q, k, v, out, lse)
             return out
@@ -87,10 +92,10 @@ def _torch_ring(group):
         @staticmethod
         def backward(ctx, grad):
             q, k, v, out, lse = ctx.saved_tensors
+            tattn.set_rotate_method(rotate)
             return tuple(tattn._templated_ring_attention_backward(group, 2, backward_op, grad.contiguous(), "grad_out",
                                                                   q, k, v, out, lse, True)[:3])
 
-    tattn.set_rotate_method("alltoall")
     return Ring.apply
 
 
@@ -105,7 +110,8 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
     p = hp.get_platform()
     n, r = p.world_size(), p.rank()
     mesh = hp.init_device_mesh(p.device_type, (n,))
-    torch_ring = _torch_ring(dist.group.WORLD)
+    torch_ring = _torch_ring(dist.group.WORLD, "alltoall")
+    torch_allgather = _torch_ring(dist.group.WORLD, "allgather")
     rows = []
     for seq in seqs:
         rng = np.random.default_rng(seq)
@@ -124,11 +130,12 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
             runs[name] = (module, local(lb))
         bnsd = [t.transpose(1, 2).contiguous() for t in local(True)]
         runs["torch ring (lb)"] = (torch_ring, bnsd)
+        runs["torch all-gather (lb)"] = (torch_allgather, bnsd)
 
         with torch.no_grad():  # both rings compute the same thing: a wrong shim would show here
             ours = runs["ring+lb"][0](*runs["ring+lb"][1][:3])
-            theirs = torch_ring(*bnsd[:3]).transpose(1, 2)
-        max_diff = float((ours - theirs).abs().max())
+            theirs = [fn(*bnsd[:3]).transpose(1, 2) for fn in (torch_ring, torch_allgather)]
+        max_diff = max(float((ours - t).abs().max()) for t in theirs)
         for name, (fn, (q0, k0, v0, dout)) in runs.items():
             times, saved = [], 0
 
@@ -191,6 +198,12 @@ def _module():
     return Attn()
 
 
+#: The torch run each mode is also compared with: the same key/value exchange (torch has
+#: no Ulysses; its ring is the reference there).
+_TORCH_SAME = {name: "torch all-gather (lb)" if exchange == "allgather" and ud == 1 else "torch ring (lb)"
+               for name, (ud, exchange, _) in MODES.items()}
+
+
 def summarize(per_rank: list[list[dict]]) -> list[dict]:
     """Slowest rank per repetition, median over repetitions; saved bytes of the largest rank."""
     results = []
@@ -210,9 +223,10 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
         share = next(e for e in results if e["seq"] == entry["seq"] and e["mode"] == "one rank's share")
         entry["peak_vs_share"] = entry["peak_mib"] / max(share["peak_mib"], 1e-9)
         if entry["mode"] in MODES:
-            torch_ring = next((e for e in results if e["seq"] == entry["seq"] and e["mode"] == "torch ring (lb)"), None)
-            if torch_ring is not None:
-                entry["ratio"] = entry["ms"] / torch_ring["ms"]
+            for key, torch_mode in (("ratio", "torch ring (lb)"), ("ratio_same_exchange", _TORCH_SAME[entry["mode"]])):
+                ref = next((e for e in results if e["seq"] == entry["seq"] and e["mode"] == torch_mode), None)
+                if ref is not None:
+                    entry[key] = entry["ms"] / ref["ms"]
     return results
 
 
@@ -223,20 +237,24 @@ def markdown(results: list[dict], world: int) -> str:
         f"`[batch={BATCH}, seq, heads={HEADS}, head_dim={HEAD_DIM}]` float32. ms: median of the slowest rank; "
         "saved MiB: activations saved for backward on the largest rank; memory ratio: saved / single device "
         f"(1/cp = {1 / world:.2f} is the ideal); time ratio: each mode / torch's load-balanced ring "
-        "at that length (below 1: faster). Largest |ours ring+lb - torch ring| over the outputs: "
+        "at that length (below 1: faster); same exchange: each mode / torch with the same key/value exchange "
+        "(all-gather modes / torch's all-gather rotation, the others / its ring). Largest |ours ring+lb - torch| "
+        "over the outputs (both rotations): "
         f"{max(e['max_diff_ours_vs_torch_ring'] for e in results):.1e}.",
         "",
         "peak MiB: peak bytes of live tensors during the call on the largest rank (torch's MemTracker, inputs "
         "included); peak ratio: that / one process running the kernel on its share (`[1, seq/cp, ...]`) "
         "(target: within 2x).",
         "",
-        "| mode | seq | ms | saved MiB | memory ratio | peak MiB | peak ratio vs share | time ratio vs torch ring |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | seq | ms | saved MiB | memory ratio | peak MiB | peak ratio vs share | time ratio vs torch ring "
+        "| same exchange |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in results:
-        ratio = f"{e['ratio']:.2f}" if "ratio" in e else ""
+        ratio, same = (f"{e[key]:.2f}" if key in e else "" for key in ("ratio", "ratio_same_exchange"))
         lines.append(f"| {e['mode']} | {e['seq']} | {e['ms']:.1f} | {e['saved_mib']:.1f} | "
-                     f"{e['memory_vs_single']:.2f} | {e['peak_mib']:.1f} | {e['peak_vs_share']:.2f} | {ratio} |")
+                     f"{e['memory_vs_single']:.2f} | {e['peak_mib']:.1f} | {e['peak_vs_share']:.2f} | {ratio} | "
+                     f"{same} |")
     return "\n".join(lines) + "\n"
 
 

@@ -83,3 +83,8 @@ def test_load_balanced_ring_makes_one_call_per_step(cp: int) -> None:
                 assert calls[0].mask.causal in ("top_left", "bottom_right") and calls[0].q_len == len(q_pos)
             else:
                 assert calls[0].mask == AttentionMask()
+            # A block's runs that follow each other in the key tensor are read as one slice:
+            # the whole block (tail queries against both chunks) or its head chunk, never a
+            # concatenation of the two (a copy of the block per step).
+            assert len(calls[0].k_runs) == 1, (g, step, calls[0].k_runs)
+            assert calls[0].k_runs[0] in ((0, len(k_pos)), (0, len(k_pos) // 2)), (g, step, calls[0].k_runs)

@@ -33,6 +33,9 @@ def check_factories_and_shape_ops() -> None:
     p = get_platform()
     f32, i64 = p.dtype("float32"), p.dtype("int64")
     np.testing.assert_array_equal(p.to_numpy(p.zeros((2, 3), f32)), np.zeros((2, 3), np.float32))
+    for dtype in ("float32", "bfloat16", "int64"):  # fill=False: shape and dtype only, values unspecified
+        buffer = p.zeros((2, 3), p.dtype(dtype), fill=False)
+        assert tuple(buffer.shape) == (2, 3) and p.dtype_name(buffer.dtype) == dtype, (dtype, buffer.shape)
     np.testing.assert_array_equal(p.to_numpy(p.full((2,), 7.0, f32)), [7.0, 7.0])
     np.testing.assert_array_equal(p.to_numpy(p.arange(2, 6, i64)), [2, 3, 4, 5])
     a = rank_data(0, (7, 5))

@@ -157,11 +157,19 @@ def backward_calls(p: Any, plans: list[RunPlan], dout: Any, q: Any, k: Any, v: A
         gq = p.to_dtype(gq, dtype)
         return (gq if dq is None else add_rows(dq, 0, gq)), p.to_dtype(gk, dtype), p.to_dtype(gv, dtype)
     dq = p.zeros(tuple(q.shape), dtype) if dq is None else dq
-    dk, dv = p.zeros(tuple(k.shape), dtype), p.zeros(tuple(v.shape), dtype)
+    dk = dv = None
+    every_key = ((0, int(k.shape[1])),)
     for call in calls:
         gq, gk, gv = kernel(call)
         dq = add_rows(dq, call.q_start, p.to_dtype(gq, dtype))
         gk, gv = p.to_dtype(gk, dtype), p.to_dtype(gv, dtype)
+        if dk is None and call.k_runs == every_key:
+            # The first share over every key becomes the sum itself: no zeros to add it to
+            # (a load-balanced ring step: the tail queries against the whole block).
+            dk, dv = gk, gv
+            continue
+        if dk is None:
+            dk, dv = p.zeros(tuple(k.shape), dtype), p.zeros(tuple(v.shape), dtype)
         offset = 0
         for start, n in call.k_runs:
             whole = n == int(gk.shape[1])

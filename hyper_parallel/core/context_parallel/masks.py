@@ -132,7 +132,21 @@ def _call(q_start: int, q_len: int, runs: list[tuple[int, int, int]], k_pos: np.
     qp = np.arange(q_first, q_first + q_len)
     kp = np.concatenate([k_pos[s:s + n] for s, n, _ in runs])
     cu_q, cu_k = _documents(qp, kp, docs)
-    return BlockCall(q_start, q_len, tuple((s, n) for s, n, _ in runs), AttentionMask(causal, cu_q, cu_k))
+    return BlockCall(q_start, q_len, _adjacent_joined([(s, n) for s, n, _ in runs]), AttentionMask(causal, cu_q, cu_k))
+
+
+def _adjacent_joined(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Key runs (in the order the call concatenates them) with runs that follow each other
+    in the key tensor joined: the same keys in the same order, read as one slice instead of
+    concatenated (a load-balanced block's head and tail chunk against a query in both's
+    future are one ``[0, kv_seq)`` read, not a copy of the block)."""
+    joined: list[tuple[int, int]] = []
+    for start, length in runs:
+        if joined and joined[-1][0] + joined[-1][1] == start:
+            joined[-1] = (joined[-1][0], joined[-1][1] + length)
+        else:
+            joined.append((start, length))
+    return tuple(joined)
 
 
 def plan_block(q_pos: np.ndarray, k_pos: np.ndarray, causal: bool, docs: np.ndarray | None) -> list[RunPlan]:

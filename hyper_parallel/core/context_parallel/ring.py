@@ -99,9 +99,11 @@ class RingSpec:
 
 def _shift(p: Any, xs: list[Any], group: Any, to: int, frm: int) -> list[Work]:
     """Start sending the tensors ``xs`` to group rank ``to`` and receiving tensors like them
-    from ``frm`` (one batch; separate messages, so that nothing is copied into one)."""
+    from ``frm`` (one batch; separate messages, so that nothing is copied into one). The
+    receive buffers are not filled first (``zeros(fill=False)``): the receive writes them
+    whole."""
     sends = [P2POp("isend", x.contiguous(), to, group) for x in xs]
-    receives = [P2POp("irecv", p.zeros(tuple(x.shape), x.dtype), frm, group) for x in xs]
+    receives = [P2POp("irecv", p.zeros(tuple(x.shape), x.dtype, fill=False), frm, group) for x in xs]
     return p.batch_isend_irecv(sends + receives)
 
 

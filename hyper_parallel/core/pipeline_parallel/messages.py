@@ -106,7 +106,7 @@ def send(platform: Platform, tensors: Sequence[Any], dst: int, group: Any) -> li
 
 def receive(platform: Platform, specs: Sequence[TensorSpec], src: int, group: Any) -> tuple[Any, ...]:
     """Receive one message of ``specs`` from group rank ``src`` (blocks until it arrived)."""
-    buffers = [platform.zeros(spec.shape, platform.dtype(spec.dtype)) for spec in specs]
+    buffers = [platform.zeros(spec.shape, platform.dtype(spec.dtype), fill=False) for spec in specs]
     works = platform.batch_isend_irecv([P2POp("irecv", buffer, src, group) for buffer in buffers])
     return tuple(work.wait() for work in works)
 

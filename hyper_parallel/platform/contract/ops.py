@@ -38,8 +38,11 @@ class OpsSection(ABC):
     """Tensor factories, shape ops and conversions (attention: ``contract.attention``)."""
 
     @abstractmethod
-    def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
-        """A tensor of ``shape`` and framework ``dtype`` filled with zeros."""
+    def zeros(self, shape: Sequence[int], dtype: Any, *, fill: bool = True) -> Any:
+        """A tensor of ``shape`` and framework ``dtype`` filled with zeros; ``fill=False``:
+        its values are unspecified (``torch.empty``), for a buffer a collective or a kernel
+        overwrites whole (a receive buffer), which saves the fill kernel. A backend may
+        zero it anyway; nothing may read it before it is written."""
 
     @abstractmethod
     def full(self, shape: Sequence[int], value: float, dtype: Any) -> Any:

@@ -39,9 +39,9 @@ class MindSporeOps(OpsSection):
     _ops: Any
     _device_type: str
 
-    def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
-        """``mint.zeros``."""
-        return self._mint.zeros(_shape(shape), dtype=dtype)
+    def zeros(self, shape: Sequence[int], dtype: Any, *, fill: bool = True) -> Any:
+        """``mint.zeros``; ``fill=False``: ``mint.empty``."""
+        return (self._mint.zeros if fill else self._mint.empty)(_shape(shape), dtype=dtype)
 
     def full(self, shape: Sequence[int], value: float, dtype: Any) -> Any:
         """``ops.full`` (see [Note: MindSpore CPU kernels]); bfloat16 is filled in float32

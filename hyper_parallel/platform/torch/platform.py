@@ -343,8 +343,8 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         setattr(module.get_submodule(owner_path), leaf, param)
 
     # -- tensor ops --------------------------------------------------------------------
-    def zeros(self, shape: Sequence[int], dtype: Any) -> Any:
-        return torch.zeros(tuple(shape), dtype=dtype, device=self._device)
+    def zeros(self, shape: Sequence[int], dtype: Any, *, fill: bool = True) -> Any:
+        return (torch.zeros if fill else torch.empty)(tuple(shape), dtype=dtype, device=self._device)
 
     def full(self, shape: Sequence[int], value: float, dtype: Any) -> Any:
         return torch.full(tuple(shape), value, dtype=dtype, device=self._device)
