@@ -148,7 +148,20 @@ def local(p: Any, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None) 
     score matrix: the derived function runs this module's kernels instead) and on NPU.
     The kernel torch runs is the one ``attention`` runs (CPU: the same flash kernel; CUDA:
     the same choice, [Note: CUDA attention kernels]); torch's autograd saves and runs its
-    backward in C++, which a Python autograd function cannot match in host time."""
+    backward in C++, which a Python autograd function cannot match in host time.
+
+    Args:
+        q: ``[batch, q_seq, heads, head_dim]``; k, v: ``[batch, kv_seq, kv_heads,
+            head_dim]`` (grouped-query attention through SDPA's ``enable_gqa``), checked by
+            ``check_inputs`` before; ``is_causal`` top-left, as torch's.
+
+    Returns:
+        ``[batch, q_seq, heads, head_dim]`` in ``q``'s dtype (a transposed view of SDPA's
+        output), or None (the caller runs the derived function).
+
+    Raises:
+        RuntimeError: what torch's SDPA raises for inputs its chosen kernel refuses.
+    """
     if p.device_type == "npu":
         return None
     gqa = q.shape[2] != k.shape[2]
