@@ -18,8 +18,8 @@ from hyper_parallel.testing.cache import PoolCache
 from hyper_parallel.testing.errors import RankError, RankTimeout
 from hyper_parallel.testing.launch import run_on_ranks
 from hyper_parallel.testing.pool import PoolState, WorkerPool
-from hyper_parallel.testing.ports import free_port
-from hyper_parallel.testing.rendezvous import DEFAULT_PLATFORM, PLATFORM_ENV_VAR, selected_platform
+from hyper_parallel.platform.launch import PLATFORM_ENV_VAR, free_port
+from hyper_parallel.testing.rendezvous import selected_platform
 
-__all__ = ["DEFAULT_PLATFORM", "PLATFORM_ENV_VAR", "PoolCache", "PoolState", "RankError", "RankTimeout",
+__all__ = ["PLATFORM_ENV_VAR", "PoolCache", "PoolState", "RankError", "RankTimeout",
            "WorkerPool", "free_port", "run_on_ranks", "selected_platform"]

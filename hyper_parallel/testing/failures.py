@@ -18,8 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hyper_parallel.platform.launch import describe_exit
 from hyper_parallel.testing.errors import RankError, RankTimeout
-from hyper_parallel.testing.process import ChildProcess, describe_exit
+from hyper_parallel.testing.process import ChildProcess
 from hyper_parallel.testing.protocol import RemoteError
 
 #: Other failures quoted in the message beyond the first (the rest are counted).

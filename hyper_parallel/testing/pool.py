@@ -21,11 +21,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.platform.launch import (HOST, check_world, describe_exit, free_port, is_address_in_use, launch_plan,
+                                             port_in_use)
 from hyper_parallel.testing.errors import RankError, RankTimeout
 from hyper_parallel.testing.events import POLL_INTERVAL_S, ChannelClosed, Death, Event, Message, next_events
 from hyper_parallel.testing.failures import Failure, failure_error, timeout_error
-from hyper_parallel.testing.ports import free_port, is_address_in_use, port_in_use
-from hyper_parallel.testing.process import ChildProcess, describe_exit
+from hyper_parallel.testing.process import ChildProcess
 from hyper_parallel.testing.protocol import (
     ChildSpec,
     CloseRequest,
@@ -36,7 +37,6 @@ from hyper_parallel.testing.protocol import (
     RunRequest,
     StartFailed,
 )
-from hyper_parallel.testing.rendezvous import HOST, check_world, launch_plan
 
 _log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import hyper_parallel
+from hyper_parallel.platform.launch import ProcessPlan
 from hyper_parallel.testing.protocol import ChildSpec, Role, ToChild, ToParent
-from hyper_parallel.testing.rendezvous import ProcessPlan
 
 #: The child's command line: argv[1] is the fd of its end of the socket pair.
 _BOOTSTRAP = "import sys; from hyper_parallel.testing.worker import main; main(int(sys.argv[1]))"
@@ -197,23 +197,6 @@ class ChildProcess:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
-
-
-def exit_status(code: int) -> str:
-    """``"exit code 3"``, or ``"killed by signal 9 (SIGKILL)"`` for a negative ``code``
-    (``subprocess``'s and ``os.waitstatus_to_exitcode``'s convention)."""
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = "unknown signal"
-    return f"killed by signal {-code} ({name})"
-
-
-def describe_exit(code: int) -> str:
-    """``"exited with code 3"``, ``"was killed by signal 9 (SIGKILL)"``."""
-    return f"exited with code {code}" if code >= 0 else f"was {exit_status(code)}"
 
 
 def _open_pidfd(pid: int) -> int | None:

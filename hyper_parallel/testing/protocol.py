@@ -5,20 +5,16 @@ user's function, its arguments and its return value travel as *pickled bytes* in
 them, so that a pickling failure is reported as the failure of one call, never as a
 broken channel.
 
-This module is imported by the children before anything else: stdlib only.
+This module is imported by the children before anything else: no framework (``Role``
+comes from ``platform/launch.py``, which imports none).
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from hyper_parallel.platform.launch import Role
 
-class Role(enum.Enum):
-    """What a child process is."""
-
-    WORKER = "worker"        # one rank of the world
-    SCHEDULER = "scheduler"  # MindSpore's cluster scheduler: no rank, runs no user code
 
 
 # ---- parent -> child -------------------------------------------------------------

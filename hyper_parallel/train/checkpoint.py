@@ -412,7 +412,7 @@ def describe_layout(layout: dict[str, Any], world: int) -> str:
 
 def check_compatible(path: Path, manifest: dict[str, Any], model: dict[str, Any]) -> None:
     """Raise ``ValueError`` if the checkpoint at ``path`` cannot be loaded into a run of
-    ``model`` (the model record, ``loop.model_record``) in any layout: it has another
+    ``model`` (the model record, ``records.model_record``) in any layout: it has another
     format, or another model (other sizes give other tensors; other constants another
     function). Formats 2 (``.npz``) and 3 (safetensors) both load."""
     if manifest.get("format") not in READABLE_FORMATS:
@@ -440,7 +440,7 @@ SHOWN_DIFFERENCES = 3
 
 def parameter_differences(manifest: dict[str, Any], model: dict[str, Any]) -> list[str]:
     """The parameters whose global shape differs between the checkpoint (``manifest``) and
-    a decoder of the model record ``model`` (``loop.model_record``), or that only one of
+    a decoder of the model record ``model`` (``records.model_record``), or that only one of
     them has, in the decoder's parameter order then the checkpoint's extra ones:
     ``"layers.0.attention.wq.weight has shape (32, 32) in the checkpoint, (64, 64) in this
     run"``. Empty when every shape matches (the models may still differ in a constant,

@@ -19,11 +19,10 @@ many machines::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import sys
 
+from hyper_parallel.platform import requested_platform
 from hyper_parallel.train import preflight
 from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PP_SCHEDULES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
@@ -35,13 +34,6 @@ DEFAULT_LAYOUT_AXIS = "dp_shard"
 LAYOUT_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
 
 
-def _default_platform() -> str:
-    chosen = os.environ.get("HYPER_PARALLEL_PLATFORM", "").strip()
-    if chosen:
-        return chosen
-    return "torch" if importlib.util.find_spec("torch") is not None else "mindspore"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -49,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--platform", default=None,
                    help="torch or mindspore, or a backend name (torch-cuda, mindspore-ascend); default: "
-                        "$HYPER_PARALLEL_PLATFORM, else torch if installed, else mindspore")
+                        "$HYPER_PARALLEL_PLATFORM, else the only framework installed, else mindspore")
     t.add_argument("--nproc", type=int, default=None,
                    help="ranks to start on this machine (default: the product of the layout degrees, or 4); inside "
                         "torchrun/msrun the launcher's world size, leave it out there")
@@ -184,7 +176,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError("--hf-config takes the model from the Hugging Face configuration (TrainConfig derives its "
                          "sizes): drop --model, --dim/--n-layers/--n-heads/--n-kv-heads/--hidden-dim and "
                          "--tie-embeddings")
-    return TrainConfig(platform=args.platform or _default_platform(), nproc=nproc, model=model, model_name=name,
+    return TrainConfig(platform=args.platform or requested_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        warmup_steps=args.warmup_steps, max_norm=args.max_norm, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,

@@ -13,8 +13,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: Byte-level tokens: one token per byte.
-VOCAB_SIZE = 256
+from hyper_parallel.platform import requested_platform
+from hyper_parallel.train.hf_config import model_config, read_hf_config
+from hyper_parallel.train.model_config import PRESETS, ModelConfig
 
 #: ``--cp-mode`` values (context parallelism: Ulysses all-to-all, ring attention,
 #: all-gathered key/value, and the 2-D Ulysses x ring hybrid).
@@ -53,63 +54,6 @@ NOT_YET: dict[str, str] = {}
 #: Virtual pipeline stages per rank of ``--pp-schedule interleaved-1f1b`` (Megatron-LM's
 #: interleaving; the other schedules run one stage per rank).
 INTERLEAVED_STAGES_PER_RANK = 2
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """A Llama-style decoder (Touvron et al., *LLaMA*, 2023): RMSNorm, rotary position
-    embeddings, SwiGLU MLP, grouped-query attention, tied or untied output head.
-
-    Attributes:
-        dim: model width (features per token).
-        n_layers: decoder blocks.
-        n_heads: query heads; ``dim`` must be divisible by it.
-        n_kv_heads: key/value heads (grouped-query attention); divides ``n_heads``.
-        hidden_dim: SwiGLU inner width.
-        max_seq_len: longest sequence the rotary tables cover.
-        tie_embeddings: the output head reuses the token embedding matrix.
-        rope_theta: rotary base frequency.
-        norm_eps: RMSNorm epsilon.
-    """
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    hidden_dim: int
-    max_seq_len: int = 1024
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    vocab_size: int = VOCAB_SIZE
-
-    def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model: {name}={value!r} must be a positive integer")
-        if self.dim % self.n_heads:
-            raise ValueError(f"model: dim={self.dim} must be divisible by n_heads={self.n_heads} "
-                             f"(head_dim = dim / n_heads); pick dim as a multiple of {self.n_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"model: head_dim={self.dim // self.n_heads} (dim / n_heads) must be even for rotary "
-                             "embeddings, which rotate pairs of features; change dim or n_heads")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model: n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads} "
-                             "(each key/value head serves n_heads / n_kv_heads query heads)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-
-#: ``--model`` presets. ``tiny`` is for tests (a few seconds per step on CPU); ``small`` is
-#: the default job (about 0.8 M parameters, learns byte-level Python in minutes on CPU).
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(dim=32, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=64, max_seq_len=256),
-    "small": ModelConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=352, max_seq_len=1024),
-    "base": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1408, max_seq_len=2048),
-}
 
 
 def default_ulysses_degree(cp: int, heads: int, kv_heads: int) -> int | None:
@@ -217,7 +161,9 @@ class TrainConfig:
     """One training run.
 
     Attributes:
-        platform: ``"torch"`` or ``"mindspore"`` (or a full backend name, ``"torch-cuda"``).
+        platform: ``"torch"`` or ``"mindspore"`` (or a full backend name, ``"torch-cuda"``); default:
+            ``platform.requested_platform()`` (the selection rule: the environment variable, the
+            framework imported, the only one installed, else MindSpore).
         nproc: ranks on this machine (``Layout.world_size`` must equal it).
         model: the model sizes (a preset or explicit).
         layout: the parallel degrees.
@@ -245,7 +191,7 @@ class TrainConfig:
             sizes (``hf_config.model_config``).
     """
 
-    platform: str = "torch"
+    platform: str = field(default_factory=requested_platform)
     nproc: int = 4
     model: ModelConfig = field(default_factory=lambda: PRESETS["small"])
     model_name: str = "small"
@@ -370,8 +316,6 @@ class TrainConfig:
         the sizes of its configuration (``hf_config.model_config``), which the layout is
         checked against."""
         import importlib.util
-
-        from hyper_parallel.train.hf_config import model_config, read_hf_config
 
         source = read_hf_config(self.hf_config)
         # frozen dataclass: the derived sizes are recorded once, here, before any rank starts

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hyper_parallel.testing.process import exit_status
+from hyper_parallel.platform.launch import exit_status
 
 #: the folder under ``--out`` with each failed rank's ``rank_N.error`` and ``rank_N.exit``
 ERROR_DIR = ".ranks"
@@ -49,7 +49,7 @@ def error_path(run_dir: Path, rank: int) -> Path:
     return run_dir / ERROR_DIR / f"rank_{rank}.error"
 
 
-#: ``"exit code 1"`` / ``"killed by signal 9 (SIGKILL)"`` (the harness's wording, one helper)
+#: ``"exit code 1"`` / ``"killed by signal 9 (SIGKILL)"`` (the harness's wording: ``platform/launch``)
 describe_exit = exit_status
 
 

@@ -59,7 +59,7 @@ import numpy as np
 
 from hyper_parallel.core.fully_shard import Box
 from hyper_parallel.train import checkpoint
-from hyper_parallel.train.config import VOCAB_SIZE, ModelConfig
+from hyper_parallel.train.model_config import VOCAB_SIZE, ModelConfig
 
 #: ``--format`` values.
 FORMATS = ("hf",)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.train.config import VOCAB_SIZE, ModelConfig
+from hyper_parallel.train.model_config import VOCAB_SIZE, ModelConfig
 
 #: Files whose presence in an ``--hf-config`` folder means "load these weights".
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -84,7 +84,7 @@ UNRECORDED_KEYS = ("transformers_version", "_name_or_path")
 
 def recorded_config(source: HFSource) -> dict[str, Any]:
     """The HF configuration a checkpoint of an ``--hf-config`` run records in its manifest's
-    model record (``loop.model_record``, key ``hf_config``): the ``config.json`` as read,
+    model record (``records.model_record``, key ``hf_config``): the ``config.json`` as read,
     without ``UNRECORDED_KEYS``. ``--resume`` needs the same one (another configuration is
     another model); ``hyper-parallel export`` writes it as the exported ``config.json``."""
     return {key: value for key, value in source.document.items() if key not in UNRECORDED_KEYS}

@@ -2,9 +2,10 @@
 
 torch: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
 hyper_parallel.train.rank CONFIG.json`` (torchrun). MindSpore: one scheduler
-(``MS_ROLE=MS_SCHED``, ``hyper_parallel.platform.mindspore.run_scheduler()``) plus N workers
+(``MS_ROLE=MS_SCHED``, ``hyper_parallel.platform.launch.run_scheduler()``) plus N workers
 (``MS_ROLE=MS_WORKER``, ``MS_NODE_ID``), all dialling ``MS_SCHED_HOST:MS_SCHED_PORT``, the
 environment launch msrun itself performs; the same command runs under ``msrun`` on many machines.
+Which processes and which environment: ``platform/launch.py``, shared with the test harness.
 
 Every process is started in its own session, so a kill reaches everything it started.
 A rank that fails, or a run past ``timeout_s``, kills the whole group; the error names the
@@ -16,21 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from hyper_parallel.testing.ports import free_port
+from hyper_parallel.platform.launch import HOST, SCHEDULER_COMMAND, Role, common_env, free_port, launch_plan
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.exits import ERROR_DIR, describe_exit, report
 
-HOST = "127.0.0.1"
 #: seconds a MindSpore scheduler may outlive its workers before it is stopped
 SCHEDULER_GRACE_S = 10.0
 
@@ -41,30 +39,10 @@ class LaunchError(RuntimeError):
 
 def _base_env(cfg: TrainConfig) -> dict[str, str]:
     env = dict(os.environ)
-    env["HYPER_PARALLEL_PLATFORM"] = cfg.platform
-    env["PYTHONUNBUFFERED"] = "1"
-    # N ranks on a few cores: one intra-op thread each (torchrun's default too); more
-    # threads only oversubscribe the cores.
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(common_env(cfg.platform))
     # the package this process imported, first on the ranks' path
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(x for x in (package_root, env.get("PYTHONPATH", "")) if x)
-    if cfg.platform.startswith("torch") and "GLOO_SOCKET_IFNAME" not in env:
-        names = [name for _, name in socket.if_nameindex()]
-        loopback = next((n for n in ("lo", "lo0") if n in names), None)
-        if loopback:  # every rank is on this host
-            env["GLOO_SOCKET_IFNAME"] = loopback
-    if cfg.platform.startswith("mindspore"):
-        env.setdefault("GLOG_v", "3")  # MindSpore logs each rendezvous retry as a warning
-        # MindSpore's heartbeat bound also caps how long a CPU receive waits for its message,
-        # and a pipeline stage waits for its neighbour's whole forward or backward: with a
-        # bound of a minute, a loaded 2-core host failed a pp 2 x dp-replicate 2 run in CI.
-        # A failed rank is not found by this bound but by launch() (its process exits and
-        # the group is killed: seconds, test_launch_failures), so it only has to outlast
-        # the run's own --timeout.
-        bound = str(math.ceil(cfg.timeout_s))
-        env.setdefault("MS_NODE_TIMEOUT", bound)
-        env.setdefault("MS_HEARTBEAT_RETRY_TIMEOUT", bound)
     return env
 
 
@@ -87,13 +65,15 @@ def _commands(cfg: TrainConfig, config_path: Path) -> list[tuple[str, list[str],
     if cfg.platform.startswith("torch"):
         return [("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                               "--nproc-per-node", str(cfg.nproc), *rank_cmd], env)]
-    cluster = {**env, "MS_SCHED_HOST": HOST, "MS_SCHED_PORT": str(free_port(HOST)), "MS_WORKER_NUM": str(cfg.nproc)}
-    procs = [(f"rank {r}", [sys.executable, *rank_cmd],
-              {**cluster, "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(r), "LOCAL_RANK": str(r)})
-             for r in range(cfg.nproc)]
-    scheduler = "from hyper_parallel.platform.mindspore import run_scheduler; run_scheduler()"
-    procs.append(("the scheduler", [sys.executable, "-c", scheduler], {**cluster, "MS_ROLE": "MS_SCHED"}))
-    return procs
+    # MindSpore's heartbeat bound also caps how long a CPU receive waits for its message,
+    # and a pipeline stage waits for its neighbour's whole forward or backward: with a
+    # bound of a minute, a loaded 2-core host failed a pp 2 x dp-replicate 2 run in CI. A
+    # failed rank is not found by this bound but by launch() (its process exits and the
+    # group is killed: seconds, test_launch_failures), so it only has to outlast the run's
+    # own --timeout.
+    plans = launch_plan(cfg.platform, cfg.nproc, free_port(HOST), node_timeout_s=cfg.timeout_s)
+    return [(plan.label, [sys.executable, *(rank_cmd if plan.role is Role.WORKER else SCHEDULER_COMMAND)],
+             {**env, **plan.env}) for plan in plans]
 
 
 def launch(cfg: TrainConfig) -> None:

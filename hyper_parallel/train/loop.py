@@ -15,7 +15,6 @@ data position: batches depend only on ``(seed, step)`` (``data``).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 import warnings
@@ -41,6 +40,8 @@ from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh,
 from hyper_parallel.train.grad_norm import GlobalGradNorm, clip_coefficient
 from hyper_parallel.train.pipeline import Pipeline, build_pipeline, forward_loss
 from hyper_parallel.train.pipeline import train_step as pipeline_train_step
+from hyper_parallel.train.preflight import no_checkpoint_message
+from hyper_parallel.train.records import data_record, layout_record, model_record
 
 #: validation batches are drawn with this stream id (train: 0), see data.global_batch
 VALIDATION_STREAM = 1
@@ -210,34 +211,6 @@ def restore(run: _Run, loaded: checkpoint.Loaded) -> None:
     run.optimizer.load_state_arrays(state)
 
 
-def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
-    """The layout a checkpoint was written by: the degrees (and the pipeline stages). A
-    resume in another one reshards."""
-    record: dict[str, Any] = {"degrees": layout.degrees()}
-    if layout.pp > 1:
-        record["pipeline_stages"] = layout.num_stages
-    return record
-
-
-def model_record(cfg: TrainConfig) -> dict[str, Any]:
-    """The model a checkpoint holds: every field of ``ModelConfig`` (a resume needs the same)
-    and, for an ``--hf-config`` run, the HF configuration under ``hf_config``
-    (``hf_config.recorded_config``: plain JSON, read again here, no ``transformers``), from
-    which ``hyper-parallel export`` writes the exported model's ``config.json``."""
-    record = dataclasses.asdict(cfg.model)
-    if cfg.hf_config is not None:
-        from hyper_parallel.train.hf_config import read_hf_config, recorded_config
-
-        record["hf_config"] = recorded_config(read_hf_config(cfg.hf_config))
-    return record
-
-
-def data_record(cfg: TrainConfig) -> dict[str, Any]:
-    """What, with the step, decides the batches (``data.global_batch``): a resume with other
-    values continues on another data stream (allowed, with a warning)."""
-    return {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}
-
-
 def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     """Build this rank's model, optimizer and data for ``cfg`` (collective when the layout
     has more than one rank). ``reference``: ignore the layout and run on this rank alone
@@ -319,8 +292,6 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
         if loaded is None:
             # the command line refuses this before any rank starts (preflight.check_resume); a
             # rank gets here when the folder is not shared with it, or lost its checkpoints since
-            from hyper_parallel.train.preflight import no_checkpoint_message
-
             raise ValueError(f"rank {run.rank}: {no_checkpoint_message(cfg)}")
         _announce(run, loaded)
         restore(run, loaded)

@@ -11,56 +11,18 @@ mistakes surfaced as a traceback from every rank (an unavailable backend, an unw
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 import warnings
 from pathlib import Path
 
-from hyper_parallel.platform.base import BACKENDS
+from hyper_parallel.platform import backend_problem
 from hyper_parallel.train.config import TrainConfig
-
-#: ``--platform`` framework names (without a device: the framework picks it, CPU if none).
-FRAMEWORKS = ("torch", "mindspore")
-
-
-def platform_problem(name: str) -> str | None:
-    """Why the backend ``name`` (``torch``, ``mindspore`` or a ``BACKENDS`` name) cannot run
-    on this machine, or ``None`` if it can.
-
-    CPU backends are checked by finding the framework (no import); an accelerator backend
-    is constructed once, in this process, without being selected, so the rule is the
-    backend's own (``TorchPlatform``/``MindSporePlatform`` raise ``RuntimeError`` for a
-    device they cannot use). That imports the framework here (seconds), once per launch.
-    """
-    framework, device = BACKENDS.get(name, (name, None))
-    if framework not in FRAMEWORKS:
-        return f"it is not a backend; use one of {', '.join(FRAMEWORKS + tuple(BACKENDS))}"
-    if importlib.util.find_spec(framework) is None:
-        installed = [f for f in FRAMEWORKS if importlib.util.find_spec(f) is not None]
-        return f"{framework} is not installed here (installed: {', '.join(installed) or 'none'})"
-    if device in (None, "cpu"):
-        return None
-    if (framework, device) == ("torch", "npu") and importlib.util.find_spec("torch_npu") is None:
-        # checked first: without it the constructor's message cannot say which part is missing
-        return "torch_npu is not installed here (it needs Ascend CANN)"
-    try:
-        if framework == "torch":
-            from hyper_parallel.platform.torch import TorchPlatform
-
-            TorchPlatform(device)
-        else:
-            from hyper_parallel.platform.mindspore import MindSporePlatform
-
-            MindSporePlatform(device)
-    except (RuntimeError, ImportError, OSError) as err:  # torch_npu without CANN fails to import
-        return f"{type(err).__name__}: {err}"
-    return None
-
+from hyper_parallel.train.records import model_record
 
 def check_platform(cfg: TrainConfig) -> None:
-    """``ValueError`` if ``--platform`` cannot run here (``platform_problem``)."""
-    problem = platform_problem(cfg.platform)
+    """``ValueError`` if ``--platform`` cannot run here (``platform.backend_problem``)."""
+    problem = backend_problem(cfg.platform)
     if problem is not None:
         cpu = "torch-cpu" if cfg.platform.startswith("torch") else "mindspore-cpu"
         raise ValueError(f"--platform={cfg.platform!r} cannot run on this machine: {problem}; use --platform {cpu} "
@@ -97,7 +59,6 @@ def check_resume(cfg: TrainConfig, verify: bool = True) -> None:
     ``verify=False`` (inside a launcher, where every rank verifies what it loads): only
     whether any ``step_*`` folder exists, without reading the shards."""
     from hyper_parallel.train import checkpoint
-    from hyper_parallel.train.loop import model_record
 
     if not cfg.resume:
         return

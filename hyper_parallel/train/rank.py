@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.testing.rendezvous import LAUNCH_BLOCKING_VAR
+from hyper_parallel.platform.launch import LAUNCH_BLOCKING_VAR, run_scheduler
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.exits import ERROR_DIR, supervise
 from hyper_parallel.train.exits import error_path as _error_path
@@ -66,13 +66,11 @@ def run_rank(cfg: TrainConfig) -> list[dict[str, Any]]:
     import hyper_parallel as hp
 
     if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun-style scheduler process
-        from hyper_parallel.platform.mindspore import run_scheduler
-
         run_scheduler()
         return []
     p = hp.init(cfg.platform)
     if p.name == "mindspore-cpu" and LAUNCH_BLOCKING_VAR not in os.environ:
-        # [Note: MindSpore CPU ranks launch blocking] in hyper_parallel/testing/rendezvous.py:
+        # [Note: MindSpore CPU ranks launch blocking] in hyper_parallel/platform/launch.py:
         # 4 ranks of tp 2 x dp-shard 2 on 2 cores took 6.3 s a step with PyNative's async
         # dispatch and 0.64 s without it, the same losses. Not on Ascend, where the
         # asynchronous launch is what keeps the device busy.

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import hyper_parallel as hp
-from hyper_parallel.core.context_parallel.sharded_qkv import (FUSED_LAYOUTS, attention_on_dtensors,
-                                                          attention_on_local_shards, independent_shards_problem)
+from hyper_parallel.core.context_parallel.fused_attention import (attention_on_dtensors, attention_on_local_shards,
+                                                                  independent_shards_problem)
+from hyper_parallel.core.context_parallel.sharded_qkv import FUSED_LAYOUTS
 from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.core.dtensor.layout import Layout
 from hyper_parallel.platform import get_platform

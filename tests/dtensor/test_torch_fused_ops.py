@@ -199,3 +199,55 @@ def check_torch_matmul_function(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_torch_matmul_function(run_on_ranks, world) -> None:
     run_on_ranks(check_torch_matmul_function, world, world_size=world, timeout_s=300)
+
+
+def check_torch_split(mesh_shape: tuple[int, ...]) -> list:
+    """``torch.split`` (sizes and one size), ``Tensor.chunk`` and ``Tensor.split`` of a
+    ``[5, 6]`` DTensor (5 rows: uneven over 2 and 4) along each dim, on each placement: the
+    pieces' values, their placements (core's ``dispatch_split``, the rule MindSpore's
+    ``mint.split`` reaches too: ``test_mindspore_tp_surface.test_split``), and the input's
+    gradient (the pieces weighted differently)."""
+    import torch
+
+    from hyper_parallel.core.dtensor.dispatch import _has_empty_piece
+
+    mesh = _mesh(mesh_shape)
+    full = np.arange(30, dtype=np.float64).reshape(5, 6)
+    splits = {"sizes": (lambda t, d: torch.split(t, [2, t.shape[d] - 2], d), lambda a, d: [2]),
+              "size": (lambda t, d: torch.split(t, 3, d), lambda a, d: list(range(3, a.shape[d], 3))),
+              "chunk": (lambda t, d: t.chunk(2, d), lambda a, d: [-(-a.shape[d] // 2)]),
+              "method": (lambda t, d: t.split(2, d), lambda a, d: list(range(2, a.shape[d], 2)))}
+    out = []
+    layouts = [(Shard(0),), (Shard(1),), (Replicate(),)] if len(mesh_shape) == 1 else [(Shard(0), Shard(1))]
+    for placements in layouts:
+        for name, (split, cuts) in splits.items():
+            for dim in (0, 1):
+                x = distribute_tensor(torch.tensor(full), mesh, placements).requires_grad_(True)
+                pieces = split(x, dim)
+                want = np.split(full, cuts(full, dim), dim)
+                values_ok = len(pieces) == len(want) and all(
+                    np.array_equal(piece.full_tensor().detach().numpy(), w) for piece, w in zip(pieces, want))
+                gathered = [Replicate() if isinstance(pl, Shard) and pl.dim == dim else pl for pl in placements]
+                empty = _has_empty_piece(full.shape, gathered, mesh.shape)
+                kept = [pl for pl in gathered if not pl.is_replicate() and not empty]
+                placements_ok = all(
+                    [pl for pl in piece.placements if not pl.is_replicate()] == kept for piece in pieces)
+                sum((k + 1.0) * p.sum() for k, p in enumerate(pieces)).backward()
+                # the whole gradient (its placements follow the pieces', as torch's DTensor
+                # leaves a leaf's gradient wherever the backward put it)
+                want_grad = np.concatenate([np.full(w.shape, k + 1.0) for k, w in enumerate(want)], dim)
+                out.append((str(placements), name, dim, values_ok, placements_ok,
+                            x.grad.full_tensor().numpy(), want_grad))
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2", "4", "2x2"])
+def test_torch_split(run_on_ranks, mesh_shape) -> None:
+    """A split that took the fallback would come back Replicate, which ``placements_ok``
+    rejects where the input was sharded (it did before core planned torch's split)."""
+    for got in run_on_ranks(check_torch_split, mesh_shape, world_size=int(np.prod(mesh_shape)), timeout_s=300):
+        for placements, name, dim, values_ok, placements_ok, grad, want_grad in got:
+            what = f"{name} along {dim} of {placements}"
+            assert values_ok, what
+            assert placements_ok, what
+            np.testing.assert_array_equal(grad, want_grad, err_msg=what)

@@ -17,7 +17,7 @@ import pytest
 
 import hyper_parallel.testing.pool as pool_module
 from hyper_parallel.testing import PoolCache, RankError, RankTimeout, WorkerPool
-from hyper_parallel.testing.ports import free_port
+from hyper_parallel.platform.launch import free_port
 from hyper_parallel.testing.pytest_plugin import RunOnRanks
 from tests.harness import rank_functions as fns
 from tests.harness.processes import wait_until_gone

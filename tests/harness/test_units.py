@@ -7,8 +7,9 @@ import socket
 
 import pytest
 
+from hyper_parallel.platform import requested_platform
 from hyper_parallel.testing import PoolCache, RankError, RankTimeout, WorkerPool, free_port, selected_platform
-from hyper_parallel.testing.ports import is_address_in_use, port_in_use
+from hyper_parallel.platform.launch import is_address_in_use, port_in_use
 from hyper_parallel.testing.rendezvous import launch_plan
 
 
@@ -66,5 +67,8 @@ def test_bad_arguments_fail_before_any_process_starts() -> None:
 def test_selected_platform_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYPER_PARALLEL_PLATFORM", "mindspore-cpu")
     assert selected_platform() == "mindspore-cpu"
-    monkeypatch.delenv("HYPER_PARALLEL_PLATFORM")
+    monkeypatch.setenv("HYPER_PARALLEL_PLATFORM", "torch")
     assert selected_platform() == "torch-cpu"
+    # unset: the CPU backend of the framework the one selection rule picks (DESIGN's order)
+    monkeypatch.delenv("HYPER_PARALLEL_PLATFORM")
+    assert selected_platform() == f"{requested_platform()}-cpu"

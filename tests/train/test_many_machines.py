@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hyper_parallel.testing.ports import free_port
+from hyper_parallel.platform.launch import free_port
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train import checkpoint
 from hyper_parallel.train.cli import build_parser, config_from_args

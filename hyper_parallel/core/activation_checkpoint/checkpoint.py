@@ -83,6 +83,7 @@ from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.policy import check_policy_fn, keep_outputs
 from hyper_parallel.core.activation_checkpoint.region import _EXIT, _PHASE, CheckpointPhase
+from hyper_parallel.core.module_attrs import FULLY_SHARDED_ATTR
 from hyper_parallel.platform import Capability, get_platform
 
 #: ``context_fn() -> (forward_context, recompute_context)``, torch's ``checkpoint`` hook.
@@ -326,13 +327,10 @@ def apply_activation_checkpointing(model: Any, check_fn: Callable[[Any], bool] |
 
 
 def _check_wrappable(module: Any, caller: str, name: str) -> None:
-    # Imported here: fully_shard imports ``region`` from this package.
-    from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR
-
     if CHECKPOINT_ATTR in vars(module):
         raise ValueError(f"{caller}: {name} is already checkpointed")
     sharded = [sub_name or "<itself>" for sub_name, sub in get_platform().named_modules(module)
-               if STATE_ATTR in vars(sub)]
+               if FULLY_SHARDED_ATTR in vars(sub)]
     if sharded:
         raise ValueError(f"{caller}: {name} holds fully sharded modules {sharded[:3]}; apply activation "
                          "checkpointing before fully_shard (the chain is tensor parallel, context parallel, "

@@ -323,17 +323,6 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
     if dispatch_skipped():
         out = local_fn(*[t.to_local() for t in dtensors])
         return dtensors[inplace] if inplace is not None else out
-    if op == "cross_entropy" and not isinstance(params, tuple):
-        from hyper_parallel.core.dtensor import loss_parallel
-
-        # class-sharded logits (see [Note: vocabulary-parallel cross-entropy]), or a
-        # framework's own cross-entropy with an ignore index and torch's reductions
-        # (``local_fn`` then gives the per-row losses)
-        axis = loss_parallel.class_axis(dtensors[0])
-        params = dict(params or {})
-        if axis is not None or "ignore_index" in params:
-            return loss_parallel.reduced_cross_entropy(dtensors[0], dtensors[1], axis, params["reduction"],
-                                                       params.get("ignore_index"), local_fn)
     if op not in OP_RULES:
         _refuse_sharded_inplace(op, dtensors, inplace)
         return _fallback(op, dtensors, local_fn, differentiable=True)
@@ -481,3 +470,46 @@ def _fallback(op: str, dtensors: Sequence[DTensor], local_fn: Callable[..., Any]
     if isinstance(out, (tuple, list)):
         return type(out)(wrap(v) for v in out)
     return wrap(out)
+
+
+def dispatch_split(x: DTensor, dim: int, local_fn: Callable[[Any], Sequence[Any]], *,
+                   differentiable: bool = True) -> tuple[DTensor, ...]:
+    """A split or chunk of ``x`` into pieces along ``dim`` (``torch.split`` /
+    ``Tensor.chunk`` / ``mint.split`` / ``mint.chunk``): ``local_fn(local)`` splits the
+    local tensor as the call asked, and each piece has ``x``'s placements where no mesh
+    axis shards ``dim``. An axis that shards ``dim`` is gathered first (to ``Replicate``
+    there: all-gather) and its pieces are ``Replicate`` on it; so is an axis that would
+    leave a rank an empty piece ([Note: no empty pieces]). A split is linear, so a
+    ``Partial`` stays.
+
+    Args:
+        x: the DTensor split, any shape and dtype.
+        dim: the dim split along (negative counts from the end).
+        local_fn: this rank's split of a local tensor whose ``dim`` is whole.
+        differentiable: above autograd (MindSpore's ``__fallback__``: the gather and the
+            wraps are differentiable); ``False`` below it (torch's ``__torch_dispatch__``,
+            where autograd records the split on the DTensors themselves).
+
+    Returns:
+        The pieces, DTensors of ``x``'s mesh, in order.
+    """
+    ndim = len(x.shape)
+    dim %= ndim
+    placements = [Replicate() if isinstance(pl, Shard) and pl.dim % ndim == dim else pl for pl in x.placements]
+    mesh = x.device_mesh
+    for axis in reversed(range(mesh.ndim)):
+        if not _has_empty_piece(x.shape, placements, mesh.shape):
+            break
+        placements[axis] = Replicate()
+    target = tuple(placements)
+    if differentiable:
+        local = (x.redistribute(mesh, target) if target != tuple(x.placements) else x).to_local()
+    else:
+        local = redistribute_raw(x._local, x.spec, target)
+    wrap = wrap_local if differentiable else make_dtensor
+    shape = list(x.shape)
+    out = []
+    for piece in local_fn(local):
+        shape[dim] = int(piece.shape[dim])  # dim is whole on this rank: the piece's size is global
+        out.append(wrap(piece, DTensorSpec(mesh, target, tuple(shape))))
+    return tuple(out)

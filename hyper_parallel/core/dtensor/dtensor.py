@@ -213,137 +213,13 @@ class DTensor:
     def dtype(self) -> Any:
         return self._local.dtype
 
-    # -- ops (sharding propagation: see op_rules.py; the functions live in functional.py) --
-    def __add__(self, other: Any) -> DTensor:
-        return _functional().add(self, other)
-
-    def __radd__(self, other: Any) -> DTensor:
-        return _functional().add(other, self)
-
-    def __sub__(self, other: Any) -> DTensor:
-        return _functional().sub(self, other)
-
-    def __rsub__(self, other: Any) -> DTensor:
-        return _functional().sub(other, self)
-
-    def __mul__(self, other: Any) -> DTensor:
-        return _functional().mul(self, other)
-
-    def __rmul__(self, other: Any) -> DTensor:
-        return _functional().mul(other, self)
-
-    def __truediv__(self, other: Any) -> DTensor:
-        return _functional().div(self, other)
-
-    def __rtruediv__(self, other: Any) -> DTensor:
-        return _functional().div(other, self)
-
-    def __neg__(self) -> DTensor:
-        return _functional().neg(self)
-
-    def __pow__(self, exponent: float) -> DTensor:
-        return _functional().pow(self, exponent)
-
-    def __matmul__(self, other: Any) -> DTensor:
-        return _functional().matmul(self, other)
-
-    def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> DTensor:
-        """See ``functional.sum``."""
-        return _functional().sum(self, dim, keepdim)
-
-    def mean(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> DTensor:
-        """See ``functional.mean``."""
-        return _functional().mean(self, dim, keepdim)
-
-    def amax(self, dim: int | Sequence[int], keepdim: bool = False) -> DTensor:
-        """See ``functional.amax``."""
-        return _functional().amax(self, dim, keepdim)
-
-    def exp(self) -> DTensor:
-        return _functional().exp(self)
-
-    def log(self) -> DTensor:
-        return _functional().log(self)
-
-    def float(self) -> DTensor:
-        """float32 (see ``functional.to_float``)."""
-        return _functional().to_float(self)
-
-    def reshape(self, *shape: int) -> DTensor:
-        """See ``functional.reshape``."""
-        return _functional().reshape(self, *shape)
-
-    def view(self, *shape: int) -> DTensor:
-        """See ``functional.view``."""
-        return _functional().view(self, *shape)
-
-    def transpose(self, dim0: int, dim1: int) -> DTensor:
-        """See ``functional.transpose``."""
-        return _functional().transpose(self, dim0, dim1)
-
-    def permute(self, *dims: int) -> DTensor:
-        """See ``functional.permute``."""
-        return _functional().permute(self, *dims)
-
     # -- what a backend's DTensor class calls (see Platform.dtensor_type) ----------------
     @staticmethod
-    def dispatch_op(op: str, dtensors: Sequence[DTensor], local_fn: Any,
-                    params: dict[str, Any] | tuple[Any, ...] | None = None, inplace: int | None = None,
-                    with_local_shape: bool = False) -> Any:
-        """Run an intercepted framework op: ``dispatch.dispatch_local``."""
-        return _dispatch.dispatch_local(op, dtensors, local_fn, params, inplace=inplace,
-                                        with_local_shape=with_local_shape)
-
-    @staticmethod
-    def local_plan(op: str, specs: Sequence[DTensorSpec], params: Any = None, inplace: int | None = None) -> Any:
-        """The plan of an op that needs no communication: ``dispatch.local_plan``."""
-        return _dispatch.local_plan(op, specs, params, inplace)
-
-    @staticmethod
-    def check_result(op: str, out: Any, plan: Any) -> None:
-        """``dispatch.check_result``."""
-        _dispatch.check_result(op, out, plan)
-
-    @staticmethod
-    def freeze_params(params: dict[str, Any] | None) -> tuple[Any, ...]:
-        """``params`` frozen for ``dispatch_op`` (a backend caching its translations)."""
-        return _dispatch.freeze_params(params)
-
-    @staticmethod
-    def dispatch_explicit(op: str, tensors: Sequence[Any], local_fn: Any, params: dict[str, Any] | None = None,
-                          inplace: int | None = None, with_local_shape: bool = False) -> Any:
-        """Run a framework function above autograd, as the explicit calls of
-        ``functional.py`` do: ``dispatch.dispatch`` (torch routes the few composite
-        functions whose decomposition would lose a sharding here, such as a batched
-        matmul with sharded heads; MindSpore every intercepted op)."""
-        return _dispatch.dispatch(op, tensors, local_fn, params, inplace=inplace, with_local_shape=with_local_shape)
-
-    @staticmethod
-    def replicated_operands(dtensors: Sequence[DTensor]) -> bool:
-        """``dispatch.replicated_operands``: whether framework tensors may join these
-        DTensors as replicated operands."""
-        return _dispatch.replicated_operands(dtensors)
-
-    @staticmethod
-    def mixed_operand_message(op: str, kinds: Sequence[str]) -> str:
-        """``dispatch.mixed_operand_message``."""
-        return _dispatch.mixed_operand_message(op, kinds)
-
-    @staticmethod
-    def dispatch_skipped() -> bool:
-        """Whether ``SkipDTensorDispatch`` is active (ops then run on local tensors)."""
-        return _dispatch.dispatch_skipped()
-
-    @staticmethod
-    def skip_depth() -> Any:
-        """``dispatch.skip_depth``: a function returning a non-zero count inside
-        ``SkipDTensorDispatch`` (one C call, for a backend's per-op check)."""
-        return _dispatch.skip_depth()
-
-    @staticmethod
-    def full_local(dt: DTensor) -> Any:
-        """The whole tensor on this rank, outside autograd (all-gather / all-reduce)."""
-        return _dispatch.full_local(dt)
+    def entry() -> Any:
+        """The one entry from a backend's DTensor class into core's planning: the module
+        ``hyper_parallel.core.op_entry`` (see [Note: the backend entry] there). A backend
+        hands each intercepted framework op to it and runs the local call it is given."""
+        return _entry()
 
     @staticmethod
     def replicated(local: Any, mesh: DeviceMesh) -> DTensor:
@@ -420,12 +296,13 @@ def wrap_local(local: Any, spec: DTensorSpec) -> DTensor:
     return get_platform().apply_function(_FromLocal, local, spec)
 
 
-def _functional() -> Any:
-    # functional.py builds on this module (dispatch wraps results in DTensors), so the
-    # operators import it on use rather than at import time.
-    from hyper_parallel.core.dtensor import functional
+def _entry() -> Any:
+    # [Note: the backend entry] in core/op_entry.py: the one import back up from this
+    # module, made at call time (op_entry plans with dispatch.py, which builds on this
+    # module); the import-linter contract lists it as the one allowed exception.
+    from hyper_parallel.core import op_entry
 
-    return functional
+    return op_entry
 
 
 def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence[Placement], *,
@@ -458,8 +335,3 @@ def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence
         # optimizers update in place (MindSpore's Assign refuses a view)
         piece = p.clone(redistribute_local(local, replicated, placements))
         return make_dtensor(piece, DTensorSpec(device_mesh, placements, shape))
-
-
-# dispatch.py builds on this module (it wraps results in DTensors), so it is imported
-# once this module's names exist; the DTensor hooks above call into it.
-from hyper_parallel.core.dtensor import dispatch as _dispatch  # noqa: E402

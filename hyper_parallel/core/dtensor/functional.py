@@ -20,7 +20,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hyper_parallel.core.dtensor import loss_parallel
 from hyper_parallel.core.dtensor.dispatch import dispatch
+from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.op_rules import view_groups
 from hyper_parallel.platform import get_platform
 
@@ -212,6 +214,12 @@ def cross_entropy(logits: Any, target: Any, reduction: str = "mean") -> Any:
                          f"{_shape(target)}; flatten the leading dims first")
     if reduction == "mean":
         return div(cross_entropy(logits, target, "sum"), float(logits.shape[0]))
+    # class-sharded logits: [Note: vocabulary-parallel cross-entropy] (a plain target
+    # among them is refused by the dispatch below)
+    axis = loss_parallel.class_axis(logits) if isinstance(logits, DTensor) and isinstance(target, DTensor) else None
+    if axis is not None:
+        loss, _ = loss_parallel.vocab_parallel_cross_entropy(logits, target, axis)
+        return loss if reduction == "none" else sum(loss, 0)
     return dispatch("cross_entropy", (logits, target),
                     lambda x, t: get_platform().local_op("cross_entropy")(x, t, reduction), {"reduction": reduction})
 

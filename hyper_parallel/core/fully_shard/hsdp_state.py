@@ -105,13 +105,14 @@ from hyper_parallel.core.dtensor.device_mesh import _axis_lines
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam, WaitReduce
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
+from hyper_parallel.core.module_attrs import FULLY_SHARDED_ATTR
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import ReduceOp
 from hyper_parallel.platform.selective_checkpoint import unmatched
 
 
 #: The attribute of a fully sharded module that holds its ``HSDPState``.
-STATE_ATTR = "_hsdp_state"
+STATE_ATTR = FULLY_SHARDED_ATTR
 
 
 class TrainingState(enum.Enum):

@@ -47,17 +47,20 @@ class TypesSection(ABC):
         """The class DTensors have on this backend, built once per ``base`` and cached.
 
         ``base`` is core's framework-free ``DTensor`` (attributes ``_local``, the local
-        tensor, and ``_spec``; the static members the class calls: ``dispatch_op(op,
-        dtensors, local_fn, params, inplace, with_local_shape)``, ``dispatch_explicit(op,
-        tensors, local_fn, params, inplace, with_local_shape)``, ``dispatch_skipped()``,
-        ``full_local(dt)``, ``replicated(local, mesh)``, ``freeze_params(params)``).
+        tensor, and ``_spec``). ``base.entry()`` is the one entry into core the class
+        calls ([Note: the backend entry] in ``core/op_entry.py``): ``dispatch_op(op,
+        dtensors, local_fn, params, *, inplace, with_local_shape)``, ``dispatch_explicit``
+        (the same arguments), ``dispatch_split``, the fused-op plans, ``dispatch_skipped()``,
+        ``full_local(dt)``, ``replicated(local, mesh)``, ``freeze_params(params)``. The
+        backend plans nothing: it names the op, hands it over, and runs the local call it
+        is given; the platform never imports core.
 
         A backend whose framework lets a tensor subclass intercept its ops returns a
         subclass of the framework's tensor and of ``base``, constructed as
         ``cls(local, spec)`` without autograd, reporting the global shape. It names each
         framework op with a DTensor input as ``OP_RULES`` does (its non-tensor arguments
         as the rule's params) and runs ops on the local tensors while
-        ``base.dispatch_skipped()``. Where autograd records on the class's instances (a
+        ``entry.dispatch_skipped()``. Where autograd records on the class's instances (a
         wrapper with no storage of its own: torch's ``__torch_dispatch__`` subclass) the
         class sets ``wrapper_autograd = True`` and routes to ``dispatch_op``, below
         autograd; where the instances share their local tensor's autograd identity

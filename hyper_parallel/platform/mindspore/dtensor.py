@@ -87,7 +87,7 @@ _PRIMITIVES: dict[str, tuple[str, str]] = {
     # a Cell's backward (pre) hook on its outputs (fully_shard's pre-backward): identity
     "CellBackwardHook": ("identity", "identity"),
     "Contiguous": ("clone", "pointwise"),
-    # under ContextParallel: the module's algorithm (flash_attention_score.py); else the rules
+    # planned by core (core/context_parallel/flash_attention_score.py), else by the rules
     "FlashAttentionScore": ("FlashAttentionScore", "fused_attention"),
 }
 
@@ -117,6 +117,7 @@ def build_dtensor_type(base: type, ms: Any) -> type:
     from mindspore._c_expression import NoFallbackGuard
 
     Tensor, Parameter = ms.Tensor, ms.Parameter
+    entry = base.entry()  # [Note: the backend entry] in core/op_entry.py
 
     def is_dtensor(x: Any) -> bool:
         return isinstance(x, DTensor)
@@ -223,21 +224,21 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                     return legacy(prim, name, tuple(inner))
 
                 args = list(inputs)
-            if base.dispatch_skipped():
+            if entry.dispatch_skipped():
                 out = call_op(op, unwrap(args), unwrap(kwargs))
                 inplace = _PRIMITIVES.get(name, ("", ""))[1] == "inplace"
                 return args[0] if inplace else out
             rule, kind = _PRIMITIVES.get(name, (name, "plain"))
-            return _dispatch(base, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
+            return _dispatch(entry, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
 
     DTensor.__qualname__ = DTensor.__name__ = "DTensor"
     return DTensor
 
 
-def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[Any], kwargs: dict[str, Any],
+def _dispatch(entry: Any, op: Any, name: str, rule: str, kind: str, args: list[Any], kwargs: dict[str, Any],
               is_dtensor: Callable[[Any], bool], call_op: Callable[..., Any]) -> Any:
-    """One intercepted primitive: its DTensor inputs, params and local call, through
-    core's explicit dispatch."""
+    """One intercepted primitive: its DTensor inputs, params and local call, handed to
+    core (``entry``: ``core/op_entry``)."""
     tensors: list[Any] = []
     positions: list[tuple[int, int | None]] = []  # (argument index, list index)
     for i, a in enumerate(args):
@@ -270,15 +271,14 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
 
     x = args[0] if args else None
     if kind == "fused_attention":
-        from hyper_parallel.platform.mindspore.flash_attention_score import flash_attention_score
-
-        routed = flash_attention_score(args, kwargs)
+        routed = entry.flash_attention_score(args, kwargs)
         if routed is not None:
             return routed
     if kind == "identity":
         return _identity(op, args, kwargs, is_dtensor, call_op)
     if kind == "split" and is_dtensor(x) and not any(is_dtensor(a) for a in args[1:]):
-        return _split(op, x, args, kwargs, call_op)
+        dim = int(args[2] if len(args) > 2 else kwargs.get("dim", kwargs.get("axis", 0)))
+        return entry.dispatch_split(x, dim, lambda local: call_op(op, [local, *args[1:]], kwargs))
     params: dict[str, Any] = {}
     inplace = None
     with_local_shape = False
@@ -303,7 +303,7 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
             def mean(local: Any) -> Any:
                 return local.sum(every, keepdim=keepdim) / count
 
-            return base.dispatch_explicit("sum", tensors, mean, params)
+            return entry.dispatch_explicit("sum", tensors, mean, params)
     elif kind == "dim1":
         params = {"dim": int(args[1] if len(args) > 1 else kwargs.get("dim", -1)) % len(x.shape)}
     elif kind == "reshape":
@@ -338,14 +338,14 @@ def _dispatch(base: type, op: Any, name: str, rule: str, kind: str, args: list[A
         if int(args[2]) != 0 or (len(args) > 3 and int(args[3]) != 0):
             rule = name
         else:
-            return base.dispatch_explicit(rule, tensors[::-1], lambda ids, w: local_call(w, ids))
+            return entry.dispatch_explicit(rule, tensors[::-1], lambda ids, w: local_call(w, ids))
     elif kind == "linear":
         if len(args) > 2 and args[2] is None:
             # Dense(x, w, None): the rule takes (x, w)
-            return base.dispatch_explicit(rule, tensors, lambda xl, wl: call_op(op, [xl, wl, None], kwargs))
+            return entry.dispatch_explicit(rule, tensors, lambda xl, wl: call_op(op, [xl, wl, None], kwargs))
     if with_local_shape:
-        return base.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
-    return base.dispatch_explicit(rule, tensors, local_call, params, inplace)
+        return entry.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
+    return entry.dispatch_explicit(rule, tensors, local_call, params, inplace=inplace)
 
 
 def _identity(op: Any, args: list[Any], kwargs: dict[str, Any], is_dtensor: Callable[[Any], bool],
@@ -361,37 +361,3 @@ def _identity(op: Any, args: list[Any], kwargs: dict[str, Any], is_dtensor: Call
     outs = call_op(op, [locals_], kwargs)
     return type(outs)(type(t).from_local(o, t.device_mesh, t.placements, shape=t.shape) if is_dtensor(t) else o
                       for o, t in zip(outs, items))
-
-
-def _split(op: Any, x: Any, args: list[Any], kwargs: dict[str, Any], call_op: Callable[..., Any]) -> tuple[Any, ...]:
-    """``mint.split`` / ``mint.chunk`` / ``Tensor.split`` of a DTensor along ``dim``
-    (``(x, sizes | size | chunks, dim)``): the pieces of the local tensor, each with the
-    input's placements, when no mesh axis shards ``dim``; otherwise ``dim`` is gathered
-    on those axes first (``redistribute`` to ``Replicate`` there, differentiable) and the
-    pieces are ``Replicate`` on them; so are axes that would leave a rank an empty piece. A split is linear, so a ``Partial`` stays. Above
-    autograd: the pieces' gradients reach the local tensor through MindSpore's own."""
-    from hyper_parallel.core.dtensor.dispatch import _has_empty_piece
-    from hyper_parallel.core.dtensor.dtensor import wrap_local
-    from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec
-    from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
-
-    ndim = len(x.shape)
-    dim = int(args[2] if len(args) > 2 else kwargs.get("dim", kwargs.get("axis", 0))) % ndim
-    placements = [Replicate() if isinstance(pl, Shard) and pl.dim % ndim == dim else pl for pl in x.placements]
-    mesh = x.device_mesh
-    # [Note: no empty pieces] in core/dtensor/dispatch.py: MindSpore's CPU slice kernels
-    # fail on a zero-size piece (5 rows over 4 ranks), so such axes go replicated
-    for axis in reversed(range(mesh.ndim)):
-        if not _has_empty_piece(x.shape, placements, mesh.shape):
-            break
-        placements[axis] = Replicate()
-    placements = tuple(placements)
-    if placements != tuple(x.placements):
-        x = x.redistribute(mesh, placements)
-    shape = list(x.shape)
-    pieces = call_op(op, [x.to_local(), *args[1:]], kwargs)
-    out = []
-    for piece in pieces:
-        shape[dim] = int(piece.shape[dim])  # dim is whole on this rank: the piece's size is global
-        out.append(wrap_local(piece, DTensorSpec(mesh, placements, tuple(shape))))
-    return tuple(out)

@@ -24,7 +24,7 @@ so it decomposes, and a head sharding of a batch of more than one is redistribut
 
 The translation is cached per call signature (the op, each DTensor's spec, the other
 arguments' values). Where core says the call needs no communication and no other local
-op (``base.local_plan``: every input already where the rule wants it), the cached entry
+op (``entry.local_plan``: every input already where the rule wants it), the cached entry
 holds the plan, and the next such call runs the aten op on the local tensors and wraps
 the result in the plan's output spec right here (the shape checked against the plan),
 without planning again: most ops of a training step (an optimizer's in-place updates,
@@ -219,10 +219,10 @@ def _check_mixed(func: Any, leaves: Sequence[Any], is_dtensor: Callable[[Any], b
             kinds = ["DTensor" if is_dtensor(x) else f"torch.Tensor{tuple(x.shape)}"
                      for x in leaves if isinstance(x, torch.Tensor)]
             cls = next(type(x) for x in leaves if is_dtensor(x))  # core's static methods are the class's
-            raise RuntimeError(cls.mixed_operand_message(str(func), kinds) + hint)
+            raise RuntimeError(cls.entry().mixed_operand_message(str(func), kinds) + hint)
 
 
-def _replicate_plain(base: type, args: tuple[Any, ...], kwargs: dict[str, Any],
+def _replicate_plain(entry: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                      is_dtensor: Callable[[Any], bool], inplace: bool) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` / ``kwargs`` with each torch.Tensor (with dims) among DTensors that are all
     replicated made a replicated DTensor (see core's [Note: framework tensors among
@@ -236,11 +236,11 @@ def _replicate_plain(base: type, args: tuple[Any, ...], kwargs: dict[str, Any],
     if not plain or (inplace and not is_dtensor(args[0])):
         return args, kwargs
     dtensors = [leaf for leaf in flat if is_dtensor(leaf)]
-    if not base.replicated_operands(dtensors):
+    if not entry.replicated_operands(dtensors):
         return args, kwargs
     mesh = dtensors[0].device_mesh
     for i in plain:
-        flat[i] = base.replicated(flat[i], mesh)
+        flat[i] = entry.replicated(flat[i], mesh)
     return (tuple(flat), kwargs) if flat_args else tree_unflatten(flat, spec)
 
 
@@ -294,8 +294,9 @@ def _run_foreach(cls: type, func: Any, op: _ForeachOp, args: tuple[Any, ...], kw
             results.append(None if inplace else out[0])
             continue
         writes_dtensor = inplace and is_dtensor(args[lists[0]][k])
-        results.append(cls.dispatch_op(rule, dtensors, lambda *ls, call=call: _foreach_result(call(*ls), ls, inplace),
-                                       params, 0 if writes_dtensor else None))
+        results.append(cls.entry().dispatch_op(rule, dtensors,
+                                               lambda *ls, call=call: _foreach_result(call(*ls), ls, inplace),
+                                               params, inplace=0 if writes_dtensor else None))
     return None if inplace else results
 
 
@@ -363,14 +364,14 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _batched_matmul(cls: type, base: type, args: tuple[Any, ...]) -> Any:
+def _batched_matmul(cls: type, entry: Any, args: tuple[Any, ...]) -> Any:
     """``@`` / ``Tensor.matmul`` of two DTensors of 3 dims or more: run whole under the
     matmul rule (batch dims shard), as the explicit ``dtensor_functional.matmul`` does,
     because the decomposition reshapes to merge the batch and head dims, which cannot
     keep a head sharding; ``None`` for other calls (they decompose)."""
     if (len(args) == 2 and all(isinstance(a, cls) for a in args)
-            and min(a.dim() for a in args) >= 3 and not base.dispatch_skipped()):
-        return base.dispatch_explicit("matmul", args, torch.matmul)
+            and min(a.dim() for a in args) >= 3 and not entry.dispatch_skipped()):
+        return entry.dispatch_explicit("matmul", args, torch.matmul)
     return None
 
 
@@ -389,6 +390,7 @@ def _view(func: Any) -> Callable[..., Any]:
 
 def build_dtensor_type(base: type) -> type:
     """The torch DTensor class over core's ``base`` (see [Note: torch DTensor dispatch])."""
+    entry = base.entry()  # [Note: the backend entry] in core/op_entry.py
 
     class DTensor(torch.Tensor, base):  # type: ignore[misc, valid-type]
         # autograd records ops on the wrappers; their aten ops run below it
@@ -399,15 +401,15 @@ def build_dtensor_type(base: type) -> type:
         __torch_function__ = torch._C._disabled_torch_function_impl
 
         def __matmul__(self, other: Any) -> Any:
-            routed = _batched_matmul(type(self), base, (self, other))
+            routed = _batched_matmul(type(self), entry, (self, other))
             return torch.Tensor.__matmul__(self, other) if routed is None else routed
 
         def __rmatmul__(self, other: Any) -> Any:
-            routed = _batched_matmul(type(self), base, (other, self))
+            routed = _batched_matmul(type(self), entry, (other, self))
             return torch.Tensor.__rmatmul__(self, other) if routed is None else routed
 
         def matmul(self, other: Any) -> Any:
-            routed = _batched_matmul(type(self), base, (self, other))
+            routed = _batched_matmul(type(self), entry, (self, other))
             return torch.Tensor.matmul(self, other) if routed is None else routed
 
         # reads of a DTensor as plain values: [Note: DTensors and torch's state-dict functions]
@@ -481,12 +483,14 @@ def build_dtensor_type(base: type) -> type:
                 if op is not None:
                     return _run_foreach(cls, func, op, args, kwargs, foreach_fits)
             key = _flat_key(cls, func, args, kwargs)
-            entry = plans.get(key) if key is not None else None
-            if entry is not None:
-                rule, params, inplace, positions, local, shaped, shape, strides = entry
+            cached = plans.get(key) if key is not None else None
+            if cached is not None:
+                rule, params, inplace, positions, local, shaped, shape, strides = cached
                 if local is not None:
                     # no communication and the op as it is: run it on the local tensors
                     # and wrap the result (dispatch_local's work, planned once per key)
+                    if recording() is not None:  # [Note: recorded rules] in core/op_entry.py
+                        entry.record_rule(rule)
                     if shaped is not None:
                         out = shaped(args[positions[0]]._local, local_shape=local.out_local_shape)
                     else:
@@ -494,7 +498,7 @@ def build_dtensor_type(base: type) -> type:
                     if inplace is not None:
                         return args[inplace]
                     if out.shape != local.out_local_shape:
-                        base.check_result(rule, out, local)  # raises, naming the op
+                        entry.check_result(rule, out, local)  # raises, naming the op
                     # __new__'s work, with the output's shape and strides from the entry
                     r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=out.dtype,
                                                             device=out.device, layout=out.layout,
@@ -502,13 +506,13 @@ def build_dtensor_type(base: type) -> type:
                     r._local = out
                     r._spec = local.out_spec
                     return r
-                return base.dispatch_op(rule, [args[i] for i in positions],
+                return entry.dispatch_op(rule, [args[i] for i in positions],
                                         shaped or _substituting(func, args, positions, kwargs=kwargs), params,
-                                        inplace, with_local_shape=shaped is not None)
-            return _run_op(cls, base, func, args, kwargs, key, plans)
+                                        inplace=inplace, with_local_shape=shaped is not None)
+            return _run_op(cls, entry, func, args, kwargs, key, plans)
 
     # (func, argument specs and values) -> (rule, params, inplace, DTensor positions,
-    # the plan when it needs no communication: ``base.local_plan``, the local call of a
+    # the plan when it needs no communication: ``entry.local_plan``, the local call of a
     # view or an expand, which takes this rank's size) of the ops that run as they are or
     # with their size: the translation, the frozen params and such a plan are computed
     # once per such key; bounded (cleared when full).
@@ -519,7 +523,8 @@ def build_dtensor_type(base: type) -> type:
     foreach_ops: dict[Any, _ForeachOp | None] = {}
     # the ids of a foreach call's specs, list by list -> (the specs, verdict): see _foreach_locals
     foreach_fits: dict[tuple[Any, ...], tuple[Any, bool]] = {}
-    skipped = base.skip_depth()
+    skipped = entry.skip_depth()
+    recording = entry.recording
     return DTensor
 
 
@@ -558,7 +563,7 @@ def _flat_key(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any
     return tuple(parts)
 
 
-def _remember(base: type, plans: dict[tuple[Any, ...], tuple[Any, ...]], key: tuple[Any, ...] | None, rule: str,
+def _remember(entry: Any, plans: dict[tuple[Any, ...], tuple[Any, ...]], key: tuple[Any, ...] | None, rule: str,
               frozen: tuple[Any, ...], written: int | None, args: tuple[Any, ...], is_dtensor: Callable[[Any], bool],
               shaped: Callable[..., Any] | None = None) -> None:
     """Cache a translated op under ``key`` (see ``plans`` in ``build_dtensor_type``)."""
@@ -567,7 +572,7 @@ def _remember(base: type, plans: dict[tuple[Any, ...], tuple[Any, ...]], key: tu
     if len(plans) >= _PLAN_CACHE_SIZE:
         plans.clear()
     positions = tuple(i for i, a in enumerate(args) if is_dtensor(a))
-    local = base.local_plan(rule, [args[i]._spec for i in positions], frozen, written)
+    local = entry.local_plan(rule, [args[i]._spec for i in positions], frozen, written)
     shape = None if local is None else tuple(local.out_spec.shape)
     strides = None if shape is None else _contiguous_strides(shape)
     plans[key] = (rule, frozen, written, positions, local, shaped, shape, strides)
@@ -592,7 +597,7 @@ def _run_skipped(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, 
     return args[0] if inplace else out
 
 
-def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+def _run_op(cls: type, entry: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             key: tuple[Any, ...] | None, plans: dict[tuple[Any, ...], tuple[Any, ...]]) -> Any:
     """An intercepted op the plan cache does not hold: translate it, run it, and cache
     its translation when the op runs as it is."""
@@ -605,11 +610,11 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
         # a foreach op whose first list came as a tuple (__torch_dispatch__ routes lists)
         return _run_foreach(cls, func, _foreach_op(func), args, kwargs, {})
     if name in ("_local_scalar_dense", "equal", "is_same_size"):
-        return func(*[base.full_local(a) if is_dtensor(a) else a for a in args], **kwargs)
+        return func(*[entry.full_local(a) if is_dtensor(a) else a for a in args], **kwargs)
     if name.startswith("new_") and is_dtensor(args[0]):
         # x.new_zeros(size) and the like: a new tensor every rank makes whole
         # (torch's DTensor makes it replicated too)
-        return base.replicated(func(args[0]._local, *args[1:], **kwargs), args[0].device_mesh)
+        return entry.replicated(func(args[0]._local, *args[1:], **kwargs), args[0].device_mesh)
     if name == "copy_" and len(args) >= 2 and isinstance(args[1], torch.Tensor) and args[1].dim() > 0:
         # a plain operand of a copy: [Note: DTensors and torch's state-dict functions]
         if is_dtensor(args[0]) and not is_dtensor(args[1]):
@@ -617,8 +622,13 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
             return dcp_protocol.copy_from_full(args[0], args[1], non_blocking)
         if not is_dtensor(args[0]):
             dcp_protocol.refuse_plain_read(args[1], "copy_ into a plain torch.Tensor")
-    args, kwargs = _replicate_plain(base, args, kwargs, is_dtensor, inplace)
-    routed = fused_ops.route(cls, name, func, args, kwargs, lambda f, leaves: _check_mixed(f, leaves, is_dtensor))
+    args, kwargs = _replicate_plain(entry, args, kwargs, is_dtensor, inplace)
+    if name in ("split", "split_with_sizes") and is_dtensor(args[0]) and not any(map(is_dtensor, args[1:])):
+        # torch.split / Tensor.chunk: core plans the pieces' placements (one rule for both frameworks)
+        dim = int(kwargs.get("dim", args[2] if len(args) > 2 else 0))
+        return list(entry.dispatch_split(args[0], dim, lambda local: func(local, *args[1:], **kwargs),
+                                         differentiable=False))
+    routed = fused_ops.route(entry, cls, name, func, args, kwargs, lambda f, leaves: _check_mixed(f, leaves, is_dtensor))
     if routed is not fused_ops.NOT_ROUTED:
         return routed
     rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs, is_dtensor)
@@ -626,9 +636,9 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
     if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand") and not kwargs:
         # the size argument is global; the local call takes this rank's
         local_fn = _view(func) if rule == "view" else (lambda x, local_shape: func(x, list(local_shape)))
-        frozen = base.freeze_params(params)
-        out = base.dispatch_op(rule, dtensors, local_fn, frozen, with_local_shape=True)
-        _remember(base, plans, key, rule, frozen, None, args, is_dtensor, local_fn)
+        frozen = entry.freeze_params(params)
+        out = entry.dispatch_op(rule, dtensors, local_fn, frozen, with_local_shape=True)
+        _remember(entry, plans, key, rule, frozen, None, args, is_dtensor, local_fn)
         return out
     if name == "mean":
         # the sum over the global count (an exact mean of uneven shards; a sharded
@@ -640,12 +650,12 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
         def mean(x: torch.Tensor) -> torch.Tensor:
             return aten.sum.dim_IntList(x, list(dims), params["keepdim"], dtype=dtype) / count
 
-        return base.dispatch_op("sum", dtensors, mean, params)
+        return entry.dispatch_op("sum", dtensors, mean, params)
     if rule == "embedding":
         # aten.embedding(weight, indices); the rule takes (indices, weight)
-        return base.dispatch_op(rule, dtensors[::-1], lambda ids, w: call(w, ids), params)
+        return entry.dispatch_op(rule, dtensors[::-1], lambda ids, w: call(w, ids), params)
     written = 0 if inplace and is_dtensor(args[0]) else None
-    frozen = base.freeze_params(params)
-    out = base.dispatch_op(rule, dtensors, call, frozen, written)
-    _remember(base, plans, key, rule, frozen, written, args, is_dtensor)
+    frozen = entry.freeze_params(params)
+    out = entry.dispatch_op(rule, dtensors, call, frozen, inplace=written)
+    _remember(entry, plans, key, rule, frozen, written, args, is_dtensor)
     return out

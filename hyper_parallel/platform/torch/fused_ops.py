@@ -1,5 +1,6 @@
 """The aten ops a torch DTensor runs through core's fused dispatch
-(``core/dtensor/fused_dispatch.py``) rather than through a single-output rule: the fused
+(``core/dtensor/fused_dispatch.py``, reached through ``entry``: [Note: the backend entry]
+in ``core/op_entry.py``) rather than through a single-output rule: the fused
 attention kernels ``F.scaled_dot_product_attention`` picks (forward and backward; see
 [Note: fused ops with several outputs]), and ``softmax`` / ``log_softmax`` / ``nll_loss``
 over class-sharded logits (see [Note: softmax over a sharded dim]), into which
@@ -19,8 +20,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hyper_parallel.core.dtensor import fused_dispatch
-
 NOT_ROUTED = object()
 
 #: the fused attention kernels of torch 2.13 (CPU flash; CUDA flash, memory-efficient,
@@ -35,7 +34,7 @@ _SOFTMAX = {"_softmax": "softmax", "_log_softmax": "log_softmax", "_softmax_back
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # torch's Reduction enum
 
 
-def route(cls: type, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+def route(entry: Any, cls: type, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
           check_mixed: Callable[[Any, Sequence[Any]], None]) -> Any:
     """The result of an aten op ``func`` (``name``: its packet's name) on DTensors of
     ``cls`` when this module handles it, else ``NOT_ROUTED``.
@@ -44,15 +43,15 @@ def route(cls: type, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[s
         RuntimeError: a plain tensor with dims among the DTensors (``check_mixed``).
     """
     if name in _ATTENTION or (name.endswith("_backward") and name[: -len("_backward")] in _ATTENTION):
-        return _attention(cls, name, func, args, kwargs, check_mixed)
+        return _attention(entry, cls, name, func, args, kwargs, check_mixed)
     if name in _SOFTMAX and not kwargs:
-        return _softmax(cls, name, args)
+        return _softmax(entry, cls, name, args)
     if name in ("nll_loss_forward", "nll_loss_backward") and not kwargs:
-        return _nll_loss(cls, name, args)
+        return _nll_loss(entry, cls, name, args)
     return NOT_ROUTED
 
 
-def _attention(cls: type, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+def _attention(entry: Any, cls: type, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                check_mixed: Callable[[Any, Sequence[Any]], None]) -> Any:
     """A fused attention kernel: ``q, k, v`` ``[batch, heads, seq, head_dim]`` planned
     by the ``attention`` rule (batch or heads sharded), the other tensors of the call
@@ -99,11 +98,11 @@ def _attention(cls: type, name: str, func: Any, args: tuple[Any, ...], kwargs: d
                 entries.append((tuple(value.shape), None))  # seeds, offsets: replicated
         return entries
 
-    return fused_dispatch.dispatch_aligned("scaled_dot_product_attention", dtensors, ruled, follow, local_fn,
+    return entry.dispatch_aligned("scaled_dot_product_attention", dtensors, ruled, follow, local_fn,
                                            outputs)
 
 
-def _softmax(cls: type, name: str, args: tuple[Any, ...]) -> Any:
+def _softmax(entry: Any, cls: type, name: str, args: tuple[Any, ...]) -> Any:
     """``_softmax(x, dim, half_to_float)`` / ``_log_softmax`` and their backward
     ``(grad, y, dim, input_dtype)`` over a dim one mesh axis shards."""
     backward = name.endswith("_data")
@@ -114,10 +113,10 @@ def _softmax(cls: type, name: str, args: tuple[Any, ...]) -> Any:
     dim = int(args[2] if backward else args[1]) % x.dim()
     if (backward and (args[3] != x.dtype or args[1].shape != x.shape)) or (not backward and args[2]):
         return NOT_ROUTED  # a dtype change (half_to_float): the rule's path
-    axis = fused_dispatch.sharded_dim_axis(x._spec, dim)
+    axis = entry.sharded_dim_axis(x._spec, dim)
     if axis is None:
         return NOT_ROUTED
-    return fused_dispatch.softmax_sharded(_SOFTMAX[name], list(tensors), dim, axis)
+    return entry.softmax_sharded(_SOFTMAX[name], list(tensors), dim, axis)
 
 
 def _pick(local: torch.Tensor, ids: torch.Tensor, start: int, ignore_index: int) -> torch.Tensor:
@@ -143,7 +142,7 @@ def _valid(ids: torch.Tensor, ignore_index: int, like: torch.Tensor) -> torch.Te
     return (ids != ignore_index).to(like.dtype)
 
 
-def _nll_loss(cls: type, name: str, args: tuple[Any, ...]) -> Any:
+def _nll_loss(entry: Any, cls: type, name: str, args: tuple[Any, ...]) -> Any:
     """``nll_loss_forward(logprobs [N, C], target [N], weight, reduction, ignore_index)``
     and ``nll_loss_backward(grad, logprobs, target, weight, reduction, ignore_index,
     total_weight)`` without class weights: rows or classes sharded, never gathered."""
@@ -156,7 +155,7 @@ def _nll_loss(cls: type, name: str, args: tuple[Any, ...]) -> Any:
         grad, total_weight = args[0], args[6]
         if not isinstance(grad, cls) or not isinstance(total_weight, cls):
             return NOT_ROUTED
-        return fused_dispatch.nll_loss_backward(grad, logprobs, target, _REDUCTIONS[reduction], int(ignore_index),
+        return entry.nll_loss_backward(grad, logprobs, target, _REDUCTIONS[reduction], int(ignore_index),
                                                 total_weight, _unpick, _valid)
-    return fused_dispatch.nll_loss_forward(logprobs, target, _REDUCTIONS[reduction], int(ignore_index), _pick,
+    return entry.nll_loss_forward(logprobs, target, _REDUCTIONS[reduction], int(ignore_index), _pick,
                                            _valid)

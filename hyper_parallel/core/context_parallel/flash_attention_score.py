@@ -1,4 +1,6 @@
-"""MindSpore's ``FlashAttentionScore`` primitive called on DTensors: the sequence-sharded
+"""MindSpore's ``FlashAttentionScore`` primitive called on DTensors, planned here in core
+(the MindSpore backend's DTensor class hands the call over through ``core/op_entry``;
+nothing here imports MindSpore): the sequence-sharded
 q/k/v of a ``ContextParallel`` module (core's ``attention_on_dtensors``), or q/k/v sharded
 by batch and heads only (``attention_on_local_shards``).
 
@@ -26,6 +28,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+from hyper_parallel.core.context_parallel.context import current_frame
+from hyper_parallel.core.context_parallel.fused_attention import (attention_on_dtensors, attention_on_local_shards,
+                                                                  independent_shards_problem,
+                                                                  routes_to_context_parallel)
 
 #: the primitive's arguments in the order its ``__fallback__`` receives them
 _ARGUMENTS = ("query", "key", "value", "real_shift", "drop_mask", "padding_mask", "attn_mask", "prefix",
@@ -106,8 +113,6 @@ def _refuse_row_maximum(op: str) -> None:
     Raises:
         NotImplementedError: naming the setting and the fixes.
     """
-    from hyper_parallel.core.context_parallel.context import current_frame
-
     frame = current_frame()
     if frame is not None and getattr(frame.module, "track_max_attention_logit", False):
         raise NotImplementedError(f"{op} in {frame.module_name}: track_max_attention_logit=True reads softmax_max, the "
@@ -140,10 +145,6 @@ def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[
             parallelism, q/k/v of another rank than the layout's (3-D ``BSH`` / ``SBH`` /
             ``TND``, 4-D ``BNSD`` / ``BSND``).
     """
-    from hyper_parallel.core.context_parallel.sharded_qkv import (attention_on_dtensors, attention_on_local_shards,
-                                                                  independent_shards_problem,
-                                                                  routes_to_context_parallel)
-
     a = _arguments(args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     layout = a.get("input_layout", "BSH")

@@ -1,0 +1,38 @@
+"""What a checkpoint records of the run that wrote it, for a resume or an export to check
+against: the layout, the model and the data stream. Plain data, read by the ranks
+(``loop.py``) and by the command line before any rank starts (``preflight.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hyper_parallel.train.config import Layout, TrainConfig
+from hyper_parallel.train.hf_config import read_hf_config, recorded_config
+
+
+def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    """The layout a checkpoint was written by: the degrees (and the pipeline stages). A
+    resume in another one reshards."""
+    record: dict[str, Any] = {"degrees": layout.degrees()}
+    if layout.pp > 1:
+        record["pipeline_stages"] = layout.num_stages
+    return record
+
+
+def model_record(cfg: TrainConfig) -> dict[str, Any]:
+    """The model a checkpoint holds: every field of ``ModelConfig`` (a resume needs the same)
+    and, for an ``--hf-config`` run, the HF configuration under ``hf_config``
+    (``hf_config.recorded_config``: plain JSON, read again here, no ``transformers``), from
+    which ``hyper-parallel export`` writes the exported model's ``config.json``."""
+    record = dataclasses.asdict(cfg.model)
+    if cfg.hf_config is not None:
+        record["hf_config"] = recorded_config(read_hf_config(cfg.hf_config))
+    return record
+
+
+def data_record(cfg: TrainConfig) -> dict[str, Any]:
+    """What, with the step, decides the batches (``data.global_batch``): a resume with other
+    values continues on another data stream (allowed, with a warning)."""
+    return {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}
