@@ -5,10 +5,11 @@ same run.
 
 4 ranks on gloo (torch-cpu). The model: ``stages x layers`` ``tanh(Linear(dim, dim))``
 layers, each stage a slice; a mean-squared-error loss; ``--microbatches`` microbatches of
-``--batch / microbatches`` rows. Per schedule (GPipe, 1F1B, interleaved 1F1B with 2
-stages per rank, interleaved zero bubble (ZB-H1, 2 stages per rank), ZB-V and DualPipeV (2
-V-placed stages per rank)): barrier, one ``step`` (forward and backward of every
-microbatch), timed on every rank; the step's time is the slowest rank's; the median over ``--iters``
+``--batch / microbatches`` rows. Per schedule of the core's table
+(``hyper_parallel.core.pipeline_parallel.SCHEDULES``: GPipe, 1F1B, interleaved 1F1B with 2
+stages per rank, ZB-H1, interleaved zero bubble (ZB-H1, 2 stages per rank), ZB-V and
+DualPipeV (2 V-placed stages per rank)), beside torch's class of the same schedule:
+barrier, one ``step`` (forward and backward of every microbatch), timed on every rank; the step's time is the slowest rank's; the median over ``--iters``
 repetitions after ``--warmup`` is reported.
 
 Bubble (measured): ``1 - busy / step`` averaged over ranks, where a rank's busy time is its
@@ -32,10 +33,11 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._common import host_meta, timed, write_results  # noqa: E402  (after the path insert)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v")
-#: stages per rank of each schedule
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zero_bubble": 2, "zbv_zero_bubble": 2,
-           "dualpipe_v": 2}
+#: torch.distributed.pipelining's class of each schedule of our table, by name (ZB-H1 is
+#: its ScheduleInterleavedZeroBubble on one stage per rank)
+TORCH_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                 "zbh1": "ScheduleInterleavedZeroBubble", "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+                 "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
 def _chain(n_layers: int, dim: int, seed: int):
@@ -66,6 +68,7 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
     import torch.distributed.pipelining as tpp
 
     import hyper_parallel as hp
+    from hyper_parallel.core.pipeline_parallel import SCHEDULES
     from hyper_parallel.core.pipeline_parallel.schedules import ActionType, simulate
 
     p = hp.get_platform()
@@ -73,13 +76,12 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
     x = torch.randn(batch, dim, generator=torch.Generator().manual_seed(0))
     y = torch.randn(batch, dim, generator=torch.Generator().manual_seed(1))
     rows = []
-    for name in SCHEDULES:
-        virtual = VIRTUAL[name]
-        num_stages = n * virtual
+    for name, entry in SCHEDULES.items():
+        virtual = entry.stages_per_rank
+        num_stages = entry.num_stages(n)
         per_stage = max(1, layers // virtual)  # the same model whatever the schedule
-        v_shaped = name in ("zbv_zero_bubble", "dualpipe_v")  # rank r holds stages r and 2n-1-r
-        local = [r, 2 * n - 1 - r] if v_shaped else list(range(r, num_stages, n))
-        last_rank = 0 if v_shaped else (num_stages - 1) % n
+        local = entry.stages_of(n, r)
+        last_rank = entry.stage_to_rank(n)(num_stages - 1)
         modules = {s: _chain(per_stage, dim, seed=s) for s in local}
 
         # per-action costs, measured alone on this rank (forward + backward of one microbatch)
@@ -98,17 +100,12 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
         for module in modules.values():
             module.zero_grad()
 
-        stages = [hp.PipelineStage(modules[s], s, num_stages, placement="v" if v_shaped else "loop") for s in local]
-        multi = {"interleaved_1f1b": (hp.ScheduleInterleaved1F1B, tpp.ScheduleInterleaved1F1B),
-                 "interleaved_zero_bubble": (hp.ScheduleInterleavedZeroBubble, tpp.ScheduleInterleavedZeroBubble),
-                 "zbv_zero_bubble": (hp.ScheduleZBVZeroBubble, tpp.ScheduleZBVZeroBubble),
-                 "dualpipe_v": (hp.ScheduleDualPipeV, tpp.ScheduleDualPipeV)}
-        ours = (multi[name][0](stages, n_microbatches, _loss) if virtual > 1 else
-                {"gpipe": hp.ScheduleGPipe, "1f1b": hp.Schedule1F1B}[name](stages[0], n_microbatches, _loss))
+        # both infer the stages' placement from the schedule
+        ours = entry.schedule_class([hp.PipelineStage(modules[s], s, num_stages) for s in local], n_microbatches, _loss)
         torch_stages = [tpp.PipelineStage(modules[s], s, num_stages, torch.device("cpu")) for s in local]
-        theirs = (multi[name][1](torch_stages, n_microbatches, loss_fn=_loss) if virtual > 1 else
-                  {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B}[name](torch_stages[0], n_microbatches,
-                                                                                loss_fn=_loss))
+        torch_class = getattr(tpp, TORCH_CLASSES[name])
+        theirs = (torch_class(torch_stages, n_microbatches, loss_fn=_loss) if virtual > 1 or "Interleaved" in
+                  TORCH_CLASSES[name] else torch_class(torch_stages[0], n_microbatches, loss_fn=_loss))
 
         kwargs = {"target": y} if r == last_rank else {}
 
@@ -124,7 +121,7 @@ def bench_rank(dim: int, layers: int, batch: int, n_microbatches: int, iters: in
             measured[impl] = statistics.median(_median_slowest(times))
         busy = n_microbatches * virtual * (f_cost + b_cost)
         # I and W: half the measured backward each (a linear layer's two matmuls)
-        predicted = simulate(ours.schedule, num_stages, stage_to_rank=stages[0].stage_rank,
+        predicted = simulate(ours.schedule, num_stages, stage_to_rank=entry.stage_to_rank(n),
                              costs={ActionType.F: f_cost, ActionType.B: b_cost, ActionType.I: b_cost / 2,
                                     ActionType.W: b_cost / 2})
         rows.append({"schedule": name, "stages": num_stages, "microbatches": n_microbatches,

@@ -22,9 +22,10 @@ import argparse
 import json
 import sys
 
+from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
 from hyper_parallel.train import preflight
-from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PP_SCHEDULES, PRESETS, Layout, ModelConfig,
+from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
 from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
 
@@ -59,11 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                           f"{', '.join(CP_KV_EXCHANGES)}")
     lay.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     lay.add_argument("--pp-schedule", default="1f1b",
-                     help=f"pipeline schedule: {', '.join(PP_SCHEDULES)} (interleaved-1f1b: 2 stages per rank, "
-                          "--microbatches a multiple of --pp; zbh1: zero-bubble ZB-H1, backwards split into input- "
-                          "and weight-gradient passes, one stage per rank; zbv: zero-bubble ZB-V, 2 stages per rank "
-                          "in a V, rank r running stages r and 2 pp - 1 - r; both with --tp but not with "
-                          "--dp-shard/--dp-replicate/--cp)")
+                     help="pipeline schedule (the core's schedule table): " + "; ".join(
+                         f"{name}: {entry.description}" for name, entry in SCHEDULES.items())
+                     + " (the split-backward ones with --tp but not with --dp-shard/--dp-replicate/--cp)")
     lay.add_argument("--microbatches", type=int, default=None,
                      help="microbatches per step (pipeline; default: --pp, the fewest that keep every stage busy)")
     mod = t.add_argument_group("model")

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
 from hyper_parallel.train.hf_config import model_config, read_hf_config
 from hyper_parallel.train.model_config import PRESETS, ModelConfig
@@ -25,17 +26,13 @@ CP_MODES = ("ulysses", "ring", "allgather", "hybrid")
 #: its ``cp_kv`` axis (``ContextParallel(kv_exchange=...)``).
 CP_KV_EXCHANGES = ("ring", "allgather")
 
-#: ``--pp-schedule`` values, the generators of ``hyper_parallel.core.pipeline_parallel.schedules``
-#: (``zbh1``: ZB-H1 of Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, one stage
-#: per rank, backwards split into input- and weight-gradient passes; ``zbv``: their ZB-V,
-#: two stages per rank in the V placement, rank ``r`` running stages ``r`` and ``2 pp - 1 - r``).
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbh1", "zbv")
+#: ``--pp-schedule`` values: the names of the core's schedule table
+#: (``hyper_parallel.core.pipeline_parallel.schedule_table.SCHEDULES``: class, placement,
+#: stages per rank of each).
+PP_SCHEDULES = tuple(SCHEDULES)
 
 #: The schedules with the zero-bubble I/W split of the backward (``weight_grad.py``).
-ZERO_BUBBLE_SCHEDULES = ("zbh1", "zbv")
-
-#: The schedules that run ``INTERLEAVED_STAGES_PER_RANK`` stages per rank.
-MULTI_STAGE_SCHEDULES = ("interleaved-1f1b", "zbv")
+ZERO_BUBBLE_SCHEDULES = tuple(name for name, entry in SCHEDULES.items() if entry.splits_backward)
 
 #: Parallel features a layout may need, and whether ``hyper-parallel train`` runs them yet.
 #: A layout that needs one that is not wired into the job is refused before any rank starts;
@@ -50,10 +47,6 @@ LANDED_FEATURES: dict[str, bool] = {
 
 #: Why a feature that is not wired into the job yet is refused (shown in the message).
 NOT_YET: dict[str, str] = {}
-
-#: Virtual pipeline stages per rank of ``--pp-schedule interleaved-1f1b`` (Megatron-LM's
-#: interleaving; the other schedules run one stage per rank).
-INTERLEAVED_STAGES_PER_RANK = 2
 
 
 def default_ulysses_degree(cp: int, heads: int, kv_heads: int) -> int | None:
@@ -128,9 +121,8 @@ class Layout:
 
     @property
     def num_stages(self) -> int:
-        """Pipeline stages: ``pp``, or ``pp x INTERLEAVED_STAGES_PER_RANK`` for the
-        schedules of ``MULTI_STAGE_SCHEDULES`` (interleaved 1F1B, ZB-V)."""
-        return self.pp * (INTERLEAVED_STAGES_PER_RANK if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
+        """Pipeline stages: ``pp`` x the schedule's stages per rank (the core's table)."""
+        return SCHEDULES[self.pp_schedule].num_stages(self.pp)
 
     def degrees(self) -> dict[str, int]:
         """``{axis: degree}`` in mesh order (outermost first)."""
@@ -275,7 +267,7 @@ class TrainConfig:
         if lay.pp > 1:
             stages = lay.num_stages
             if stages > mod.n_layers:
-                per = f" ({INTERLEAVED_STAGES_PER_RANK} per rank with --pp-schedule {lay.pp_schedule})" \
+                per = f" ({stages // lay.pp} per rank with --pp-schedule {lay.pp_schedule})" \
                     if stages > lay.pp else ""
                 raise ValueError(f"--pp={lay.pp} makes {stages} pipeline stages{per} but --model {self.model_name} has "
                                  f"{mod.n_layers} layers; each stage needs at least one layer: use a smaller --pp or "
@@ -284,9 +276,11 @@ class TrainConfig:
                 raise ValueError(f"--microbatches={lay.microbatches} must be >= --pp={lay.pp}: with fewer microbatches "
                                  "than stages some stage is always idle; use --microbatches "
                                  f"{lay.pp} or more")
-            if lay.pp_schedule == "interleaved-1f1b" and lay.microbatches % lay.pp:
-                raise ValueError(f"--microbatches={lay.microbatches} must be a multiple of --pp={lay.pp} for "
-                                 "--pp-schedule interleaved-1f1b (microbatches go round the ranks in groups of --pp)")
+            try:  # the schedule's own rule (interleaved: a multiple of --pp; DualPipeV: >= 2 x --pp)
+                SCHEDULES[lay.pp_schedule].generate(lay.pp, lay.microbatches)
+            except ValueError as err:
+                raise ValueError(f"--microbatches={lay.microbatches} does not fit --pp-schedule {lay.pp_schedule} "
+                                 f"with --pp={lay.pp}: {err}") from None
             if lay.pp_schedule in ZERO_BUBBLE_SCHEDULES and lay.dp * lay.cp > 1:
                 # the split linear layers' weight gradients, computed in W from the gathered
                 # weight, are not handed to fully_shard's gathered parameter (whose backward

@@ -148,7 +148,7 @@ def _validation_loss(run: _Run) -> float:
             batch = rank_batch(run.corpus.validation, cfg.seed, index, cfg.batch_size, cfg.seq_len, run.dp_rank,
                                run.dp_size, stream_id=VALIDATION_STREAM)
             if run.pipe is not None:
-                losses.append(forward_loss(run.pipe, _batch_tensors(run, batch), cfg.model.dim))
+                losses.append(forward_loss(run.pipe, _batch_tensors(run, batch)))
             else:
                 losses.append(float(p.to_numpy(run.model(*_batch_tensors(run, batch)))))
     if run.pipe is not None:

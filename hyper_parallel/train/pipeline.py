@@ -1,7 +1,9 @@
 """Pipeline parallelism in ``hyper-parallel train`` (``--pp``, ``--pp-schedule``,
 ``--microbatches``): the decoder cut into stages, each stage parallelized over the other
 axes of its pipeline coordinate, a schedule of ``hyper_parallel.core.pipeline_parallel``
-running them, and a forward-only pass through the stages for the validation loss.
+running them (the core's schedule table names each ``--pp-schedule``'s class, placement
+and stages per rank), and the schedule's forward-only step (``PipelineSchedule.eval``)
+for the validation loss.
 
 [Note: pipeline stages and the other axes]
 The mesh is ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first), so the ranks of one
@@ -46,7 +48,9 @@ recomputes a forward for an out-of-order backward (``[Note: out-of-order backwar
 data-parallel rank of the stage, in the schedule's order).
 
 The reported loss is the mean of the last stage's microbatch losses, averaged over the
-last stage's ranks and handed to every rank by one all-reduce over the world.
+last stage's ranks and handed to every rank by one all-reduce over the world. The
+validation loss is computed the same way from ``schedule.eval``, the schedule's forwards in
+its order without recording (the same sends and receives of activations as the step's).
 
 [Note: zero-bubble schedules in train]
 ``--pp-schedule zbh1`` runs ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
@@ -56,9 +60,12 @@ previous stage waits for) and a deferred ``W`` (the weight gradients), and the s
 linear layers get the weight-gradient split of ``core/pipeline_parallel/weight_grad.py``
 (their ``W`` runs the stored ``grad_y^T @ x`` matmuls). ``--pp-schedule zbv`` runs ZB-V
 (``ScheduleZBVZeroBubble``, same paper): ``2 pp`` stages in the V placement, rank ``r``
-building stages ``r`` and ``2 pp - 1 - r`` (``PipelineStage(placement="v")``), so the last
-stage's backward starts on the rank that ran stage 0; ``Pipeline.place`` gives every
-stage's rank to the validation pass. Checkpoints are placement-free (each rank saves its
+building stages ``r`` and ``2 pp - 1 - r`` (the schedule gives its stages the V placement:
+[Note: stage placement] in ``core/pipeline_parallel/stage.py``), so the last stage's
+backward starts on the rank that ran stage 0. ``interleaved-zero-bubble`` runs ZB-H1 on two
+loop-placed stages per rank, ``dualpipev`` DualPipeV (``ScheduleDualPipeV``, V-placed like ZB-V;
+its forward/backward pairs run on two threads, which meet at no hook in this model, so each
+pair runs one after the other). Checkpoints are placement-free (each rank saves its
 stages' parameters under the decoder's names), so a ZB-V run resumes like any other. Under
 tensor parallelism the split
 layers are the TP-hooked projections, whose weights are the local shards, so ``W`` lands
@@ -70,26 +77,20 @@ deferred gradient, computed in ``W`` after that backward ran, does not reach it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hyper_parallel.core.dtensor import DeviceMesh
-from hyper_parallel.core.pipeline_parallel import (PipelineSchedule, PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                   ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                                                   ScheduleZBVZeroBubble)
-from hyper_parallel.core.pipeline_parallel.schedules import loop_placement, v_placement
+from hyper_parallel.core.pipeline_parallel import SCHEDULES, PipelineSchedule, PipelineStage
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
 from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel, apply_fully_shard,
                                               apply_tensor_parallel, fully_shard_mesh)
-
-
-#: ``PipelineStage`` placement -> the core's ``stage -> rank`` map for a pipeline degree
-_PLACEMENTS = {"loop": loop_placement, "v": v_placement}
 
 
 @dataclass
@@ -105,12 +106,7 @@ class Pipeline:
     group: Any                  # the pipeline process group (this rank's pp axis)
     rank: int                   # this rank's pipeline coordinate (group rank)
     size: int                   # pipeline degree
-    placement: str = "loop"     # "loop" (stage s on rank s % size) or "v" (--pp-schedule zbv)
-
-    def place(self, stage: int) -> int:
-        """The pipeline rank of ``stage``: ``stage % size`` (loop), or in the V placement
-        ``stage`` for the first ``size`` stages and ``2 size - 1 - stage`` after."""
-        return _PLACEMENTS[self.placement](self.size)(stage)
+    placement: str = "loop"     # the schedule's: "loop" (stage s on rank s % size) or "v" (zbv, dualpipev)
 
     @property
     def has_first(self) -> bool:
@@ -134,8 +130,9 @@ class Pipeline:
 def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
                    cp_mesh: DeviceMesh | None = None) -> Pipeline:
     """Cut ``model`` into ``cfg.layout.num_stages`` stages (``model.stage_layers``), keep this
-    rank's (loop placement: stage ``s`` on pipeline rank ``s % pp``; the V placement with
-    ``--pp-schedule zbv``: stages ``r`` and ``2 pp - 1 - r`` on rank ``r``), run the layout chain
+    rank's (the schedule's placement, ``SCHEDULES[--pp-schedule]``: loop, stage ``s`` on pipeline
+    rank ``s % pp``; V with ``zbv`` and ``dualpipev``, stages ``r`` and ``2 pp - 1 - r`` on rank
+    ``r``), run the layout chain
     of ``parallelize`` on each stage module (tensor parallelism over ``mesh["tp"]``,
     context parallelism on its blocks' attention over ``cp_mesh``, each block checkpointed
     with ``cfg.activation_checkpointing``, fully_shard over the data-parallel (x cp)
@@ -152,8 +149,8 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     rank, size = mesh.get_local_rank("pp"), layout.pp
     num_stages = layout.num_stages
     ranges = stage_layers(cfg.model.n_layers, num_stages)
-    placement = "v" if layout.pp_schedule == "zbv" else "loop"  # [Note: zero-bubble schedules in train]
-    indices = [s for s in range(num_stages) if _PLACEMENTS[placement](size)(s) == rank]
+    entry = SCHEDULES[layout.pp_schedule]  # [Note: zero-bubble schedules in train]
+    indices = entry.stages_of(size, rank)
     if layout.cp > 1 and cp_mesh is None:
         raise ValueError("build_pipeline: cp > 1 needs cp_mesh, the mesh the loader shards the sequences over "
                          "(context_parallel_mesh(mesh, layout))")
@@ -177,24 +174,14 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
             dp_mesh = fully_shard_mesh(mesh, layout)
             for module in modules:
                 apply_fully_shard(module, dp_mesh)
-    stages = [PipelineStage(module, s, num_stages, group=group, placement=placement)
-              for module, s in zip(modules, indices)]
+    # the schedule gives the stages its placement ([Note: stage placement] in core/pipeline_parallel/stage.py)
+    stages = [PipelineStage(module, s, num_stages, group=group) for module, s in zip(modules, indices)]
 
     def loss_fn(logits: Any, targets: Any) -> Any:
         return cross_entropy(p, logits, targets)
 
-    m = layout.microbatches
-    if layout.pp_schedule == "gpipe":
-        schedule: PipelineSchedule = ScheduleGPipe(stages[0], m, loss_fn)
-    elif layout.pp_schedule == "1f1b":
-        schedule = Schedule1F1B(stages[0], m, loss_fn)
-    elif layout.pp_schedule == "zbh1":  # [Note: zero-bubble schedules in train]
-        schedule = ScheduleInterleavedZeroBubble(stages, m, loss_fn)
-    elif layout.pp_schedule == "zbv":
-        schedule = ScheduleZBVZeroBubble(stages, m, loss_fn)
-    else:
-        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn)
-    return Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, placement)
+    schedule: PipelineSchedule = entry.schedule_class(stages, layout.microbatches, loss_fn)
+    return Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, entry.placement)
 
 
 def train_step(pipe: Pipeline, tensors: list[Any]) -> float | None:
@@ -202,43 +189,21 @@ def train_step(pipe: Pipeline, tensors: list[Any]) -> float | None:
     (``[tokens, positions, targets]``, this data-parallel rank's ``[batch / dp, seq]``).
     Returns the mean of the microbatch losses on the rank of the last stage (the mean
     over this rank's tokens: microbatches are equal), ``None`` elsewhere."""
+    return _mean_loss(pipe, tensors, pipe.schedule.step)
+
+
+def forward_loss(pipe: Pipeline, tensors: list[Any]) -> float | None:
+    """``train_step``'s loss without recording or gradients (validation): the schedule's
+    forward-only step (``PipelineSchedule.eval``: its forwards in its order, the
+    activations sent and received as in a step)."""
+    return _mean_loss(pipe, tensors, pipe.schedule.eval)
+
+
+def _mean_loss(pipe: Pipeline, tensors: list[Any], run: Callable[..., Any]) -> float | None:
     tokens, positions, targets = tensors
     losses: list[Any] = []
     args = (tokens, positions) if pipe.has_first else ()
-    pipe.schedule.step(*args, target=targets if pipe.has_last else None, losses=losses)
+    run(*args, target=targets if pipe.has_last else None, losses=losses)
     if not pipe.has_last:
         return None
     return float(np.mean([float(pipe.p.to_numpy(loss)) for loss in losses]))
-
-
-def forward_loss(pipe: Pipeline, tensors: list[Any], dim: int) -> float | None:
-    """The loss of ``tensors`` through the stages, without recording (validation): each
-    rank runs its stages in stage order, receiving the residual stream and the positions
-    (float32 ``[batch, seq, dim]`` and ``[batch, seq]``; ``seq`` is this rank's
-    ``seq / cp`` tokens with context parallelism) from the previous stage's rank and
-    sending its outputs to the next one (``isend``/``irecv`` over the pipeline group, one
-    pair of messages per stage boundary). Returns the loss on the last stage's rank,
-    ``None`` elsewhere. Call it under ``no_grad``."""
-    p = pipe.p
-    tokens, positions, targets = tensors
-    b, s = tuple(tokens.shape)
-    f32 = p.dtype("float32")
-    carried: tuple[Any, ...] = ()
-    for module, index in zip(pipe.modules, pipe.indices):
-        if index == 0:
-            inputs: tuple[Any, ...] = (tokens, positions)
-        elif pipe.place(index - 1) == pipe.rank:
-            inputs = carried
-        else:
-            src = pipe.place(index - 1)
-            inputs = tuple(p.irecv(p.zeros(shape, f32), src, pipe.group).wait() for shape in ((b, s, dim), (b, s)))
-        out = module(*inputs)
-        if index == pipe.num_stages - 1:
-            return float(p.to_numpy(cross_entropy(p, out, targets)))
-        dst = pipe.place(index + 1)
-        if dst == pipe.rank:
-            carried = tuple(out)
-        else:
-            for work in [p.isend(tensor, dst, pipe.group) for tensor in out]:
-                work.wait()
-    return None

@@ -128,17 +128,17 @@ def test_overlap_b_f_actions(num_ranks: int, n_microbatches: int) -> None:
 
 
 def test_compare_schedules() -> None:
-    from hyper_parallel.core.pipeline_parallel.schedules.compare import compare_schedules, format_table, main
+    from hyper_parallel.core.pipeline_parallel.compare import compare_schedules, format_table, main
 
     estimates = {e.name: e for e in compare_schedules(4, 8, 2, memory_limit=4)}
     assert estimates["gpipe"].bubble_fraction == pytest.approx(3 / 11)
     assert estimates["1f1b"].bubble_fraction == pytest.approx(3 / 11)
-    assert estimates["interleaved_1f1b"].bubble_fraction == pytest.approx(3 / 19)
+    assert estimates["interleaved-1f1b"].bubble_fraction == pytest.approx(3 / 19)
     assert (estimates["gpipe"].peak_activations, estimates["1f1b"].peak_activations) == (8, 4)
     ranked = compare_schedules(4, 8, 2, memory_limit=4)
-    classic = ("gpipe", "1f1b", "interleaved_1f1b")  # the zero-bubble ones: test_compare_schedules_zero_bubble
-    assert [e.name for e in ranked if e.name in classic] == ["1f1b", "interleaved_1f1b", "gpipe"]  # fitting first
-    assert [e.name for e in compare_schedules(4, 8, 2) if e.name in classic][0] == "interleaved_1f1b"
+    classic = ("gpipe", "1f1b", "interleaved-1f1b")  # the zero-bubble ones: test_compare_schedules_zero_bubble
+    assert [e.name for e in ranked if e.name in classic] == ["1f1b", "interleaved-1f1b", "gpipe"]  # fitting first
+    assert [e.name for e in compare_schedules(4, 8, 2) if e.name in classic][0] == "interleaved-1f1b"
     assert "| 1f1b | 4 |" in format_table(ranked)
     main(["--ranks", "2", "--microbatches", "4"])
 
@@ -148,29 +148,30 @@ def test_compare_schedules_zero_bubble(capsys) -> None:
     its generator (split backward: I = W = B / 2), DualPipeV only where it applies."""
     from hyper_parallel.core.pipeline_parallel.schedules import (dualpipe_v, interleaved_zero_bubble, v_placement,
                                                                  zbv_zero_bubble)
-    from hyper_parallel.core.pipeline_parallel.schedules.compare import compare_schedules, main
+    from hyper_parallel.core.pipeline_parallel.compare import compare_schedules, main
 
     estimates = {e.name: e for e in compare_schedules(4, 8, 2)}
-    assert set(estimates) == {"gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble",
-                              "dualpipe_v"}
+    assert set(estimates) == {"gpipe", "1f1b", "interleaved-1f1b", "zbh1", "interleaved-zero-bubble", "zbv",
+                              "dualpipev"}
     half = {A.F: 0.5, A.B: 1.0, A.I: 0.5, A.W: 0.5}  # two stages per rank: each half a rank's share
     place = v_placement(4)
-    for name, compute, kwargs in (("interleaved_zero_bubble", interleaved_zero_bubble(4, 2, 8), {}),
-                                  ("zbv_zero_bubble", zbv_zero_bubble(4, 8), {"stage_to_rank": place}),
-                                  ("dualpipe_v", dualpipe_v(4, 8), {"stage_to_rank": place})):
+    for name, compute, kwargs in (("interleaved-zero-bubble", interleaved_zero_bubble(4, 2, 8), {}),
+                                  ("zbv", zbv_zero_bubble(4, 8), {"stage_to_rank": place}),
+                                  ("dualpipev", dualpipe_v(4, 8), {"stage_to_rank": place})):
         want = simulate(compute, 8, costs=half, activation_size=0.5, **kwargs)
         got = estimates[name]
         assert (got.num_stages, got.step_time, got.peak_activations) == \
             (8, want.step_time, max(want.peak_activations.values())), name
         assert got.bubble_fraction == pytest.approx(want.bubble_fraction), name
-    assert estimates["zbv_zero_bubble"].bubble_fraction < estimates["interleaved_zero_bubble"].bubble_fraction \
-        < estimates["interleaved_1f1b"].bubble_fraction < estimates["1f1b"].bubble_fraction
-    zbh1 = {e.name: e for e in compare_schedules(4, 6, 1)}  # one stage per rank: ZB-H1; 6 < 2 x 4: no DualPipeV
-    assert set(zbh1) == {"gpipe", "1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"}
-    assert zbh1["interleaved_zero_bubble"].num_stages == 4
-    assert zbh1["interleaved_zero_bubble"].bubble_fraction < zbh1["1f1b"].bubble_fraction
-    assert zbh1["interleaved_zero_bubble"].peak_activations <= zbh1["1f1b"].peak_activations  # H1
+    assert estimates["zbv"].bubble_fraction < estimates["interleaved-zero-bubble"].bubble_fraction \
+        < estimates["interleaved-1f1b"].bubble_fraction < estimates["1f1b"].bubble_fraction
+    assert estimates["zbh1"] in compare_schedules(4, 8, 1)  # ZB-H1 runs one stage per rank whatever n_virtual
+    zbh1 = {e.name: e for e in compare_schedules(4, 6, 1)}  # one stage per rank: no interleaved; 6 < 2 x 4: no DualPipeV
+    assert set(zbh1) == {"gpipe", "1f1b", "zbh1", "zbv"}
+    assert zbh1["zbh1"].num_stages == 4
+    assert zbh1["zbh1"].bubble_fraction < zbh1["1f1b"].bubble_fraction
+    assert zbh1["zbh1"].peak_activations <= zbh1["1f1b"].peak_activations  # H1
     main(["--ranks", "4", "--microbatches", "8", "--memory-limit", "4"])
     table = capsys.readouterr().out
-    assert table.splitlines()[2].startswith("| zbv_zero_bubble | 8 |")  # the fastest that fits
-    assert "| dualpipe_v | 8 |" in table and "| interleaved_zero_bubble | 8 |" in table
+    assert table.splitlines()[2].startswith("| zbv | 8 |")  # the fastest that fits
+    assert "| dualpipev | 8 |" in table and "| interleaved-zero-bubble | 8 |" in table

@@ -86,13 +86,15 @@ def _check_bad_input(p) -> None:
     chain = build_chain(p, layer_weights(1))
     with pytest.raises(ValueError, match=f"placement='v' needs num_stages = 2 x the pipeline group size \\({2 * n}\\)"):
         PipelineStage(chain, r, n, placement="v")
-    with pytest.raises(ValueError, match="placement='x' must be 'loop' or 'v'"):
+    with pytest.raises(ValueError, match=r"placement='x' must be 'loop', 'v' or None \(the schedule's\)"):
         PipelineStage(chain, r, n, placement="x")
     if r == 0:
         with pytest.raises(ValueError, match=r"runs on group rank 1 \(V placement: stage s on rank s, or"):
             PipelineStage(chain, 2 * n - 2, 2 * n, placement="v")
-    with pytest.raises(ValueError, match=r"needs stages built with placement='v', got \['loop'\]"):
-        ScheduleZBVZeroBubble([PipelineStage(chain, r, 2 * n), PipelineStage(chain, r + n, 2 * n)], 4, mse)
+    with pytest.raises(ValueError, match=r"stage \d+ was built with placement='loop', but ScheduleZBVZeroBubble "
+                                         r"places its stages 'v'"):
+        ScheduleZBVZeroBubble([PipelineStage(chain, r, 2 * n, placement="loop"),
+                               PipelineStage(chain, r + n, 2 * n, placement="loop")], 4, mse)
     with pytest.raises(TypeError, match="must be a non-empty list of PipelineStage"):
         ScheduleInterleavedZeroBubble([], 4, mse)
     # fully_shard's reduce-scatter would not get the deferred weight gradients: refused when

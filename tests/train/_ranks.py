@@ -312,8 +312,9 @@ def pipeline_local_shapes(cfg: TrainConfig, rank: int) -> list[tuple[int, ...]]:
     coords = dict(zip(Layout.AXES, np.unravel_index(rank, tuple(lay.degrees().values()))))
     shapes = parameter_shapes(cfg.model)
     ranges = stage_layers(cfg.model.n_layers, lay.num_stages)
-    # loop placement (stage s on pipeline rank s % pp), or ZB-V's V (stages r and 2 pp - 1 - r)
-    mine = [coords["pp"], 2 * lay.pp - 1 - coords["pp"]] if lay.pp_schedule == "zbv" else \
+    # loop placement (stage s on pipeline rank s % pp), or ZB-V's and DualPipeV's V (stages r
+    # and 2 pp - 1 - r), written out here as an independent check of the core's table
+    mine = [coords["pp"], 2 * lay.pp - 1 - coords["pp"]] if lay.pp_schedule in ("zbv", "dualpipev") else \
         [s for s in range(lay.num_stages) if s % lay.pp == coords["pp"]]
     out = []
     for s in mine:

@@ -20,3 +20,7 @@ from hyper_parallel.core.pipeline_parallel.runtime import (ScheduleDualPipeV,  #
                                                            ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 __all__ += ["ScheduleDualPipeV", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
+
+from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES, ScheduleEntry, schedule_entry  # noqa: E402
+
+__all__ += ["SCHEDULES", "ScheduleEntry", "schedule_entry"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, ClassVar
 
 from hyper_parallel.core.pipeline_parallel.boundary import Rebuild, rebuilds_of, resolve, unwrap_outputs, wrap_inputs
 from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap
@@ -42,7 +42,7 @@ from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, Acti
 from hyper_parallel.core.pipeline_parallel.schedules.dualpipe import dualpipe_v
 from hyper_parallel.core.pipeline_parallel.schedules.generators import (gpipe, interleaved_1f1b, one_f_one_b,
                                                                        pair_backward_forward)
-from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication
+from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication, forward_only
 from hyper_parallel.core.pipeline_parallel.schedules.validate import validate
 from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import interleaved_zero_bubble, zbv_zero_bubble
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
@@ -73,10 +73,19 @@ class PipelineSchedule:
 
     Raises:
         ValueError: no stages; stages of different pipelines; ``stages`` differ from the
-            stages the schedule puts on this rank; ``n_microbatches < 1``.
+            stages the schedule puts on this rank; a stage built with another
+            ``placement=`` than the schedule's; ``n_microbatches < 1``.
         TypeError: ``loss_fn`` is neither callable nor ``None``.
         ScheduleError: the lowered schedule is invalid (see ``validate``).
     """
+
+    #: where the schedule's stages run: ``"loop"`` (stage ``s`` on group rank ``s %
+    #: group_size``) or ``"v"`` (rank ``r``: stages ``r`` and ``2 group_size - 1 - r``);
+    #: handed to the stages when the schedule is built ([Note: stage placement] in
+    #: ``stage.py``). ``None`` (this base class): the stages' own.
+    placement: ClassVar[str | None] = None
+    #: whether the schedule splits backwards into ``I`` and ``W`` (zero-bubble, DualPipeV)
+    splits_backward: ClassVar[bool] = False
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None,
                  compute: Schedule, *, scale_grads: bool | None = None,
@@ -93,6 +102,9 @@ class PipelineSchedule:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"{type(self).__name__}: loss_fn={loss_fn!r} is not callable; give "
                             "loss_fn(output, target) -> scalar tensor, or None when the last stage returns its loss")
+        if self.placement is not None:  # [Note: stage placement] in stage.py
+            for stage in stages:
+                stage._bind_placement(self.placement, type(self).__name__)
         self.platform = first.platform
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
@@ -111,13 +123,18 @@ class PipelineSchedule:
         #: every rank's lowered action list (this rank runs ``schedule[rank]``)
         self.schedule: Schedule = add_communication(compute, self.num_stages, self._place)
         validate(self.schedule, self.num_stages, n_microbatches, stage_to_rank=self._place)
+        #: every rank's lowered forward-only action list, run by ``eval``: the schedule's
+        #: forwards in its order (``schedules.lowering.forward_only``)
+        self.eval_schedule: Schedule = add_communication(forward_only(compute), self.num_stages, self._place)
+        validate(self.eval_schedule, self.num_stages, n_microbatches, stage_to_rank=self._place, backward=False)
         if overlap is None and any(a.type is A.OVERLAP_B_F for a in self.schedule[self._rank]):
             raise ValueError(f"{type(self).__name__}: the schedule has OVERLAP_B_F actions; pass overlap="
                              "CommComputeOverlap() (the one whose wrap_dispatch/wrap_combine the model uses)")
         if any(a.type is A.W for a in self.schedule[self._rank]):
             for stage in stages:  # split backwards: I computes no weight gradient of linear layers
                 stage._split_weight_grads()
-        self._incoming = self._incoming_messages()
+        self._incoming = self._incoming_messages(self.schedule)
+        self._eval_incoming = self._incoming_messages(self.eval_schedule)
         self._specs_known = False
         self._custom: dict[ActionType, CustomStepFn] = {}  # register_custom_function
         #: after a step: the most (stage, microbatch) forwards this rank held for their
@@ -212,10 +229,10 @@ class PipelineSchedule:
         hyper-parallel's name (MindFormers logs it)."""
         return self.schedule
 
-    def _incoming_messages(self) -> dict[int, list[MessageKey]]:
-        """Per peer, the messages it sends to this rank, in its send order."""
+    def _incoming_messages(self, schedule: Schedule) -> dict[int, list[MessageKey]]:
+        """Per peer, the messages it sends to this rank under ``schedule``, in its send order."""
         incoming: dict[int, list[MessageKey]] = {}
-        for peer, actions in sorted(self.schedule.items()):
+        for peer, actions in sorted(schedule.items()):
             for a in actions:
                 if a.type is A.SEND_F and self._place(a.stage_index + 1) == self._rank:
                     incoming.setdefault(peer, []).append(("F", a.stage_index, a.microbatch_index))
@@ -353,11 +370,61 @@ class PipelineSchedule:
             return []
         return [run.outputs[m] for m in range(n)]
 
+    def eval(self, *args: Any, target: Any = None, losses: list[Any] | None = None, **kwargs: Any) -> Any:
+        """A forward-only step (torch.distributed.pipelining's ``eval``): the schedule's
+        forwards over ``n_microbatches``, in its order (``self.eval_schedule``), without
+        recording for a backward (under ``platform.no_grad``), with the sends and receives
+        of the activations only. No gradient is computed or touched (``param_grads()``
+        keeps the last ``step``'s); custom step functions do not run; the stages' split
+        linear layers run their own forward.
+
+        With a ``loss_fn`` it takes ``step``'s arguments and returns what ``step`` would:
+        on the last stage's rank the merged output, and with ``target`` given each
+        microbatch's loss appended to ``losses`` (without ``target`` no loss is computed).
+        Without one it takes ``run``'s and returns what ``run`` would (the last stage's
+        outputs per microbatch; ``[]`` elsewhere). ``None`` elsewhere for the former.
+
+        Collectives: point-to-point over the pipeline group (and, on the first call of
+        the schedule, the shape inference of ``step``).
+
+        Raises:
+            ValueError: stage 0's rank got no inputs, or a batch size not divisible by
+                ``n_microbatches``.
+        """
+        p, n = self.platform, self.n_microbatches
+        last = self.num_stages - 1
+        if 0 in self._stages and not args and not kwargs:
+            raise ValueError(f"{type(self).__name__}.eval: rank {self._rank} runs stage 0 and needs the batch "
+                             "(eval(x, ...))")
+        if self.loss_fn is None:  # run()'s form: kwargs go to every stage
+            split = split_microbatches(p, args, kwargs, n) if args or kwargs else [((), {})] * n
+            with p.no_grad():
+                run = self._execute(split if 0 in self._stages else [], [], [mb_kwargs for _, mb_kwargs in split],
+                                    forward_only=True)
+            return [run.outputs[m] for m in range(n)] if last in self._stages else []
+        microbatches = split_microbatches(p, args, kwargs, n) if 0 in self._stages else []
+        targets = [mb[0][0] for mb in split_microbatches(p, (target,), {}, n)] \
+            if last in self._stages and target is not None else []
+        with p.no_grad():
+            run = self._execute(microbatches, targets, None, forward_only=True)
+        if last not in self._stages:
+            return None
+        if losses is not None and targets:
+            losses.extend(run.losses[m] for m in range(n))
+        return merge_microbatches(p, [run.outputs[m] for m in range(n)])
+
     def _execute(self, microbatches: list[Microbatch], targets: list[Any],
-                 every_kwargs: list[dict[str, Any]] | None) -> _StepState:
+                 every_kwargs: list[dict[str, Any]] | None, forward_only: bool = False) -> _StepState:
         if not self._specs_known:
             self._infer_specs(microbatches[0] if microbatches else ((), {}),
                               every_kwargs[0] if every_kwargs else None)
+        if forward_only:
+            run = _StepState(self, microbatches, targets, every_kwargs, forward_only=True)
+            for action in self.eval_schedule[self._rank]:
+                run.execute(action)
+            for work in run.sends:
+                work.wait()
+            return run
         for stage in self._stages.values():
             stage._reset_grads()
         run = _StepState(self, microbatches, targets, every_kwargs)
@@ -380,13 +447,15 @@ class _StepState:
     """What one step holds between actions, keyed by (stage, microbatch)."""
 
     def __init__(self, schedule: PipelineSchedule, microbatches: list[Microbatch], targets: list[Any],
-                 every_kwargs: list[dict[str, Any]] | None = None) -> None:
+                 every_kwargs: list[dict[str, Any]] | None = None, forward_only: bool = False) -> None:
         self.schedule = schedule
         self.p = schedule.platform
         self.microbatches = microbatches
         self.targets = targets
         self.every_kwargs = every_kwargs  # run(): each microbatch's kwargs, for every stage
-        self.mailbox = Mailbox(self.p, schedule.group, schedule._incoming, schedule._message_spec)
+        self.forward_only = forward_only  # eval(): forwards without recording, no custom functions
+        incoming = schedule._eval_incoming if forward_only else schedule._incoming
+        self.mailbox = Mailbox(self.p, schedule.group, incoming, schedule._message_spec)
         self.inputs: dict[tuple[int, int], tuple[Any, ...]] = {}  # F's inputs (received or handed over)
         # vjp backward of each F (None after an I that left W nothing to re-walk)
         self.backward: dict[tuple[int, int], Callable[..., Any] | None] = {}
@@ -410,7 +479,7 @@ class _StepState:
     def execute(self, action: Action) -> None:
         s, m = action.stage_index, action.microbatch_index
         sched, place = self.schedule, self.schedule._place
-        custom = sched._custom.get(action.type)
+        custom = None if self.forward_only else sched._custom.get(action.type)
         if custom is not None:
             custom(action, self.context)
         elif action.type is A.F:
@@ -456,6 +525,8 @@ class _StepState:
             args = self.inputs.pop((s, m))
             if kwargs is None:
                 kwargs = self.every_kwargs[m] if self.every_kwargs else {}
+        if self.forward_only:
+            return self._forward_only(s, m, args, kwargs)
         params = [param for _, param in stage.named_params]
         split = stage.weight_split
         capture = None if split is None else Capture()
@@ -502,6 +573,26 @@ class _StepState:
         if not stage.is_last:
             return outs if len(outs) > 1 else outs[0]
         return self.losses[m] if sched.loss_fn is not None else self.outputs[m]
+
+    def _forward_only(self, s: int, m: int, args: Any, kwargs: dict[str, Any]) -> Any:
+        """``eval``'s ``F``: stage ``s`` on microbatch ``m``'s ``args``, nothing recorded
+        (the caller holds ``no_grad``); the output goes on as ``forward``'s does, the last
+        stage's is kept (with its loss when there is a target)."""
+        sched = self.schedule
+        stage = sched._stages[s]
+        out = stage.submodule(*wrap_inputs(tuple(args), stage.input_rebuilds), **kwargs)
+        if stage.is_last:
+            self.outputs[m] = out
+            if sched.loss_fn is not None and self.targets:
+                self.losses[m] = sched.loss_fn(out, self.targets[m])
+                return self.losses[m]
+            return out
+        outs = unwrap_outputs(out if isinstance(out, tuple) else (out,))
+        if sched._place(s + 1) == sched._rank:
+            self.inputs[(s + 1, m)] = outs
+        else:
+            self.outputs_to_send[(s, m)] = outs
+        return outs if len(outs) > 1 else outs[0]
 
     def _recording(self, s: int, capture: Capture | None) -> AbstractContextManager[None]:
         """Around a backward of stage ``s``: its split linear layers record into the
@@ -588,14 +679,32 @@ def _single_stage(name: str, stage: PipelineStage | Sequence[PipelineStage]) -> 
     return [stage]
 
 
+def _fixed_per_rank(name: str, want: int, generator: Callable[[int, int], Schedule], num_ranks: int,
+                    stages_per_rank: int, n_microbatches: int) -> Schedule:
+    """``generator(num_ranks, n_microbatches)`` of a schedule with ``want`` stages per rank
+    (one in the loop placement, two in the V), after checking ``stages_per_rank``."""
+    if stages_per_rank != want:
+        what = "two stages per rank in a V" if want == 2 else \
+            "one stage per rank (an interleaved schedule runs several)"
+        raise ValueError(f"{name}: {what}, got stages_per_rank={stages_per_rank}")
+    return generator(num_ranks, n_microbatches)
+
+
 class ScheduleGPipe(PipelineSchedule):
     """GPipe (Huang et al., 2019): all forwards, then all backwards; holds
     ``n_microbatches`` microbatches of activations on every rank. One stage per rank."""
 
+    placement = "loop"
+
+    @staticmethod
+    def generate(num_ranks: int, stages_per_rank: int, n_microbatches: int) -> Schedule:
+        """Every rank's compute actions (``schedules.gpipe``); ``stages_per_rank`` must be 1."""
+        return _fixed_per_rank("ScheduleGPipe", 1, gpipe, num_ranks, stages_per_rank, n_microbatches)
+
     def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: LossFn | None = None, *, scale_grads: bool | None = None) -> None:
         stages = _single_stage("ScheduleGPipe", stage)
-        super().__init__(stages, n_microbatches, loss_fn, gpipe(stages[0].group_size, n_microbatches),
+        super().__init__(stages, n_microbatches, loss_fn, self.generate(stages[0].group_size, 1, n_microbatches),
                          scale_grads=scale_grads)
 
 
@@ -610,15 +719,29 @@ class Schedule1F1B(PipelineSchedule):
         overlap: the ``CommComputeOverlap`` that runs the pairs (default: a new one).
     """
 
+    placement = "loop"
+
+    @staticmethod
+    def generate(num_ranks: int, stages_per_rank: int, n_microbatches: int) -> Schedule:
+        """Every rank's compute actions (``schedules.one_f_one_b``); ``stages_per_rank`` must be 1."""
+        return _fixed_per_rank("Schedule1F1B", 1, one_f_one_b, num_ranks, stages_per_rank, n_microbatches)
+
     def __init__(self, stage: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: LossFn | None = None, *, scale_grads: bool | None = None, overlap_b_f: bool = False,
                  overlap: CommComputeOverlap | None = None) -> None:
         stages = _single_stage("Schedule1F1B", stage)
-        compute = one_f_one_b(stages[0].group_size, n_microbatches)
+        compute = self.generate(stages[0].group_size, 1, n_microbatches)
         if overlap_b_f:
             compute = {rank: pair_backward_forward(actions) for rank, actions in compute.items()}
             overlap = overlap or CommComputeOverlap()
         super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads, overlap=overlap)
+
+
+def _stages_list(name: str, stages: Sequence[PipelineStage]) -> list[PipelineStage]:
+    stages = list(stages)
+    if not stages or not all(isinstance(s, PipelineStage) for s in stages):
+        raise TypeError(f"{name}: stages={stages!r} must be a non-empty list of PipelineStage")
+    return stages
 
 
 class ScheduleInterleaved1F1B(PipelineSchedule):
@@ -638,27 +761,23 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
             of stages for this rank.
     """
 
+    placement = "loop"
+
+    @staticmethod
+    def generate(num_ranks: int, stages_per_rank: int, n_microbatches: int) -> Schedule:
+        """Every rank's compute actions (``schedules.interleaved_1f1b``)."""
+        return interleaved_1f1b(num_ranks, stages_per_rank, n_microbatches)
+
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None = None, *,
                  scale_grads: bool | None = None, overlap_b_f: bool = False,
                  overlap: CommComputeOverlap | None = None) -> None:
-        stages = list(stages)
-        if not stages or not all(isinstance(s, PipelineStage) for s in stages):
-            raise TypeError(f"ScheduleInterleaved1F1B: stages={stages!r} must be a non-empty list of PipelineStage")
+        stages = _stages_list("ScheduleInterleaved1F1B", stages)
         size = stages[0].group_size
-        compute = interleaved_1f1b(size, stages[0].num_stages // size, n_microbatches, overlap_b_f=overlap_b_f)
+        compute = self.generate(size, stages[0].num_stages // size, n_microbatches)
         if overlap_b_f:
+            compute = {rank: pair_backward_forward(actions) for rank, actions in compute.items()}
             overlap = overlap or CommComputeOverlap()
         super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads, overlap=overlap)
-
-
-def _stages_list(name: str, stages: Sequence[PipelineStage], placement: str) -> list[PipelineStage]:
-    stages = list(stages)
-    if not stages or not all(isinstance(s, PipelineStage) for s in stages):
-        raise TypeError(f"{name}: stages={stages!r} must be a non-empty list of PipelineStage")
-    if any(s.placement != placement for s in stages):
-        raise ValueError(f"{name}: needs stages built with placement={placement!r}, got "
-                         f"{sorted({s.placement for s in stages})}")
-    return stages
 
 
 class ScheduleInterleavedZeroBubble(PipelineSchedule):
@@ -671,41 +790,57 @@ class ScheduleInterleavedZeroBubble(PipelineSchedule):
 
     Raises:
         TypeError: ``stages`` is not a non-empty list of ``PipelineStage``.
-        ValueError: stages not in the loop placement; ``n_microbatches`` not a multiple of
-            the group size when ``v > 1``; a wrong number of stages for this rank.
+        ValueError: stages built with ``placement="v"``; ``n_microbatches`` not a multiple
+            of the group size when ``v > 1``; a wrong number of stages for this rank.
     """
+
+    placement = "loop"
+    splits_backward = True
+
+    @staticmethod
+    def generate(num_ranks: int, stages_per_rank: int, n_microbatches: int) -> Schedule:
+        """Every rank's compute actions (``schedules.interleaved_zero_bubble``)."""
+        return interleaved_zero_bubble(num_ranks, stages_per_rank, n_microbatches)
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None = None, *,
                  scale_grads: bool | None = None) -> None:
-        stages = _stages_list("ScheduleInterleavedZeroBubble", stages, "loop")
+        stages = _stages_list("ScheduleInterleavedZeroBubble", stages)
         size = stages[0].group_size
-        compute = interleaved_zero_bubble(size, stages[0].num_stages // size, n_microbatches)
-        super().__init__(stages, n_microbatches, loss_fn, compute, scale_grads=scale_grads)
+        super().__init__(stages, n_microbatches, loss_fn, self.generate(size, stages[0].num_stages // size,
+                                                                        n_microbatches), scale_grads=scale_grads)
 
 
 class ScheduleZBVZeroBubble(PipelineSchedule):
     """ZB-V (Qi et al., ICLR 2024): ``2 * group_size`` stages in a V (rank ``r`` runs
-    stages ``r`` and ``2 * group_size - 1 - r``; build them with ``placement="v"``), so the
-    last stage's gradient starts on the rank that ran stage 0; split backwards (``I`` and
-    ``W``) within ``2 * group_size`` stage-activations per rank.
+    stages ``r`` and ``2 * group_size - 1 - r``; the schedule gives its stages this
+    placement), so the last stage's gradient starts on the rank that ran stage 0; split
+    backwards (``I`` and ``W``) within ``2 * group_size`` stage-activations per rank.
 
     Raises:
         TypeError: ``stages`` is not a non-empty list of ``PipelineStage``.
-        ValueError: stages not in the V placement; not this rank's two stages.
+        ValueError: stages built with ``placement="loop"``; not this rank's two stages.
     """
+
+    placement = "v"
+    splits_backward = True
+
+    @staticmethod
+    def generate(num_ranks: int, stages_per_rank: int, n_microbatches: int) -> Schedule:
+        """Every rank's compute actions (``schedules.zbv_zero_bubble``); ``stages_per_rank`` must be 2."""
+        return _fixed_per_rank("ScheduleZBVZeroBubble", 2, zbv_zero_bubble, num_ranks, stages_per_rank, n_microbatches)
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None = None, *,
                  scale_grads: bool | None = None) -> None:
-        stages = _stages_list("ScheduleZBVZeroBubble", stages, "v")
-        super().__init__(stages, n_microbatches, loss_fn, zbv_zero_bubble(stages[0].group_size, n_microbatches),
+        stages = _stages_list("ScheduleZBVZeroBubble", stages)
+        super().__init__(stages, n_microbatches, loss_fn, self.generate(stages[0].group_size, 2, n_microbatches),
                          scale_grads=scale_grads)
 
 
 class ScheduleDualPipeV(PipelineSchedule):
     """DualPipeV (DeepSeek-V3's DualPipe, V variant; ``schedules.dualpipe``): V-placed
-    stages (build them with ``placement="v"``), a forward of one chunk paired with a
-    backward of the other in the main phase (``OVERLAP_B_F``, run by ``overlap`` on two
-    threads), split backwards in warm-up and drain.
+    stages (the schedule gives its stages the V placement, as ZB-V), a forward of one
+    chunk paired with a backward of the other in the main phase (``OVERLAP_B_F``, run by
+    ``overlap`` on two threads), split backwards in warm-up and drain.
 
     Args:
         overlap: the ``CommComputeOverlap`` whose ``wrap_dispatch``/``wrap_combine`` the
@@ -713,11 +848,19 @@ class ScheduleDualPipeV(PipelineSchedule):
 
     Raises:
         TypeError: ``stages`` is not a non-empty list of ``PipelineStage``.
-        ValueError: stages not in the V placement; ``n_microbatches < 2 * group_size``.
+        ValueError: stages built with ``placement="loop"``; ``n_microbatches < 2 * group_size``.
     """
+
+    placement = "v"
+    splits_backward = True
+
+    @staticmethod
+    def generate(num_ranks: int, stages_per_rank: int, n_microbatches: int) -> Schedule:
+        """Every rank's compute actions (``schedules.dualpipe_v``); ``stages_per_rank`` must be 2."""
+        return _fixed_per_rank("ScheduleDualPipeV", 2, dualpipe_v, num_ranks, stages_per_rank, n_microbatches)
 
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int, loss_fn: LossFn | None = None, *,
                  scale_grads: bool | None = None, overlap: CommComputeOverlap | None = None) -> None:
-        stages = _stages_list("ScheduleDualPipeV", stages, "v")
-        super().__init__(stages, n_microbatches, loss_fn, dualpipe_v(stages[0].group_size, n_microbatches),
+        stages = _stages_list("ScheduleDualPipeV", stages)
+        super().__init__(stages, n_microbatches, loss_fn, self.generate(stages[0].group_size, 2, n_microbatches),
                          scale_grads=scale_grads, overlap=overlap or CommComputeOverlap())

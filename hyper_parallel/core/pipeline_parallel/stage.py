@@ -3,8 +3,9 @@ boundaries.
 
 Stages are placed in a loop over the pipeline group: stage ``s`` runs on group rank
 ``s % group_size`` (one stage per rank, or ``num_stages / group_size`` interleaved
-virtual stages per rank). The shapes of the activations a stage receives are inferred on
-the first step from microbatch 0 (the previous stage sends them ahead of the data).
+virtual stages per rank), or in a V (ZB-V, DualPipeV): the schedule's placement ([Note:
+stage placement]). The shapes of the activations a stage receives are inferred on the
+first step from microbatch 0 (the previous stage sends them ahead of the data).
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ from hyper_parallel.core.pipeline_parallel.boundary import Rebuild
 from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
 from hyper_parallel.core.pipeline_parallel.weight_grad import LinearWeightSplit
 from hyper_parallel.platform import Platform, get_platform
+
+# [Note: stage placement]
+# Which group rank runs stage ``s`` is a fact of the schedule, as in
+# torch.distributed.pipelining (whose schedules set ``stage_index_to_group_rank`` from
+# their style, "loop" or "v"): each schedule class declares its ``placement``
+# (``PipelineSchedule.placement``, listed in ``schedule_table.SCHEDULES``) and, when it
+# is built, hands it to every stage (``PipelineStage._bind_placement``), which checks that
+# it runs on this rank there. ``PipelineStage(placement=...)`` stays accepted: given, it
+# must be the schedule's (a ``ValueError`` names both). Before a schedule takes it, a
+# stage built without one has the loop placement, or the V one when only the V puts it
+# on this rank (``stage_rank`` answers with that).
 
 
 class PipelineStage:
@@ -47,7 +59,10 @@ class PipelineStage:
             are where an incoming ``DTensor``'s mesh is looked up (with the parameters').
         placement: ``"loop"`` (stage ``s`` on group rank ``s % group_size``) or ``"v"``
             (``num_stages = 2 * group_size``; rank ``r`` runs stages ``r`` and
-            ``2 * group_size - 1 - r``; for ``ScheduleZBVZeroBubble``).
+            ``2 * group_size - 1 - r``; ZB-V and DualPipeV). Optional: the schedule the
+            stage is handed to sets it ([Note: stage placement]); ``None`` (the default)
+            takes the loop placement until then, or the V one for a stage that only fits
+            the V. Given, it must agree with the schedule's.
 
     Attributes:
         input_spec, output_spec: shapes and dtypes of one microbatch's tensors received
@@ -62,13 +77,15 @@ class PipelineStage:
     Raises:
         ValueError: ``stage_index`` outside ``[0, num_stages)``; ``num_stages`` not a
             multiple of the group size; the stage does not belong on this rank under
-            ``placement``; an unknown ``placement``; both or neither of ``num_stages``
-            and ``stage_num``; a ``device`` of another type than the platform's; a
-            ``mesh`` that is not 1-D or whose group is not ``group``.
+            ``placement`` (under either placement when it is ``None``); an unknown
+            ``placement``; both or neither of ``num_stages`` and ``stage_num``; a
+            ``device`` of another type than the platform's; a ``mesh`` that is not 1-D or
+            whose group is not ``group``.
     """
 
     def __init__(self, submodule: Any, stage_index: int, num_stages: int | None = None, device: Any = None, *,
-                 group: Any = None, mesh: Any = None, placement: str = "loop", stage_num: int | None = None) -> None:
+                 group: Any = None, mesh: Any = None, placement: str | None = None,
+                 stage_num: int | None = None) -> None:
         platform = get_platform()
         num_stages = _one_count(num_stages, stage_num)
         group = _mesh_group(mesh, group)
@@ -76,30 +93,29 @@ class PipelineStage:
         size, rank = platform.world_size(group), platform.rank(group)
         if num_stages < 1 or not 0 <= stage_index < num_stages:
             raise ValueError(f"PipelineStage: stage_index={stage_index} must be in [0, num_stages={num_stages})")
-        if placement not in ("loop", "v"):
-            raise ValueError(f"PipelineStage: placement={placement!r} must be 'loop' or 'v'")
+        if placement not in (None, "loop", "v"):
+            raise ValueError(f"PipelineStage: placement={placement!r} must be 'loop', 'v' or None (the schedule's)")
         if placement == "v" and num_stages != 2 * size:
             raise ValueError(f"PipelineStage: placement='v' needs num_stages = 2 x the pipeline group size "
                              f"({2 * size}), got num_stages={num_stages}")
-        self.placement = placement
         self.group_size = size
+        self.group_rank = rank
+        self.stage_index = stage_index
+        self.num_stages = num_stages
         if num_stages % size:
             raise ValueError(f"PipelineStage: num_stages={num_stages} is not a multiple of the pipeline group size "
                              f"{size}; each rank runs the same number of stages (e.g. num_stages={size * max(1, num_stages // size)})")
-        if self.stage_rank(stage_index) != rank:
-            rule = f"stage s on rank s % {size}" if placement == "loop" else \
-                f"V placement: stage s on rank s, or {2 * size - 1} - s for s >= {size}"
-            raise ValueError(f"PipelineStage: stage {stage_index} of {num_stages} runs on group rank "
-                             f"{self.stage_rank(stage_index)} ({rule}), but this is group rank {rank}; "
-                             "build on each rank the stages it runs")
+        #: ``"loop"`` or ``"v"``: given, or set by the schedule ([Note: stage placement])
+        only_v = num_stages == 2 * size and _rank_of(stage_index, size, "loop") != rank \
+            and _rank_of(stage_index, size, "v") == rank
+        self.placement: str = placement or ("v" if only_v else "loop")
+        self._placement_given = placement is not None
+        self._check_rank(self.placement, "PipelineStage")
         self.platform: Platform = platform
         self.submodule = submodule
-        self.stage_index = stage_index
-        self.num_stages = num_stages
         self.group = group
         self.mesh = mesh
         self.device = device
-        self.group_rank = rank
         self.input_spec: tuple[TensorSpec, ...] | None = None  # known after the first step
         self.output_spec: tuple[TensorSpec, ...] | None = None
         # per boundary tensor, how a DTensor is rebuilt from its piece (None: a plain
@@ -129,10 +145,37 @@ class PipelineStage:
     def stage_rank(self, stage_index: int) -> int:
         """The group rank that runs ``stage_index``: ``stage_index % group_size`` (loop
         placement), or the V placement's rank (``schedules.zero_bubble.v_placement``)."""
-        size = self.group_size
-        if self.placement == "v" and stage_index >= size:
-            return 2 * size - 1 - stage_index
-        return stage_index % size
+        return _rank_of(stage_index, self.group_size, self.placement)
+
+    def _check_rank(self, placement: str, who: str) -> None:
+        """Raise unless this stage runs on this rank under ``placement``."""
+        owner = _rank_of(self.stage_index, self.group_size, placement)
+        if owner != self.group_rank:
+            size = self.group_size
+            rule = f"stage s on rank s % {size}" if placement == "loop" else \
+                f"V placement: stage s on rank s, or {2 * size - 1} - s for s >= {size}"
+            raise ValueError(f"{who}: stage {self.stage_index} of {self.num_stages} runs on group rank {owner} "
+                             f"({rule}), but this is group rank {self.group_rank}; build on each rank the stages "
+                             "it runs")
+
+    def _bind_placement(self, placement: str, schedule: str) -> None:
+        """Take the placement of the schedule this stage is handed to ([Note: stage
+        placement]).
+
+        Raises:
+            ValueError: the stage was built with another ``placement=``; the V placement
+                with ``num_stages != 2 x group size``; the stage does not run on this rank
+                under ``placement``.
+        """
+        if self._placement_given and placement != self.placement:
+            raise ValueError(f"{schedule}: stage {self.stage_index} was built with placement={self.placement!r}, but "
+                             f"{schedule} places its stages {placement!r}; leave placement= out (the schedule sets "
+                             f"it) or pass placement={placement!r}")
+        if placement == "v" and self.num_stages != 2 * self.group_size:
+            raise ValueError(f"{schedule}: places 2 x the pipeline group size ({2 * self.group_size}) stages in a V, "
+                             f"got stages of num_stages={self.num_stages}")
+        self._check_rank(placement, schedule)
+        self.placement = placement
 
     def get_last_stage_sens(self, outputs: Any) -> Any:
         """The backward seed of the last stage's ``outputs`` for one microbatch, for a
@@ -239,6 +282,13 @@ class PipelineStage:
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, rank {self.group_rank}/{self.group_size})"
+
+
+def _rank_of(stage_index: int, size: int, placement: str) -> int:
+    """The group rank of ``stage_index`` on a group of ``size`` under ``placement``."""
+    if placement == "v" and stage_index >= size:
+        return 2 * size - 1 - stage_index
+    return stage_index % size
 
 
 def _one_count(num_stages: int | None, stage_num: int | None) -> int:

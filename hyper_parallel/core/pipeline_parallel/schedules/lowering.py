@@ -52,3 +52,13 @@ def add_communication(schedule: Schedule, num_stages: int, stage_to_rank: Callab
                 out += sends(part)
         lowered[rank] = out
     return lowered
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of a compute-only ``schedule``, each rank's in its order (an
+    ``OVERLAP_B_F`` keeps its ``F``; ``B``, ``I`` and ``W`` go): the forward-only step of
+    the same schedule, as torch.distributed.pipelining's ``eval`` runs it. Restricting
+    every rank to its forwards keeps the schedule deadlock-free: a forward waits only for
+    earlier forwards. Returns a new schedule (lower it with ``add_communication``)."""
+    return {rank: [part for action in actions for part in (action.sub_actions or (action,)) if part.type is A.F]
+            for rank, actions in schedule.items()}

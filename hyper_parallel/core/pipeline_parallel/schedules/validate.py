@@ -15,8 +15,10 @@ _MATCH = {A.SEND_F: (A.RECV_F, 1), A.SEND_B: (A.RECV_B, -1)}
 
 
 def validate(schedule: Schedule, num_stages: int, n_microbatches: int, *,
-             stage_to_rank: Callable[[int], int] | None = None) -> None:
-    """Check that ``schedule`` runs every microbatch through every stage exactly once.
+             stage_to_rank: Callable[[int], int] | None = None, backward: bool = True) -> None:
+    """Check that ``schedule`` runs every microbatch through every stage exactly once
+    (``backward=False``: a forward-only schedule, ``lowering.forward_only``, whose
+    microbatches run ``F`` only).
 
     Raises:
         ScheduleError: with the first problem found and how to fix it.
@@ -41,6 +43,10 @@ def validate(schedule: Schedule, num_stages: int, n_microbatches: int, *,
         for m in range(n_microbatches):
             if not counts[(A.F, s, m)]:
                 raise ScheduleError(f"{s}F{m} is missing: every microbatch runs forward on every stage")
+            if not backward:
+                if any(counts[(kind, s, m)] for kind in (A.B, A.I, A.W)):
+                    raise ScheduleError(f"stage {s} microbatch {m} runs a backward in a forward-only schedule")
+                continue
             split = counts[(A.I, s, m)] or counts[(A.W, s, m)]
             if split and not (counts[(A.I, s, m)] and counts[(A.W, s, m)]):
                 raise ScheduleError(f"stage {s} microbatch {m} splits its backward but lacks its "

@@ -1,8 +1,9 @@
 """Comparing schedules on the simulator: for given (ranks, microbatches, virtual stages,
-memory limit), each schedule's (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble,
-ZB-V, DualPipeV) predicted step time, bubble fraction and peak activation memory, and
-whether it fits. ``python -m hyper_parallel.core.pipeline_parallel.schedules.compare
---ranks 4 --microbatches 8 --virtual 2 --memory-limit 6`` prints the table."""
+memory limit), the predicted step time, bubble fraction and peak activation memory of
+each schedule of ``schedule_table.SCHEDULES`` (GPipe, 1F1B, interleaved 1F1B, ZB-H1,
+interleaved zero-bubble, ZB-V, DualPipeV), and whether it fits.
+``python -m hyper_parallel.core.pipeline_parallel.compare --ranks 4
+--microbatches 8 --virtual 2 --memory-limit 6`` prints the table."""
 
 from __future__ import annotations
 
@@ -10,13 +11,10 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType, Schedule
-from hyper_parallel.core.pipeline_parallel.schedules.dualpipe import dualpipe_v
-from hyper_parallel.core.pipeline_parallel.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b
-from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication, loop_placement
+from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
+from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType
+from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication
 from hyper_parallel.core.pipeline_parallel.schedules.simulator import DEFAULT_COSTS, simulate
-from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import (interleaved_zero_bubble, v_placement,
-                                                                         zbv_zero_bubble)
 
 
 @dataclass(frozen=True)
@@ -24,8 +22,9 @@ class ScheduleEstimate:
     """One schedule's prediction.
 
     Attributes:
-        name: the schedule (``gpipe``, ``1f1b``, ``interleaved_1f1b``,
-            ``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipe_v``).
+        name: the schedule's name in ``schedule_table.SCHEDULES`` (``gpipe``, ``1f1b``,
+            ``interleaved-1f1b``, ``zbh1``, ``interleaved-zero-bubble``, ``zbv``,
+            ``dualpipev``; ``schedule_entry`` also takes this module's earlier spellings).
         num_stages: stages of the pipeline it runs.
         step_time: seconds (in the units of the costs given).
         bubble_fraction: idle share of ``ranks x step_time``.
@@ -51,13 +50,14 @@ def compare_schedules(num_ranks: int, n_microbatches: int, n_virtual: int = 2, *
     return their estimates, the fastest that fits ``memory_limit`` first.
 
     The model is one rank's share of the layers, split into the stages each schedule
-    runs: GPipe and 1F1B one stage per rank (the whole share); interleaved 1F1B and
-    interleaved zero-bubble ``n_virtual`` stages per rank (loop placement; with
-    ``n_virtual = 1`` the zero-bubble schedule is ZB-H1); ZB-V and DualPipeV two
-    stages per rank in a V. A stage holding ``1 / k`` of a rank's share has its costs
-    and activations scaled by ``1 / k``. Interleaved schedules with ``n_virtual > 1``
-    need ``n_microbatches`` to be a multiple of ``num_ranks`` and DualPipeV needs
-    ``n_microbatches >= 2 * num_ranks``; a schedule whose condition fails is left out.
+    of ``SCHEDULES`` runs: its ``stages_per_rank``, except the interleaved ones (loop
+    placement, several stages per rank), which run ``n_virtual`` stages per rank and are
+    left out for ``n_virtual = 1`` (they would be 1F1B and ZB-H1 again); ZB-V and
+    DualPipeV two stages per rank in a V. A stage holding ``1 / k`` of a rank's share
+    has its costs and activations scaled by ``1 / k``. A schedule whose generator
+    refuses the configuration is left out (interleaved schedules with ``n_virtual > 1``
+    need ``n_microbatches`` to be a multiple of ``num_ranks``; DualPipeV needs
+    ``n_microbatches >= 2 * num_ranks``).
 
     Args:
         costs: seconds per action type of a rank's whole share (default
@@ -68,26 +68,23 @@ def compare_schedules(num_ranks: int, n_microbatches: int, n_virtual: int = 2, *
         comm_latency: seconds from a send to its receive completing.
 
     Raises:
-        ValueError: ``num_ranks``, ``n_microbatches`` or ``n_virtual`` below 1 (from
-            the generators).
+        ValueError: ``num_ranks``, ``n_microbatches`` or ``n_virtual`` below 1.
     """
-    loop = loop_placement(num_ranks)
-    vee = v_placement(num_ranks)
-    candidates: list[tuple[str, Schedule, int, float, Callable[[int], int]]] = [
-        ("gpipe", gpipe(num_ranks, n_microbatches), num_ranks, 1.0, loop),
-        ("1f1b", one_f_one_b(num_ranks, n_microbatches), num_ranks, 1.0, loop),
-    ]
-    if n_virtual == 1 or n_microbatches % num_ranks == 0:
-        if n_virtual > 1:
-            candidates.append(("interleaved_1f1b", interleaved_1f1b(num_ranks, n_virtual, n_microbatches),
-                               num_ranks * n_virtual, 1.0 / n_virtual, loop))
-        candidates.append(("interleaved_zero_bubble", interleaved_zero_bubble(num_ranks, n_virtual, n_microbatches),
-                           num_ranks * n_virtual, 1.0 / n_virtual, loop))
-    candidates.append(("zbv_zero_bubble", zbv_zero_bubble(num_ranks, n_microbatches), 2 * num_ranks, 0.5, vee))
-    if n_microbatches >= 2 * num_ranks:
-        candidates.append(("dualpipe_v", dualpipe_v(num_ranks, n_microbatches), 2 * num_ranks, 0.5, vee))
+    if num_ranks < 1 or n_microbatches < 1 or n_virtual < 1:
+        raise ValueError(f"compare_schedules: num_ranks={num_ranks}, n_microbatches={n_microbatches} and "
+                         f"n_virtual={n_virtual} must all be >= 1")
     out = []
-    for name, compute, num_stages, scale, place in candidates:
+    for name, entry in SCHEDULES.items():
+        per_rank = entry.stages_per_rank
+        if entry.placement == "loop" and per_rank > 1:  # interleaved: n_virtual stages per rank
+            if n_virtual == 1:
+                continue
+            per_rank = n_virtual
+        try:
+            compute = entry.generate(num_ranks, n_microbatches, per_rank)
+        except ValueError:  # e.g. DualPipeV with fewer than 2 x num_ranks microbatches
+            continue
+        num_stages, scale, place = num_ranks * per_rank, 1.0 / per_rank, entry.stage_to_rank(num_ranks)
         if callable(costs):
             cost: Callable[[Action], float] | dict[ActionType, float] = (lambda a, c=costs, k=scale: c(a) * k)
         else:
