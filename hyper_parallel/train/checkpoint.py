@@ -37,6 +37,15 @@ to the previous checkpoint. The folder must be shared by all ranks (one machine,
 shared filesystem). Checkpoints of format 2 (``manifest.json`` and ``.npz`` shards, the
 same protocol) load as they are.
 
+[Note: retention]
+A checkpoint's index records the run that wrote it (``meta["run"]``: the run id of
+``hyper-parallel train``, which a resumed run takes over from the checkpoint it continues).
+After the rename of step 4, rank 0 deletes the oldest (lowest-step) checkpoints *of that
+run* until ``keep`` of them are left, the one just written always among them (``keep == 0``:
+none is deleted). A checkpoint of another run, one without an index, or one whose index
+does not read, is never deleted: a second run writing into the same folder cannot delete
+the first run's checkpoints, nor the first run's newer step numbers the second's.
+
 [Note: shared verification]
 Verifying a checkpoint means hashing every file. With ``world`` ranks, rank ``r`` hashes
 the files ``r, r + world, ...`` of the index's sorted file list and the ranks agree by one
@@ -86,11 +95,13 @@ from hyper_parallel.train.checkpoint_format import (FORMAT, INDEX, READABLE_FORM
                                                     digest, fsync_path, manifest_file, read_manifest, shard_name,
                                                     write_json_atomic, write_shard)
 
-__all__ = ["FORMAT", "INDEX", "KEEP", "READABLE_FORMATS", "manifest_file", "Loaded", "PendingSave", "Piece", "begin_save", "check_compatible", "commit",
-           "complete_steps", "describe_layout", "latest_manifest", "load_latest", "read_manifest", "read_pieces",
-           "reshard_message", "save", "verify", "write_pending"]
+__all__ = ["FORMAT", "INDEX", "KEEP", "READABLE_FORMATS", "manifest_file", "Loaded", "PendingSave", "Piece",
+           "begin_save", "check_compatible", "commit", "complete_steps", "describe_layout", "expired",
+           "latest_manifest", "load_latest", "read_manifest", "read_pieces", "reshard_message", "run_of", "save",
+           "verify", "write_pending"]
 
-#: complete checkpoints kept (older ones are deleted after a save)
+#: complete checkpoints of a run kept by default (``--keep-checkpoints``): after a save the
+#: run's older ones are deleted ([Note: retention])
 KEEP = 3
 #: seconds rank 0 waits, at step 4, for the other ranks' marks before giving the save up
 COMMIT_TIMEOUT_S = 3600.0
@@ -153,6 +164,7 @@ class PendingSave:
     world: int
     meta: dict[str, Any]
     pieces: dict[str, Piece]
+    keep: int = KEEP  # checkpoints of the run kept after the commit (0: all), [Note: retention]
 
     @property
     def final(self) -> Path:
@@ -169,13 +181,14 @@ def _same_piece(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def begin_save(p: Platform | None, root: Path, step: int, pieces: dict[str, Piece], meta: dict[str, Any],
-               world: int, rank: int, agree: Callable[[], None] | None = None) -> PendingSave:
+               world: int, rank: int, agree: Callable[[], None] | None = None, keep: int = KEEP) -> PendingSave:
     """Step 1 of [Note: atomic checkpoints]: the temporary folder. Collective over the
     ``world`` ranks, on the calling thread: one barrier (``p`` may be ``None`` when
     ``world == 1``), or ``agree``, a collective of the caller's that every rank calls here
     (``checkpoint_async`` reports the previous save's outcome with it), no data exchange.
     ``pieces`` (``{"<kind>/<fqn>": Piece}``, host arrays) are kept, not copied: the caller
-    passes copies it does not change while the save is pending."""
+    passes copies it does not change while the save is pending. ``keep``: the run's
+    checkpoints left after the commit ([Note: retention])."""
     tmp = root / f".step_{step:08d}.tmp"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -185,7 +198,7 @@ def begin_save(p: Platform | None, root: Path, step: int, pieces: dict[str, Piec
         agree()
     else:
         _barrier(p, world)
-    return PendingSave(root, tmp, step, rank, world, meta, pieces)
+    return PendingSave(root, tmp, step, rank, world, meta, pieces, keep)
 
 
 def _wait_for(pending: PendingSave, name: Callable[[int], str], ranks: range, what: str,
@@ -243,8 +256,8 @@ def write_pending(pending: PendingSave, timeout_s: float = COMMIT_TIMEOUT_S) -> 
 
 def commit(pending: PendingSave, timeout_s: float = COMMIT_TIMEOUT_S) -> Path:
     """Step 4, on rank 0 only: wait for every rank's mark, write the index, rename the
-    folder into place, keep the newest ``KEEP`` checkpoints. No collective. Returns the
-    checkpoint's folder.
+    folder into place, then delete the run's older checkpoints beyond ``pending.keep``
+    ([Note: retention]). No collective. Returns the checkpoint's folder.
 
     Raises:
         RuntimeError: a rank marked its write failed, or not every rank marked its shard
@@ -261,28 +274,50 @@ def commit(pending: PendingSave, timeout_s: float = COMMIT_TIMEOUT_S) -> Path:
         (tmp / _done_name(r)).unlink()
     write_json_atomic(tmp / INDEX, index)
     final, root = pending.final, pending.root
-    if final.exists():  # a checkpoint of the same step from an earlier run
+    if final.exists():  # the same step, written before a resume (the command line refuses another run's folder)
         shutil.rmtree(final)
     os.rename(tmp, final)
     fsync_path(root)
-    for old in complete_steps(root)[:-KEEP]:
-        shutil.rmtree(_step_dir(root, old), ignore_errors=True)
+    for old in expired(root, pending.step, pending.meta.get("run", ""), pending.keep):
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def run_of(path: Path) -> str | None:
+    """The run id in the index of the checkpoint at ``path`` (``""`` for a checkpoint
+    written without one, by an earlier version or the API without ``meta["run"]``), or
+    ``None`` if its index is missing or unreadable."""
+    try:
+        return str(read_manifest(path).get("run", ""))
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def expired(root: Path, step: int, run: str, keep: int) -> list[Path]:
+    """[Note: retention]: the checkpoints under ``root`` that a commit of ``step`` by the
+    run ``run`` deletes with ``keep`` (0: none), oldest (lowest step) first."""
+    if keep == 0:
+        return []
+    older = [_step_dir(root, s) for s in complete_steps(root) if s != step]
+    mine = [path for path in older if run_of(path) == run]
+    return mine[:max(0, len(mine) - (keep - 1))]
+
+
 def save(p: Platform | None, root: Path, step: int, pieces: dict[str, Piece], meta: dict[str, Any], world: int,
-         rank: int) -> Path:
+         rank: int, keep: int = KEEP) -> Path:
     """Write this rank's ``pieces`` (``{"<kind>/<fqn>": Piece}``) as part of the checkpoint
     of ``step``, with ``meta`` (``layout``, ``model``, ``data``, ``optimizer_step``:
     JSON values, the same on every rank) in the index. Synchronous: returns once the
     checkpoint is complete on every rank. Collective over the ``world`` ranks: barriers,
-    no data exchange ([Note: atomic checkpoints]). Returns the folder.
+    no data exchange ([Note: atomic checkpoints]). Returns the folder. ``keep``: the
+    checkpoints of the run (``meta["run"]``) left afterwards, this one included (0: all;
+    [Note: retention]).
 
     Raises:
         RuntimeError: rank 0 could not commit (a rank's write failed); OSError from the
             writes of this rank.
     """
-    pending = begin_save(p, root, step, pieces, meta, world, rank)
+    pending = begin_save(p, root, step, pieces, meta, world, rank, keep=keep)
     write_pending(pending)
     _barrier(p, world)
     if rank == 0:

@@ -60,7 +60,8 @@ class AsyncCheckpointer:
         """Whether a writer is still running (this rank only)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def save(self, root: Path, step: int, pieces: dict[str, checkpoint.Piece], meta: dict[str, Any]) -> None:
+    def save(self, root: Path, step: int, pieces: dict[str, checkpoint.Piece], meta: dict[str, Any],
+             keep: int = checkpoint.KEEP) -> None:
         """Start the checkpoint of ``step`` (``checkpoint.save``'s arguments; ``pieces``:
         host copies the caller no longer changes) and return while it is written. Waits
         for the previous save first. Collective: one all-reduce, which both reports the
@@ -72,7 +73,7 @@ class AsyncCheckpointer:
         began = time.perf_counter()
         self._join()
         pending = checkpoint.begin_save(self._p, root, step, pieces, meta, self._world, self._rank,
-                                        agree=self._agree)
+                                        agree=self._agree, keep=keep)
         self._error, self._step, self._agreed = None, step, False
         self._thread = threading.Thread(target=self._write, args=(pending,), name=f"checkpoint-step-{step}",
                                         daemon=True)  # a crashing job does not wait for it: its save stays .tmp

@@ -9,7 +9,10 @@ many machines::
 
     hyper-parallel train                                  # small model, 4 CPU ranks, tp 4
     hyper-parallel train --platform mindspore --tp 2 --steps 50
-    torchrun --nproc-per-node 8 -m hyper_parallel.train.cli train --tp 8
+    torchrun --nproc-per-node 8 -m hyper_parallel.train.cli train --tp 8 --run-name tp8
+
+Each run writes its own folder (``runs/<date>-<time>``, ``runs/latest`` linking to the newest;
+``--out``/``--run-name`` to name it): ``run_folder.py``.
 
 (inside a launcher the world size is the launcher's: ``WORLD_SIZE`` or ``MS_WORKER_NUM``;
 ``--nproc`` is not needed there, and torchrun's own parser would take it for its
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
-from hyper_parallel.train import preflight
+from hyper_parallel.train import preflight, run_folder
+from hyper_parallel.train.checkpoint import KEEP, complete_steps
 from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
 from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
@@ -91,13 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", nargs="+", default=[], metavar="PATH",
                     help="text files or folders (default: the standard library's .py files)")
     out = t.add_argument_group("output")
-    out.add_argument("--out", default="runs/latest", help="run folder: metrics.jsonl, loss.png, checkpoints/")
+    out.add_argument("--out", default=None,
+                     help="run folder: config.json, metrics.jsonl, loss.png, checkpoints/ (default: a new folder "
+                          "runs/<date>-<time>, with runs/latest linked to it; with --resume: the run runs/latest "
+                          "links to). A folder holding another run is refused without --resume or --overwrite")
+    out.add_argument("--run-name", default=None, metavar="NAME",
+                     help="the run folder runs/NAME instead of the date and time (runs/latest links to it)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="delete the run that --out (or --checkpoint-dir) holds (its metrics, plot, config and "
+                          "checkpoints) and start over there")
     out.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
     out.add_argument("--checkpoint-every", type=int, default=50,
                      help="a checkpoint every K steps and at the last step (0: at the last step only)")
+    out.add_argument("--keep-checkpoints", type=int, default=KEEP, metavar="N",
+                     help=f"keep this run's N newest checkpoints, deleting its older ones after each save; another "
+                          f"run's are never deleted (default {KEEP}; 0: keep all)")
     out.add_argument("--resume", action="store_true",
                      help="continue from the newest complete checkpoint (written by any layout of the same "
-                          "model: resharded); an error if there is none (without --resume a run starts at step 0)")
+                          "model: resharded); an error if there is none (without --resume a run starts at step 0); "
+                          "without --out: the run runs/latest links to")
     out.add_argument("--async-checkpoint", action="store_true",
                      help="write checkpoints in the background while training continues (the state is copied to "
                           "host memory at the step; the next checkpoint, and the end of the run, wait for it)")
@@ -175,12 +192,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError("--hf-config takes the model from the Hugging Face configuration (TrainConfig derives its "
                          "sizes): drop --model, --dim/--n-layers/--n-heads/--n-kv-heads/--hidden-dim and "
                          "--tie-embeddings")
+    out, _ = run_folder.choose(args.out, args.run_name, args.resume)
     return TrainConfig(platform=args.platform or requested_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
                        warmup_steps=args.warmup_steps, max_norm=args.max_norm, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-                       async_checkpoint=args.async_checkpoint,
-                       out=args.out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
+                       keep_checkpoints=args.keep_checkpoints, async_checkpoint=args.async_checkpoint,
+                       out=out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
                        progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing,
                        hf_config=args.hf_config)
 
@@ -212,10 +230,12 @@ def run_train(cfg: TrainConfig) -> int:
     if rows:
         last = rows[-1]
         first = rows[0]
+        steps = complete_steps(cfg.checkpoint_path)
+        newest = f" (newest: step_{steps[-1]:08d})" if steps else ""
         print(f"done: step {last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}"
               + (f", validation {last['val_loss']:.3f}" if "val_loss" in last else "")
               + f"; metrics {cfg.run_dir / METRICS_FILE}, plot {cfg.run_dir / 'loss.png'}, "
-              f"checkpoints {cfg.checkpoint_path}")
+              f"checkpoints {cfg.checkpoint_path}{newest}")
     if cfg.check_parity:
         ref_dir = cfg.run_dir / "reference"
         reference = cfg.replace(nproc=1, layout=Layout(), out=str(ref_dir), checkpoint_dir=str(ref_dir / "checkpoints"),
@@ -236,8 +256,49 @@ def run_export(args: argparse.Namespace) -> None:
     if args.format not in FORMATS:
         raise ValueError(f"--format={args.format!r} is not an export format; use one of {', '.join(FORMATS)}")
     path = export_hf(args.checkpoint, args.out, force=args.force)
-    print(f"exported {path} as a Hugging Face model to {args.out} (config.json, model.safetensors, byte-level "
-          "tokenizer)")
+    real = os.path.realpath(path)
+    through_link = f" (that is {real})" if real != os.path.abspath(path) else ""  # runs/latest names the newest run
+    print(f"exported {path}{through_link} as a Hugging Face model to {args.out} (config.json, model.safetensors, "
+          "byte-level tokenizer)")
+
+
+def _default_folder(args: argparse.Namespace) -> bool:
+    """Whether the run folder is a new one under ``runs/`` chosen here (no --out, no --run-name)."""
+    return args.out is None and args.run_name is None and not args.resume
+
+
+def prepare_run_folder(cfg: TrainConfig, args: argparse.Namespace, launched: bool) -> TrainConfig:
+    """[Note: run folders] in ``run_folder``, before any rank starts: refuse a folder holding
+    another run, claim a new default folder, give the run its id (outside a launcher).
+    ``launched``: inside torchrun/msrun (every rank runs this)."""
+    if launched and _default_folder(args):
+        raise ValueError("inside torchrun/msrun every rank runs the command line, and the ranks cannot agree on a "
+                         f"new dated folder under {run_folder.RUNS}/: give --out or --run-name (the same on every "
+                         "rank), or --resume to continue the run runs/latest links to")
+    if _default_folder(args):  # a new folder: the dated name may be taken within the same second
+        cfg = cfg.replace(out=str(run_folder.claim(cfg.run_dir)))
+    run_folder.check_not_another_run(cfg, args.overwrite)
+    # a resumed run continues its checkpoint's id (loop.train); inside a launcher the ranks agree on one
+    return cfg if launched or cfg.resume else cfg.replace(run_id=run_folder.new_run_id())
+
+
+def start_run_folder(cfg: TrainConfig, args: argparse.Namespace, launched: bool) -> None:
+    """Once every check passed: ``--overwrite`` deletes the previous run, ``runs/latest``
+    links to a run under ``runs/`` (inside a launcher: rank 0 only), and the run folder is
+    named."""
+    from hyper_parallel.train.rank import launcher_rank
+
+    if args.overwrite:
+        deleted = run_folder.clear_previous_run(cfg)
+        if deleted and not launched:
+            print(f"--overwrite: deleted the previous run in {cfg.run_dir}: {', '.join(deleted)}")
+    linked = args.out is None and (args.run_name is not None or not args.resume)  # as run_folder.choose
+    note = None
+    if linked and (not launched or launcher_rank() == 0):
+        note = run_folder.link_latest(cfg.run_dir)
+    if not launched:
+        where = f" ({run_folder.RUNS / run_folder.LATEST} links to it)" if linked and note is None else ""
+        print(f"run folder {cfg.run_dir}{where}" + (f"; {note}" if note else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,10 +321,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--check-parity starts its own single-process reference and is not available inside "
                              "torchrun/msrun; run `hyper-parallel train --check-parity ...` from a shell")
         preflight.check_platform(cfg)
+        cfg = prepare_run_folder(cfg, args, in_launcher())
         preflight.check_output_folders(cfg)
         # inside a launcher each rank verifies the checkpoint as it loads it (loop.train);
         # verifying here too would read every shard twice on every rank
         preflight.check_resume(cfg, verify=not in_launcher())
+        start_run_folder(cfg, args, in_launcher())
     except ValueError as err:
         parser.exit(2, f"hyper-parallel train: error: {err}\n")
     from hyper_parallel.train.launch import LaunchError

@@ -170,6 +170,11 @@ class TrainConfig:
             at the last step; ``checkpoint_due``).
         checkpoint_dir: where checkpoints go (``None``: ``<out>/checkpoints``).
         resume: continue from the newest complete checkpoint in ``checkpoint_dir``.
+        keep_checkpoints: this run's checkpoints kept, the newest (0: all); older ones of the
+            run are deleted after each save, never another run's (``checkpoint``'s [Note:
+            retention]). Default ``checkpoint.KEEP``.
+        run_id: recorded in every checkpoint of the run (``run_folder.new_run_id``). A
+            resumed run takes over its checkpoint's; ``""`` otherwise: the ranks agree on one.
         async_checkpoint: write checkpoints in the background while training continues
             (``checkpoint_async``: the state is copied to host memory at the step, at most
             one save in flight, the last one complete before the run returns).
@@ -201,6 +206,8 @@ class TrainConfig:
     checkpoint_every: int = 50
     checkpoint_dir: str | None = None
     resume: bool = False
+    keep_checkpoints: int = 3
+    run_id: str = ""
     async_checkpoint: bool = False
     out: str = "runs/latest"
     data: tuple[str, ...] = ()
@@ -223,6 +230,11 @@ class TrainConfig:
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ValueError(f"--checkpoint-every={self.checkpoint_every!r} must be an integer >= 0 (K: a checkpoint "
                              "every K steps and at the last; 0: only at the last step)")
+        if not isinstance(self.keep_checkpoints, int) or isinstance(self.keep_checkpoints, bool) \
+                or self.keep_checkpoints < 0:
+            raise ValueError(f"--keep-checkpoints={self.keep_checkpoints!r} must be an integer >= 0 (N: keep this "
+                             "run's N newest checkpoints, deleting its older ones; 0: keep every checkpoint); use "
+                             "--keep-checkpoints 0 to keep them all")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps={self.warmup_steps!r} must be an integer >= 0 (0: no warmup)")
         # numpy's SeedSequence (the weights, data.global_batch) takes non-negative integers only;

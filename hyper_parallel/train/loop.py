@@ -15,6 +15,7 @@ data position: batches depend only on ``(seed, step)`` (``data``).
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 import warnings
@@ -182,12 +183,13 @@ def save_checkpoint(run: _Run, root: Path, step: int, saver: AsyncCheckpointer |
     state is copied to host memory here, the folder appears once the write completes)."""
     state = run.optimizer.state_arrays()
     meta = {"layout": layout_record(run.cfg, run.layout), "model": model_record(run.cfg),
-            "data": data_record(run.cfg), "optimizer_step": int(state["step"])}
+            "data": data_record(run.cfg), "optimizer_step": int(state["step"]), "run": run.cfg.run_id}
     pieces = checkpoint_pieces(run, state)  # host copies: training goes on without touching them
+    keep = run.cfg.keep_checkpoints  # [Note: retention] in checkpoint: only this run's, never this one
     if saver is not None:
-        saver.save(root, step, pieces, meta)
+        saver.save(root, step, pieces, meta, keep=keep)
         return root / f"step_{step:08d}"
-    return checkpoint.save(run.p, root, step, pieces, meta, run.world, run.rank)
+    return checkpoint.save(run.p, root, step, pieces, meta, run.world, run.rank, keep=keep)
 
 
 def load_checkpoint(run: _Run, root: Path) -> checkpoint.Loaded | None:
@@ -261,14 +263,28 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
 
 
 def _announce(run: _Run, loaded: checkpoint.Loaded) -> None:
-    """Rank 0 says when the resume reshards; every rank warns when the data stream changes."""
+    """Rank 0 names the checkpoint it continues from and says when the resume reshards;
+    every rank warns when the data stream changes."""
     message = checkpoint.reshard_message(loaded.path, loaded.manifest, layout_record(run.cfg, run.layout), run.world)
-    if message is not None and run.rank == 0:
-        print(message, file=sys.stderr, flush=True)
+    if run.rank == 0:
+        print(f"--resume: continuing from checkpoint {loaded.path} (step {loaded.step})", file=sys.stderr, flush=True)
+        if message is not None:
+            print(message, file=sys.stderr, flush=True)
     saved, now = loaded.manifest.get("data"), data_record(run.cfg)
     if saved is not None and saved != now:
         warnings.warn(f"--resume: checkpoint {loaded.path} was written by a run with {saved}, this run has {now}: "
                       "the batches after the resume differ from the interrupted run's", RuntimeWarning, stacklevel=3)
+
+
+def _agree_run_id(run: _Run) -> str:
+    """A run id every rank agrees on: rank 0's random 48 bits (exact in float64), summed by
+    one all-reduce over the ranks (the others add zero). Collective when ``world > 1``."""
+    drawn = np.zeros(1, np.float64)
+    if run.rank == 0:
+        drawn[0] = secrets.randbits(48)
+    if run.world > 1:
+        drawn = run.p.to_numpy(run.p.all_reduce(run.p.from_numpy(drawn), "sum").wait())
+    return f"{int(drawn[0]):012x}"
 
 
 def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
@@ -296,6 +312,14 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
         _announce(run, loaded)
         restore(run, loaded)
         start = loaded.step
+        # the resumed run continues the checkpoint's run: its retention covers those checkpoints
+        run_id = str(loaded.manifest.get("run") or cfg.run_id)
+    else:
+        run_id = cfg.run_id
+    if not run_id and write_outputs:  # inside torchrun/msrun, or resuming a checkpoint without an id
+        run_id = _agree_run_id(run)
+    if run_id != run.cfg.run_id:
+        run.cfg = run.cfg.replace(run_id=run_id)
     leader = run.rank == 0 and write_outputs
     writer = MetricsWriter(cfg.run_dir, start) if leader else None
     progress = Progress(cfg.steps, start, leader and cfg.progress,
