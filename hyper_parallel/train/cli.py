@@ -313,10 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         cfg.refuse_unlanded()
-        from hyper_parallel.train.data import list_files
+        from hyper_parallel.train.data import check_split_sizes, split_sizes
         from hyper_parallel.train.rank import in_launcher
 
-        list_files(cfg.data)  # a missing --data path fails here, not on every rank
+        # a missing --data path or too little text fails here, not on every rank
+        check_split_sizes(*split_sizes(cfg.data), cfg.seq_len + 1)
         if cfg.check_parity and in_launcher():
             raise ValueError("--check-parity starts its own single-process reference and is not available inside "
                              "torchrun/msrun; run `hyper-parallel train --check-parity ...` from a shell")

@@ -83,11 +83,38 @@ class Corpus:
             stream = b"\n".join(blobs)
             cut = len(stream) - len(stream) // 10
             train, validation = stream[:cut], stream[cut:]
-        for name, split in (("train", train), ("validation", validation)):
-            if len(split) < min_tokens:
-                raise ValueError(f"the {name} split has {len(split)} bytes but one sequence needs {min_tokens}; "
-                                 "give more text with --data or a smaller --seq-len")
+        check_split_sizes(len(train), len(validation), min_tokens)
         return cls(np.frombuffer(train, np.uint8), np.frombuffer(validation, np.uint8), len(files))
+
+
+def split_sizes(paths: tuple[str, ...] | list[str]) -> tuple[int, int]:
+    """The bytes of the train and validation splits ``Corpus.load`` makes of ``paths``, from
+    the files' sizes (nothing read): what the command line checks before any rank starts.
+
+    Raises:
+        ValueError: see ``list_files``.
+    """
+    sizes = [f.stat().st_size for f in list_files(paths)]
+    if len(sizes) >= 2 * VALIDATION_EVERY:
+        held = [i % VALIDATION_EVERY == VALIDATION_EVERY - 1 for i in range(len(sizes))]
+        train = [s for s, h in zip(sizes, held) if not h]
+        validation = [s for s, h in zip(sizes, held) if h]
+        return sum(train) + len(train) - 1, sum(validation) + len(validation) - 1
+    stream = sum(sizes) + len(sizes) - 1  # a newline between files
+    return stream - stream // 10, stream // 10
+
+
+def check_split_sizes(train: int, validation: int, min_tokens: int) -> None:
+    """Refuse splits of ``train`` / ``validation`` bytes shorter than ``min_tokens`` (one
+    sequence plus its target).
+
+    Raises:
+        ValueError: naming the split, its size, the need and the fix.
+    """
+    for name, size in (("train", train), ("validation", validation)):
+        if size < min_tokens:
+            raise ValueError(f"the {name} split of --data has {size} bytes but one sequence needs {min_tokens} "
+                             f"(--seq-len + 1); give more text with --data or a smaller --seq-len")
 
 
 @dataclass(frozen=True)

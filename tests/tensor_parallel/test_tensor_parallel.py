@@ -104,6 +104,12 @@ def test_attention_gqa(run_on_ranks) -> None:
     run_on_ranks(check_parity, "attention", 2, world_size=2)
 
 
+def _swapped(p, values: dict, mesh, plan: dict) -> None:
+    model = build(p, "mlp", values)
+    parallelize_module(model, mesh, plan)
+    model(p.from_numpy(np.ones((2, 6), np.float32)))
+
+
 def check_prepare_module_input_and_errors() -> None:
     p = get_platform()
     n = p.world_size()
@@ -121,6 +127,13 @@ def check_prepare_module_input_and_errors() -> None:
         (lambda: parallelize_module(build(p, "mlp", values), mesh, {"fc9": ColwiseParallel()}), "matches no submodule"),
         (lambda: parallelize_module(build(p, "mlp", values), mesh, {"fc1": "colwise"}), "is not a ParallelStyle"),
         (lambda: PrepareModuleInput(input_layouts=[Shard(0)], desired_input_layouts=[]), "desired_input_layouts"),
+        # a plan with the styles swapped, or two column-parallel layers in a row: refused on
+        # every rank at the layer's input (a local check, before any collective), naming
+        # what the style expects and the fix
+        (lambda: _swapped(p, values, mesh, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()}),
+         "RowwiseParallel on Linear (in_features=6): expects its input sharded on the last dim"),
+        (lambda: _swapped(p, values, mesh, {"fc1": ColwiseParallel(), "fc2": ColwiseParallel()}),
+         "ColwiseParallel on Linear (in_features=7): expects its input whole on every rank"),
     ]:
         try:
             call()

@@ -71,6 +71,19 @@ def test_refused_before_any_rank(tmp_path: Path, flags: list[str], needles: list
     assert not (tmp_path / "run" / "config.json").exists()  # no launch began
 
 
+def test_too_little_data_is_one_line_before_any_rank(tmp_path: Path) -> None:
+    """--data of 3 bytes: the split sizes come from the files' sizes in the launching
+    process (one line), not from every rank's traceback after the launch."""
+    (tmp_path / "hostname").write_bytes(b"ab\n")
+    done = _cli("--model", "tiny", "--nproc", "1", "--seq-len", "128", "--data", str(tmp_path / "hostname"),
+                "--out", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "hyper-parallel train: error: the train split of --data has 3 bytes but one sequence needs 129 (--seq-len + "
+        "1); give more text with --data or a smaller --seq-len"], done.stderr
+    assert not (tmp_path / "run" / "config.json").exists()  # no launch began
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
 def test_unavailable_platform_is_one_line(tmp_path: Path) -> None:
     """torch-npu without torch_npu / CANN: one line, not a traceback from every rank."""
@@ -133,3 +146,16 @@ def test_world_size_comes_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("MS_ROLE", "MS_WORKER")
     monkeypatch.setenv("MS_WORKER_NUM", "2")
     assert config_from_args(parse(["train", "--pp", "2"])).nproc == 2
+
+
+@pytest.mark.parametrize("files", [1, 3, 25])
+def test_split_sizes_are_the_corpus_splits(tmp_path: Path, files: int) -> None:
+    """The sizes the command line checks from the files' sizes are the splits the ranks
+    load (one file, a few: the last tenth of the stream; many: every N-th file)."""
+    from hyper_parallel.train.data import Corpus, split_sizes
+
+    rng = np.random.default_rng(files)
+    for i in range(files):
+        (tmp_path / f"f{i:02d}.txt").write_bytes(bytes(rng.integers(32, 127, int(rng.integers(1, 300))).tolist()))
+    corpus = Corpus.load([str(tmp_path)], 1)
+    assert split_sizes([str(tmp_path)]) == (len(corpus.train), len(corpus.validation))

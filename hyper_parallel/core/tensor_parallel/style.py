@@ -65,6 +65,42 @@ def _as_dtensor(x: Any, mesh: DeviceMesh, layout: Placement) -> DTensor:
     return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [layout])
 
 
+def _check_local_input(style: str, module: Any, x: Any, layout: Placement, in_features: int,
+                       mesh: DeviceMesh) -> None:
+    """Refuse a framework-tensor input whose last dim does not hold what ``layout`` says
+    (a plan that swapped ColwiseParallel and RowwiseParallel, or put two of one kind in a
+    row), naming the style, what it expects and the fix; a local check on every rank,
+    before any collective.
+
+    Raises:
+        ValueError: the input's last dim is not ``in_features`` (``Replicate``) or this
+            rank's share of it (``Shard(-1)``).
+    """
+    n = mesh.size(0)
+    got = int(x.shape[-1]) if len(x.shape) else 0
+    sharded = layout.is_shard() and layout.dim in (-1, len(x.shape) - 1)
+    want = -(-in_features // n) if sharded else in_features
+    coordinate = mesh.get_coordinate()
+    if sharded and coordinate is not None:
+        index, size = coordinate[0], -(-in_features // n)
+        want = max(0, min(size, in_features - index * size))
+    if got == want:
+        return
+    name = type(module).__name__
+    if sharded:
+        raise ValueError(
+            f"{style} on {name} (in_features={in_features}): expects its input sharded on the last dim "
+            f"(input_layouts=Shard(-1): {want} of {in_features} features on this rank of {n}), as a ColwiseParallel "
+            f"layer before it produces; got {got} features. If the input is whole on every rank, this layer should "
+            "be ColwiseParallel and the one after it RowwiseParallel (e.g. {'w1': ColwiseParallel(), "
+            "'w2': RowwiseParallel()}), or pass RowwiseParallel(input_layouts=Replicate())")
+    raise ValueError(
+        f"{style} on {name} (in_features={in_features}): expects its input whole on every rank "
+        f"(input_layouts={layout}: {in_features} features), got {got}; the layer before it probably shards its "
+        "output on the last dim (ColwiseParallel): make this layer RowwiseParallel (it takes Shard(-1) input), or "
+        "give the previous layer output_layouts=Replicate()")
+
+
 def _own_parameter(module: Any, name: str) -> Any:
     return dict(get_platform().named_parameters(module)).get(name)
 
@@ -175,7 +211,7 @@ class ColwiseParallel(ParallelStyle):
         _check_1d(device_mesh, "ColwiseParallel")
         p = get_platform()
         weight = _linear_weight(module, "ColwiseParallel")
-        out_features = int(weight.shape[0])
+        out_features, in_features = int(weight.shape[0]), int(weight.shape[1])
         for name in ("weight", "bias"):
             _place_parameter(module, name, Shard(0), device_mesh)
         mesh, in_layout, out_layout = device_mesh, self.input_layout, self.output_layout
@@ -183,6 +219,8 @@ class ColwiseParallel(ParallelStyle):
         local.register_pre(module)
 
         def prepare_input(_module: Any, args: tuple) -> tuple:
+            if not isinstance(args[0], DTensor):
+                _check_local_input("ColwiseParallel", _module, args[0], in_layout, in_features, mesh)
             x = _as_dtensor(args[0], mesh, in_layout).redistribute(mesh, [Replicate()])
             # After the local GEMM with a row shard of W, x's gradient is a partial sum.
             return (x.to_local(grad_placements=[Partial()]), *args[1:])
@@ -232,6 +270,7 @@ class RowwiseParallel(ParallelStyle):
         def prepare_input(_module: Any, args: tuple) -> tuple:
             x = args[0]
             if not isinstance(x, DTensor):
+                _check_local_input("RowwiseParallel", _module, x, in_layout, in_features, mesh)
                 shape = (*tuple(x.shape[:-1]), in_features) if in_layout == Shard(-1) else None
                 x = DTensor.from_local(x, mesh, [in_layout], shape=shape)
             return (x.redistribute(mesh, [Shard(x.ndim - 1)]).to_local(), *args[1:])
