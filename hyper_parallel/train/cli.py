@@ -22,7 +22,9 @@ Each run writes its own folder (``runs/<date>-<time>``, ``runs/latest`` linking 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import math
 import os
 import sys
 
@@ -40,11 +42,73 @@ DEFAULT_LAYOUT_AXIS = "dp_shard"
 LAYOUT_FLAGS = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
 
 
+TRAIN_DESCRIPTION = """\
+Train a Llama-style decoder as a byte-level language model across N ranks of this machine,
+with the parallel layout given by the degrees below (their product is the number of ranks).
+Every bad combination is refused before any rank starts.
+
+examples:
+  hyper-parallel train                                   # small model, 4 CPU ranks, fully sharded (dp-shard 4)
+  hyper-parallel train --nproc 1 --tp 1                  # one rank
+  hyper-parallel train --platform mindspore --tp 2 --steps 50
+  hyper-parallel train --tp 2 --check-parity             # and compare with a single-process run
+  hyper-parallel train --list-presets                    # the model presets and their sizes
+  torchrun --nproc-per-node 8 -m hyper_parallel.train.cli train --tp 8 --run-name tp8
+
+Each run writes its own folder (runs/<date>-<time>, or --out / --run-name; runs/latest links
+to the newest): config.json, metrics.jsonl, loss.png, checkpoints/. Inside torchrun or msrun
+the command runs this process's rank, the world size is the launcher's and --nproc is not
+needed. More: docs/train.md.
+"""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and each flag's default after its help (unless the
+    help says it already, or there is none: a switch, or a value derived at run time)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == [] \
+                or action.default is argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class _ListPresets(argparse.Action):
+    """``--list-presets``: print every ``--model`` preset's sizes and parameter count, exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the --model presets (sizes, parameters) and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from hyper_parallel.train.model import parameter_shapes
+
+        rows = [f"{'preset':<8} {'dim':>5} {'layers':>6} {'heads':>5} {'kv heads':>8} {'hidden':>6} "
+                f"{'max seq':>7} {'parameters':>12}"]
+        for name, m in PRESETS.items():
+            count = sum(math.prod(shape) for shape in parameter_shapes(m).values())
+            rows.append(f"{name:<8} {m.dim:>5} {m.n_layers:>6} {m.n_heads:>5} {m.n_kv_heads:>8} {m.hidden_dim:>6} "
+                        f"{m.max_seq_len:>7} {count:>12,}")
+        print("\n".join(rows))
+        parser.exit(0)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("hyper_parallel")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line: "
+                                     "train a model across ranks, export a checkpoint")
+    parser.add_argument("--version", action="version", version=f"hyper-parallel {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="{train,export}")
     t = commands.add_parser("train", help="train a Llama-style byte-level language model across N ranks",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                            description=TRAIN_DESCRIPTION, formatter_class=_HelpFormatter)
+    t.add_argument("--list-presets", action=_ListPresets)
     t.add_argument("--platform", default=None,
                    help="torch or mindspore, or a backend name (torch-cuda, mindspore-ascend); default: "
                         "$HYPER_PARALLEL_PLATFORM, else the only framework installed, else mindspore")
@@ -71,9 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--microbatches", type=int, default=None,
                      help="microbatches per step (pipeline; default: --pp, the fewest that keep every stage busy)")
     mod = t.add_argument_group("model")
-    mod.add_argument("--model", default="small", help=f"preset: {', '.join(PRESETS)} (sizes below override it)")
-    for flag in ("dim", "n-layers", "n-heads", "n-kv-heads", "hidden-dim"):
-        mod.add_argument(f"--{flag}", type=int, default=None)
+    mod.add_argument("--model", default="small", help=f"preset: {', '.join(PRESETS)} (sizes: --list-presets; the sizes below override it)")
+    for flag, what in (("dim", "model width"), ("n-layers", "decoder blocks"), ("n-heads", "query heads"),
+                       ("n-kv-heads", "key/value heads (grouped-query attention)"),
+                       ("hidden-dim", "feed-forward (SwiGLU) width")):
+        mod.add_argument(f"--{flag}", type=int, default=None, help=f"{what} (default: the preset's)")
     mod.add_argument("--tie-embeddings", action="store_true", help="the output head reuses the embedding")
     mod.add_argument("--hf-config", default=None, metavar="PATH",
                      help="train a Hugging Face causal LM instead (torch): its config.json, or a model folder "
@@ -82,12 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr = t.add_argument_group("training")
     tr.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     tr.add_argument("--batch-size", type=int, default=8, help="sequences per step over all data-parallel ranks")
-    tr.add_argument("--steps", type=int, default=150)
+    tr.add_argument("--steps", type=int, default=150, help="optimizer steps")
     tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
-    tr.add_argument("--warmup-steps", type=int, default=10)
+    tr.add_argument("--warmup-steps", type=int, default=10, help="steps of linear learning-rate warmup")
     tr.add_argument("--max-norm", type=float, default=1.0,
                     help="clip the gradients to this global L2 norm, over every rank's piece (0: no clipping)")
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")
     tr.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each decoder block's activations in the backward instead of keeping them "
                          "(less activation memory, one more block forward per step; with --pp in every stage, "
@@ -123,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is killed")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     e = commands.add_parser("export", help="write a checkpoint as a Hugging Face model folder (one process)",
-                            description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+                            description=EXPORT_DESCRIPTION, formatter_class=_HelpFormatter)
     e.add_argument("checkpoint", help="a checkpoint folder (step_XXXXXXXX) or the folder holding them "
                                       "(<out>/checkpoints: the newest complete one is exported)")
     e.add_argument("--format", default="hf", help="hf: config.json, model.safetensors and a byte-level tokenizer, "
@@ -304,6 +370,9 @@ def start_run_folder(cfg: TrainConfig, args: argparse.Namespace, launched: bool)
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `hyper-parallel`: what it can do
+        parser.print_help()
+        return 0
     if args.command == "export":
         try:
             run_export(args)

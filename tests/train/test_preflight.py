@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,32 @@ def test_split_sizes_are_the_corpus_splits(tmp_path: Path, files: int) -> None:
         (tmp_path / f"f{i:02d}.txt").write_bytes(bytes(rng.integers(32, 127, int(rng.integers(1, 300))).tolist()))
     corpus = Corpus.load([str(tmp_path)], 1)
     assert split_sizes([str(tmp_path)]) == (len(corpus.train), len(corpus.validation))
+
+
+def test_command_line_surface(capsys: pytest.CaptureFixture[str]) -> None:
+    """Bare `hyper-parallel` lists the subcommands; --version; --list-presets gives each
+    preset's sizes and parameter count; --help shows the defaults, a line for every flag,
+    and no internal file names or reStructuredText."""
+    from hyper_parallel.train.config import PRESETS
+    from hyper_parallel.train.model import parameter_shapes
+
+    assert main([]) == 0
+    assert "{train,export}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("hyper-parallel ")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--list-presets"])
+    listing = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for name, model in PRESETS.items():
+        count = sum(int(np.prod(shape)) for shape in parameter_shapes(model).values())
+        assert any(line.split()[0] == name and f"{count:,}" in line for line in listing.splitlines()), listing
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text and not re.search(r"\w\.py\b", text), text  # no module file names
+    assert "(default: 150)" in text and "(default: small)" in text and "dp-shard 4" in text, text
+    parser = build_parser()
+    for action in parser._subparsers._group_actions[0].choices["train"]._actions:  # noqa: SLF001
+        assert action.help, f"{action.option_strings} has no help line"
