@@ -45,21 +45,6 @@ class _AllGather(CustomFunction):
         return None, _from_front(shard, ctx.dim), None, None
 
 
-class _ReduceScatter(CustomFunction):
-    @staticmethod
-    def forward(ctx: Any, p: Any, x: Any, dim: int, op: ReduceOp, group: Any) -> Any:
-        ctx.p, ctx.dim, ctx.op, ctx.group = p, dim, op, group
-        return _from_front(p.reduce_scatter_tensor(_to_front(x, dim), op, group=group).wait(), dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
-        p = ctx.p
-        full = _from_front(p.all_gather_into_tensor(_to_front(grad, ctx.dim), group=ctx.group).wait(), ctx.dim)
-        if ctx.op is ReduceOp.AVG:
-            full = full / p.world_size(ctx.group)
-        return None, full, None, None, None
-
-
 class _AllReduce(CustomFunction):
     @staticmethod
     def forward(ctx: Any, p: Any, x: Any, op: ReduceOp, group: Any) -> Any:
@@ -119,24 +104,6 @@ class _AsyncA2AWait(CustomFunction):
         return None, grad_x, None, None, None, None, None, None, None
 
 
-class _AsyncAllGatherWait(CustomFunction):
-    @staticmethod
-    def forward(ctx: Any, p: Any, x: Any, work: Work, out_perm: Any, group: Any, world_size: int,
-                gather_dim: int, handle_box: list | None) -> Any:
-        ctx.p, ctx.group, ctx.gather_dim, ctx.handle_box = p, group, gather_dim, handle_box
-        ctx.x_shape, ctx.x_dtype = tuple(x.shape), x.dtype
-        buf = work.wait()
-        return _from_front(out_perm if buf is None else buf, gather_dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
-        send = _to_front(grad, ctx.gather_dim)
-        launched = ctx.p.reduce_scatter_tensor(send, ReduceOp.SUM, group=ctx.group,
-                                               async_op=ctx.handle_box is not None)
-        grad_x = _deliver(ctx, send, HandleWork([launched], lambda: _from_front(launched.wait(), ctx.gather_dim)))
-        return None, grad_x, None, None, None, None, None, None
-
-
 class _SyncHook(CustomFunction):
     @staticmethod
     def forward(ctx: Any, p: Any, x: Any, hook_name: str, coordinator: Any) -> Any:
@@ -163,15 +130,6 @@ class DifferentiableCollectives(DifferentiableSection):
     def differentiable_all_gather(self, tensor: Any, dim: int = 0, group: Any = None) -> Any:
         dim = normalize_dim(dim, tensor.ndim)
         return self.apply_function(_AllGather, self, tensor, dim, group)  # type: ignore[attr-defined]
-
-    def differentiable_reduce_scatter(self, tensor: Any, dim: int = 0, op: ReduceOp | str = ReduceOp.SUM,
-                                      group: Any = None) -> Any:
-        op = _sum_or_avg(op, "differentiable_reduce_scatter")
-        dim = normalize_dim(dim, tensor.ndim)
-        n = self.world_size(group)  # type: ignore[attr-defined]
-        check_divisible(tensor.shape[dim], n, what=f"differentiable_reduce_scatter: tensor.shape[{dim}]",
-                        fix="pad the tensor or pick a dim whose size the group divides")
-        return self.apply_function(_ReduceScatter, self, tensor, dim, op, group)  # type: ignore[attr-defined]
 
     def differentiable_all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM, group: Any = None) -> Any:
         op = _sum_or_avg(op, "differentiable_all_reduce")
@@ -211,13 +169,6 @@ class DifferentiableCollectives(DifferentiableSection):
         split_dim = normalize_dim(split_dim, x.ndim, argument="split_dim")
         return self.apply_function(_AsyncA2AWait, self, x, work, out_perm, group,  # type: ignore[attr-defined]
                                    world_size, concat_dim, split_dim, handle_box)
-
-    def differentiable_async_allgather_wait(self, x: Any, work: Work, out_perm: Any, group: Any,
-                                            world_size: int, gather_dim: int,
-                                            handle_box: list[tuple[Work, Any]] | None = None) -> Any:
-        gather_dim = normalize_dim(gather_dim, x.ndim, argument="gather_dim")
-        return self.apply_function(_AsyncAllGatherWait, self, x, work, out_perm, group,  # type: ignore[attr-defined]
-                                   world_size, gather_dim, handle_box)
 
     def differentiable_sync_hook(self, x: Any, hook_name: str, coordinator: Any) -> Any:
         return self.apply_function(_SyncHook, self, x, hook_name, coordinator)  # type: ignore[attr-defined]

@@ -33,16 +33,16 @@ from hyper_parallel.platform.contract.device import DeviceSection
 from hyper_parallel.platform.contract.differentiable import DifferentiableSection
 from hyper_parallel.platform.contract.groups import GroupsSection
 from hyper_parallel.platform.contract.modules import ModulesSection
-from hyper_parallel.platform.contract.ops import LOCAL_OPS, TENSOR_METHODS, OpsSection
+from hyper_parallel.platform.contract.ops import TENSOR_METHODS, OpsSection
 from hyper_parallel.platform.contract.streams import StreamsSection
 from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
 from hyper_parallel.platform.local_attention import LocalAttention
 from hyper_parallel.platform.validation import check_partition, normalize_dim
 
 __all__ = [
-    "BACKENDS", "DTYPE_NAMES", "FULL", "LOCAL_OPS", "TENSOR_METHODS", "AttentionMask", "Capability", "CompletedWork", "CustomFunction",
+    "BACKENDS", "DTYPE_NAMES", "FULL", "TENSOR_METHODS", "AttentionMask", "Capability", "CompletedWork", "CustomFunction",
     "HandleWork", "MemoryStats", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
-    "contract_members",
+    "contract_members", "derived_members",
 ]
 
 #: backend name (``Platform.name``; the folders of the repository's ``platform/``) ->
@@ -206,3 +206,9 @@ def contract_members() -> dict[str, str]:
             for name in getattr(section, "__abstractmethods__", ()):
                 members[name] = section.__name__
     return dict(sorted(members.items()))
+
+
+def derived_members() -> list[str]:
+    """The concrete members ``Platform`` derives from the abstract ones (they count
+    toward the contract's size as much as the abstract ones)."""
+    return sorted(name for name in vars(Platform) if not name.startswith("_"))

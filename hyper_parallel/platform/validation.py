@@ -6,11 +6,10 @@ rank fails the same way before a collective could leave its peers waiting.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.platform.contract.attention import AttentionMask
-from hyper_parallel.platform.contract.ops import LOCAL_OPS
 
 
 def normalize_dim(dim: int, ndim: int, *, argument: str = "dim") -> int:
@@ -81,18 +80,6 @@ def check_partition(partition: Sequence[Sequence[int]], world_size: int) -> list
             "give disjoint parts whose union is the world"
         )
     return parts
-
-
-def check_local_op(name: str, table: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
-    """``table[name]`` for ``Platform.local_op``; a backend's table must cover ``LOCAL_OPS``.
-
-    Raises:
-        ValueError: ``name`` is not one of ``LOCAL_OPS``.
-    """
-    if name not in LOCAL_OPS:
-        raise ValueError(f"local_op: unknown op {name!r}; the contract provides {list(LOCAL_OPS)} "
-                         "(compose others from these and the tensor methods of TENSOR_METHODS)")
-    return table[name]
 
 
 def check_vjp_part(part: str, ran: list[str]) -> None:

@@ -140,16 +140,6 @@ def test_broadcast(run_on_ranks, world_size: int, async_op: bool) -> None:
     run_on_ranks(check_broadcast, async_op, world_size=world_size)
 
 
-def check_send_recv_ring() -> None:
-    p = get_platform()
-    n, r = p.world_size(), p.rank()
-    recv = p.irecv(p.zeros((3, 2), p.dtype("float32")), (r - 1) % n)
-    send = p.isend(p.from_numpy(rank_data(r, (3, 2))), (r + 1) % n)
-    got = recv.wait()
-    assert send.wait() is None
-    np.testing.assert_array_equal(p.to_numpy(got), rank_data((r - 1) % n, (3, 2)))
-
-
 def check_batch_isend_irecv() -> None:
     p = get_platform()
     n, r = p.world_size(), p.rank()
@@ -166,11 +156,6 @@ def check_batch_isend_irecv() -> None:
     assert results[0] is None and results[1] is None
     np.testing.assert_array_equal(p.to_numpy(results[2]), rank_data(left, (2, 2), seed=1))
     np.testing.assert_array_equal(p.to_numpy(results[3]), rank_data(right, (3,), seed=2))
-
-
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_isend_irecv(run_on_ranks, world_size: int) -> None:
-    run_on_ranks(check_send_recv_ring, world_size=world_size)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -12,17 +12,23 @@ import textwrap
 import pytest
 
 from hyper_parallel.platform import BACKENDS, installed_frameworks
-from hyper_parallel.platform.base import Platform, contract_members
+from hyper_parallel.platform.base import Platform, contract_members, derived_members
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_every_member_is_abstract_typed_and_documented() -> None:
     members = contract_members()
-    # 64 members after the consolidation that took it down from 80, 65 with
-    # ``recompute`` (activation checkpointing); the bound leaves 1 of slack. Compose
-    # existing members or extend one with a keyword argument rather than raising it.
-    assert 60 <= len(members) <= 67, f"the contract has {len(members)} members; keep it small"
+    derived = derived_members()
+    # Every member counts, abstract and derived (issue 34: 67 + 8 = 75 with a string-keyed
+    # ``local_op`` table; 61 + 8 = 69 after it and the members core never called went).
+    # The target is 65: compose existing members or extend one with a keyword argument
+    # rather than raising the bound.
+    total = len(members) + len(derived)
+    assert total <= 69, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
+    assert not set(members) & set(derived)
+    for name in derived:
+        assert inspect.getdoc(getattr(Platform, name)), f"derived member {name} has no docstring"
     assert set(members) == set(Platform.__abstractmethods__)
     for name in members:
         attr = inspect.getattr_static(Platform, name)

@@ -36,22 +36,6 @@ def check_all_gather(dim: int) -> None:
     close(grad, expected, "all_gather backward = reduce-scatter of the output gradients")
 
 
-def check_reduce_scatter(dim: int, op: str) -> None:
-    p = get_platform()
-    n, r = p.world_size(), p.rank()
-    shape = [2, 3, 2]
-    shape[dim] *= n
-    xs = all_rank_data(n, tuple(shape))
-    out_shape = list(shape)
-    out_shape[dim] //= n
-    gs = [rank_data(s, tuple(out_shape), seed=7) for s in range(n)]
-    out, grad = _vjp(p, lambda x: p.differentiable_reduce_scatter(x, dim, op), xs[r], lambda _: gs[r])
-    total = np.sum(xs, axis=0) / (n if op == "avg" else 1)
-    width = out_shape[dim]
-    close(out, np.take(total, range(r * width, (r + 1) * width), axis=dim), "reduce_scatter forward")
-    close(grad, np.concatenate(gs, axis=dim) / (n if op == "avg" else 1), "reduce_scatter backward")
-
-
 def check_all_reduce(op: str) -> None:
     p = get_platform()
     n, r = p.world_size(), p.rank()
@@ -114,13 +98,6 @@ def test_differentiable_all_gather(run_on_ranks, world_size: int, dim: int) -> N
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("dim", [0, 1])
-@pytest.mark.parametrize("op", ["sum", "avg"])
-def test_differentiable_reduce_scatter(run_on_ranks, world_size: int, dim: int, op: str) -> None:
-    run_on_ranks(check_reduce_scatter, dim, op, world_size=world_size)
-
-
-@pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_differentiable_all_reduce(run_on_ranks, world_size: int, op: str) -> None:
     run_on_ranks(check_all_reduce, op, world_size=world_size)
@@ -169,39 +146,10 @@ def check_async_a2a_wait(use_box: bool) -> None:
         np.testing.assert_array_equal(grad, expected_grad)
 
 
-def check_async_allgather_wait(use_box: bool) -> None:
-    p = get_platform()
-    n, r = p.world_size(), p.rank()
-    xs = all_rank_data(n, (2, 3, 4))
-    gs = all_rank_data(n, (2, 3 * n, 4), seed=7)
-    box: list | None = [] if use_box else None
-
-    def fn(x):
-        front = x.permute(1, 0, 2).contiguous()
-        work = p.all_gather_into_tensor(front, async_op=True)
-        return p.differentiable_async_allgather_wait(x, work, None, None, n, 1, box)
-
-    out, grad = _vjp(p, fn, xs[r], lambda _: gs[r])
-    np.testing.assert_array_equal(out, np.concatenate(xs, axis=1))
-    expected_grad = sum(g[:, 3 * r: 3 * r + 3] for g in gs)
-    if use_box:
-        assert len(box) == 1
-        np.testing.assert_array_equal(grad, np.zeros_like(xs[r]))
-        close(p.to_numpy(box[0][0].wait()), expected_grad, "deferred all-gather backward")
-    else:
-        close(grad, expected_grad, "all-gather backward")
-
-
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize("use_box", [False, True], ids=["sync_backward", "handle_box"])
 def test_differentiable_async_a2a_wait(run_on_ranks, world_size: int, use_box: bool) -> None:
     run_on_ranks(check_async_a2a_wait, use_box, world_size=world_size)
-
-
-@pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("use_box", [False, True], ids=["sync_backward", "handle_box"])
-def test_differentiable_async_allgather_wait(run_on_ranks, world_size: int, use_box: bool) -> None:
-    run_on_ranks(check_async_allgather_wait, use_box, world_size=world_size)
 
 
 class _RecordingCoordinator:

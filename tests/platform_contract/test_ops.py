@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hyper_parallel.platform import Capability, get_platform
-from hyper_parallel.platform.base import DTYPE_NAMES, LOCAL_OPS, TENSOR_METHODS
+from hyper_parallel.platform.base import DTYPE_NAMES, TENSOR_METHODS
 from tests.platform_contract._data import close, rank_data
 
 
@@ -119,6 +119,20 @@ def check_tensor_methods() -> list[str]:
         "__truediv__": lambda: np.allclose(p.to_numpy(t / 2.0), a / 2),
         "__neg__": lambda: np.array_equal(p.to_numpy(-t), -a),
         "__matmul__": lambda: np.allclose(p.to_numpy(t @ u.transpose(1, 2)), a @ b.swapaxes(1, 2), atol=1e-5),
+        # float32 transcendental functions: within a few ulps of numpy's.
+        "abs": lambda: np.array_equal(p.to_numpy(t.abs()), np.abs(a)),
+        "pow": lambda: (np.allclose(p.to_numpy(t.pow(2.0)), a ** 2, rtol=1e-6)
+                        and np.allclose(p.to_numpy((t * t + 1.0).pow(-0.5)), (a * a + 1) ** -0.5, rtol=1e-6)),
+        "sqrt": lambda: np.allclose(p.to_numpy((t * t + 1.0).sqrt()), np.sqrt(a * a + 1), rtol=1e-6),
+        "rsqrt": lambda: np.allclose(p.to_numpy((t * t + 1.0).rsqrt()), 1 / np.sqrt(a * a + 1), rtol=1e-6),
+        "sigmoid": lambda: np.allclose(p.to_numpy(t.sigmoid()), 1 / (1 + np.exp(-a)), rtol=1e-5, atol=1e-7),
+        "tanh": lambda: np.allclose(p.to_numpy(t.tanh()), np.tanh(a), rtol=1e-5, atol=1e-7),
+        "erf": lambda: np.allclose(p.to_numpy(t.erf()), np.vectorize(math.erf)(a), rtol=1e-5, atol=1e-7),
+        "clamp": lambda: np.array_equal(p.to_numpy(p.arange(-2, 6, p.dtype("int64")).clamp(0, 3)),
+                                        np.clip(np.arange(-2, 6), 0, 3)),
+        "__gt__": lambda: np.array_equal(p.to_numpy(t > 0.25), a > 0.25),
+        "__ge__": lambda: np.array_equal(p.to_numpy(p.arange(0, 4, p.dtype("int64")) >= 2), [False, False, True, True]),
+        "__lt__": lambda: np.array_equal(p.to_numpy(t < 0.25), a < 0.25),
     }
     assert set(checks) == set(TENSOR_METHODS), set(TENSOR_METHODS) ^ set(checks)
     failed = [name for name, check in checks.items() if not check()]
@@ -150,14 +164,11 @@ def test_detach_clone(run_on_ranks) -> None:
 def check_streams_device() -> dict:
     p = get_platform()
     stream = p.new_stream()
-    event = p.new_event()
     with p.stream(stream):
         y = p.from_numpy(np.ones(3, np.float32)) * 2.0
-    p.record_event(event, stream)
+    event = p.record_event(stream)
     p.wait_event(event)
-    p.record_event(p.new_event())
-    p.current_stream()
-    p.synchronize()
+    p.wait_event(p.record_event(), stream)
     assert p.to_numpy(y).tolist() == [2.0, 2.0, 2.0]
     assert p.device_type in ("cpu", "cuda", "npu", "ascend")
     assert p.name == f"{p.framework}-{p.device_type}", (p.name, p.framework, p.device_type)
@@ -208,12 +219,16 @@ def test_tensor_methods(run_on_ranks) -> None:
 
 
 def check_local_ops() -> list[str]:
-    """Every ``local_op`` against numpy (float64 data: the backends' transcendental
+    """``softmax`` (both forms) and core's local ops composed from the contract
+    (``core/tensor_ops.py``) against numpy (float64 data: the backends' transcendental
     functions agree with numpy to ~1e-7 relative; MindSpore's CPU exp is the loosest),
     and the gradients of the ones with a non-elementwise backward."""
+    from hyper_parallel.core import tensor_ops
+
     p = get_platform()
     rng = np.random.default_rng(11)
     a = rng.standard_normal((3, 5))
+    a[0, 0] = 0.0  # relu at 0: value 0, gradient 0
     ids = np.array([[0, 2, 3], [3, 3, 1]], np.int64)
     weight = rng.standard_normal((4, 5))
     target = np.array([1, 0, 4], np.int64)
@@ -224,33 +239,28 @@ def check_local_ops() -> list[str]:
     nll = -log_softmax[np.arange(3), target]
     erf = np.vectorize(math.erf)
     expected = {
-        "softmax": (lambda op: op(x, 1), softmax),
-        "log_softmax": (lambda op: op(x, -1), log_softmax),
-        "embedding": (lambda op: op(p.from_numpy(ids), w), weight[ids]),
-        "cross_entropy": (lambda op: op(x, p.from_numpy(target), "none"), nll),
-        "silu": (lambda op: op(x), a / (1 + np.exp(-a))),
-        "gelu": (lambda op: op(x), 0.5 * a * (1 + erf(a / math.sqrt(2)))),
-        "relu": (lambda op: op(x), np.maximum(a, 0)),
-        "sigmoid": (lambda op: op(x), 1 / (1 + np.exp(-a))),
-        "tanh": (lambda op: op(x), np.tanh(a)),
-        "sqrt": (lambda op: op(x * x + 1.0), np.sqrt(a * a + 1)),
-        "rsqrt": (lambda op: op(x * x + 1.0), 1 / np.sqrt(a * a + 1)),
-        "pow": (lambda op: op(x, 2.0), a ** 2),
-        "abs": (lambda op: op(x), np.abs(a)),
+        "softmax": (lambda: p.softmax(x, 1), softmax),
+        "log_softmax": (lambda: p.softmax(x, -1, log=True), log_softmax),
+        "embedding": (lambda: tensor_ops.embedding(p.from_numpy(ids), w), weight[ids]),
+        "cross_entropy": (lambda: p.cross_entropy(x, p.from_numpy(target), "none"), nll),
+        "silu": (lambda: tensor_ops.silu(x), a / (1 + np.exp(-a))),
+        "gelu": (lambda: tensor_ops.gelu(x), 0.5 * a * (1 + erf(a / math.sqrt(2)))),
+        "relu": (lambda: tensor_ops.relu(x), np.maximum(a, 0)),
         # rows 1..2 of weight: ids 1 and 2 look up, 0 and 3 give zeros
-        "masked_embedding": (lambda op: op(p.from_numpy(ids), p.from_numpy(weight[1:3].copy()), 1),
+        "masked_embedding": (lambda: tensor_ops.masked_embedding(p.from_numpy(ids), p.from_numpy(weight[1:3].copy()), 1),
                              np.where(((ids >= 1) & (ids < 3))[..., None], weight[np.clip(ids, 1, 2)], 0.0)),
+        "masked_embedding, no rows": (lambda: tensor_ops.masked_embedding(p.from_numpy(ids), w[0:0], 1),
+                                      np.zeros((2, 3, 5))),
     }
-    assert set(expected) == set(LOCAL_OPS), set(expected) ^ set(LOCAL_OPS)
     for name, (call, want) in expected.items():
-        np.testing.assert_allclose(p.to_numpy(call(p.local_op(name))), want, rtol=1e-5, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(p.to_numpy(call()), want, rtol=1e-5, atol=1e-7, err_msg=name)
     for reduction, want in (("sum", nll.sum()), ("mean", nll.mean())):
-        got = p.to_numpy(p.local_op("cross_entropy")(x, p.from_numpy(target), reduction))
+        got = p.to_numpy(p.cross_entropy(x, p.from_numpy(target), reduction))
         assert got.shape == () and np.allclose(got, want, rtol=1e-6), (reduction, got, want)
 
     def fn(logits, table):
-        loss = p.local_op("cross_entropy")(logits, p.from_numpy(target), "sum")
-        return loss + (p.local_op("embedding")(p.from_numpy(ids), table) * 3.0).sum()
+        loss = p.cross_entropy(logits, p.from_numpy(target), "sum")
+        return loss + (tensor_ops.embedding(p.from_numpy(ids), table) * 3.0).sum()
 
     _, backward = p.vjp(fn, [x, w])
     (grad_x, grad_w), _ = backward([p.full((), 1.0, x.dtype)])
@@ -258,14 +268,20 @@ def check_local_ops() -> list[str]:
     np.testing.assert_allclose(p.to_numpy(grad_x), softmax - onehot, rtol=1e-5, atol=1e-7, err_msg="cross_entropy grad")
     counts = np.bincount(ids.reshape(-1), minlength=4)[:, None] * 3.0
     np.testing.assert_allclose(p.to_numpy(grad_w), np.broadcast_to(counts, (4, 5)), err_msg="embedding grad")
-    try:
-        p.local_op("logsumexp")
-    except ValueError as err:
-        assert "logsumexp" in str(err) and "softmax" in str(err)
-    else:
-        raise AssertionError("local_op accepted an unknown name")
+
+    def activations(t):
+        return (tensor_ops.relu(t) + tensor_ops.silu(t) * 2.0 + tensor_ops.gelu(t) * 3.0).sum()
+
+    _, backward = p.vjp(activations, [x])
+    (grad,), _ = backward([p.full((), 1.0, x.dtype)])
+    sig = 1 / (1 + np.exp(-a))
+    want = (a > 0) + 2.0 * (sig * (1 + a * (1 - sig))) \
+        + 3.0 * (0.5 * (1 + erf(a / math.sqrt(2))) + a * np.exp(-a * a / 2) / math.sqrt(2 * math.pi))
+    np.testing.assert_allclose(p.to_numpy(grad), want, rtol=1e-5, atol=1e-7, err_msg="activation grads")
     return sorted(expected)
 
 
 def test_local_ops(run_on_ranks) -> None:
-    assert run_on_ranks(check_local_ops, world_size=1) == [sorted(LOCAL_OPS)]
+    assert run_on_ranks(check_local_ops, world_size=1) == [sorted([
+        "softmax", "log_softmax", "embedding", "cross_entropy", "silu", "gelu", "relu", "masked_embedding",
+        "masked_embedding, no rows"])]

@@ -107,13 +107,11 @@ class _Group:
     def _copy(self, tensors: list[Any], device: str) -> list[Any]:
         p = get_platform()
         stream = self.owner.copy_stream()
-        ready = p.new_event()
-        p.record_event(ready)  # the copies start after what the compute stream issued so far
+        ready = p.record_event()  # the copies start after what the compute stream issued so far
         p.wait_event(ready, stream)
         with p.no_grad():
             copies = [p.to_device(t, device, pin_memory=True, stream=stream) for t in tensors]
-        self.event = p.new_event()
-        p.record_event(self.event, stream)
+        self.event = p.record_event(stream)
         return copies
 
     def launch_offload(self) -> None:

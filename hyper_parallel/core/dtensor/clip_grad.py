@@ -72,7 +72,7 @@ def global_grad_norm(parameters: Sequence[Any], grads: Sequence[Any], norm_type:
                             "compute the norm of plain replicated gradients with the framework's own function")
         if grad is None or param.device_mesh.get_coordinate() is None:
             continue
-        magnitude = p.local_op("abs")(p.to_dtype(_local_piece(param, grad), dtype))
+        magnitude = p.to_dtype(_local_piece(param, grad), dtype).abs()
         if infinite:
             terms.append(magnitude.amax(tuple(range(magnitude.ndim))) if magnitude.ndim else magnitude)
             continue
@@ -80,7 +80,7 @@ def global_grad_norm(parameters: Sequence[Any], grads: Sequence[Any], norm_type:
         for axis, placement in enumerate(param.placements):
             if placement.is_replicate():
                 copies *= param.device_mesh.shape[axis]
-        terms.append(p.local_op("pow")(magnitude, norm_type).sum() * (1.0 / copies))
+        terms.append(magnitude.pow(float(norm_type)).sum() * (1.0 / copies))
     if not terms:
         total = p.zeros((), dtype)
     else:
@@ -88,7 +88,7 @@ def global_grad_norm(parameters: Sequence[Any], grads: Sequence[Any], norm_type:
         total = stacked.amax((0,)) if infinite else stacked.sum()
     if p.world_size() > 1:
         total = p.all_reduce(total, "max" if infinite else "sum").wait()
-    return total if infinite else p.local_op("pow")(total, 1.0 / norm_type)
+    return total if infinite else total.pow(1.0 / norm_type)
 
 
 def clip_grads_by_global_norm(parameters: Sequence[Any], grads: Sequence[Any], max_norm: float,

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hyper_parallel.core import tensor_ops
 from hyper_parallel.core.dtensor.dtensor import DTensor, make_dtensor, wrap_local
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_offset, local_shape
 from hyper_parallel.core.dtensor.op_rules import OP_RULES, Strategy, output_shape, strategies, view_keeps_dim
@@ -264,15 +265,14 @@ def _vocabulary_parallel(op: str, plan: OpPlan, weight: DTensorSpec,
     (rows of the vocabulary) on some mesh axis looks up, on each rank, the ids that fall
     in its rows and gives zeros for the others: the result is a ``Partial("sum")`` (the
     Megatron vocabulary-parallel embedding). That is not the framework's embedding of the
-    local table, so ``platform.local_op("masked_embedding")`` runs instead, given where
+    local table, so ``tensor_ops.masked_embedding`` runs instead, given where
     this rank's rows start."""
     if op != "embedding" or Shard(0) not in plan.targets[1]:
         return local_fn
     target = plan.targets[1]
     coordinate = weight.mesh.get_coordinate()
     start = 0 if coordinate is None else local_offset(weight.shape, target, weight.mesh.shape, coordinate, 0)
-    masked = get_platform().local_op("masked_embedding")
-    return lambda ids, table: masked(ids, table, start)
+    return lambda ids, table: tensor_ops.masked_embedding(ids, table, start)
 
 
 def _check_result(op: str, out: Any, plan: OpPlan) -> None:

@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hyper_parallel.core import tensor_ops
 from hyper_parallel.core.dtensor import loss_parallel
 from hyper_parallel.core.dtensor.dispatch import dispatch
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -71,7 +72,7 @@ def div(a: Any, b: Any) -> Any:
     """``a / b`` (broadcasting; either may be a Python number)."""
     def local(x: Any, y: Any) -> Any:
         if isinstance(x, Number):
-            return get_platform().local_op("pow")(y, -1.0) * x
+            return y.pow(-1.0) * x
         return x / y
     return _pointwise("div", (a, b), local)
 
@@ -83,7 +84,7 @@ def neg(x: Any) -> Any:
 
 def pow(x: Any, exponent: float) -> Any:  # noqa: A001  (the op's name)
     """``x ** exponent`` for a Python number ``exponent``."""
-    return _pointwise("pow", (x,), lambda t: get_platform().local_op("pow")(t, float(exponent)))
+    return _pointwise("pow", (x,), lambda t: t.pow(float(exponent)))
 
 
 def exp(x: Any) -> Any:
@@ -96,21 +97,21 @@ def log(x: Any) -> Any:
     return _pointwise("log", (x,), lambda t: t.log())
 
 
-def _unary(name: str) -> Callable[[Any], Any]:
+def _unary(name: str, fn: Callable[[Any], Any], how: str) -> Callable[[Any], Any]:
     def op(x: Any) -> Any:
-        return _pointwise(name, (x,), lambda t: get_platform().local_op(name)(t))
+        return _pointwise(name, (x,), fn)
     op.__name__ = op.__qualname__ = name
-    op.__doc__ = f"Elementwise ``{name}`` (the framework's, through ``Platform.local_op``)."
+    op.__doc__ = f"Elementwise ``{name}`` ({how})."
     return op
 
 
-sqrt = _unary("sqrt")
-rsqrt = _unary("rsqrt")
-silu = _unary("silu")
-gelu = _unary("gelu")
-relu = _unary("relu")
-sigmoid = _unary("sigmoid")
-tanh = _unary("tanh")
+sqrt = _unary("sqrt", lambda t: t.sqrt(), "the tensor method")
+rsqrt = _unary("rsqrt", lambda t: t.rsqrt(), "the tensor method")
+sigmoid = _unary("sigmoid", lambda t: t.sigmoid(), "the tensor method")
+tanh = _unary("tanh", lambda t: t.tanh(), "the tensor method")
+silu = _unary("silu", tensor_ops.silu, "``x * sigmoid(x)``, ``core/tensor_ops.py``")
+gelu = _unary("gelu", tensor_ops.gelu, "exact erf form, ``core/tensor_ops.py``")
+relu = _unary("relu", tensor_ops.relu, "``core/tensor_ops.py``")
 
 
 def to_float(x: Any) -> Any:
@@ -148,7 +149,7 @@ def linear(x: Any, weight: Any, bias: Any = None) -> Any:
 
 def embedding(ids: Any, weight: Any) -> Any:
     """Rows of ``weight`` ``[vocab, dim]`` at integer ``ids`` ``[*]`` -> ``[*, dim]``."""
-    return dispatch("embedding", (ids, weight), lambda i, w: get_platform().local_op("embedding")(i, w))
+    return dispatch("embedding", (ids, weight), tensor_ops.embedding)
 
 
 # -- reductions and normalizations -------------------------------------------------------
@@ -186,13 +187,13 @@ def amax(x: Any, dim: int | Sequence[int], keepdim: bool = False) -> Any:
 def softmax(x: Any, dim: int) -> Any:
     """Softmax along ``dim`` (made whole first if sharded)."""
     d = _dim(dim, len(x.shape), "softmax")
-    return dispatch("softmax", (x,), lambda t: get_platform().local_op("softmax")(t, d), {"dim": d})
+    return dispatch("softmax", (x,), lambda t: get_platform().softmax(t, d), {"dim": d})
 
 
 def log_softmax(x: Any, dim: int) -> Any:
     """Log-softmax along ``dim`` (made whole first if sharded)."""
     d = _dim(dim, len(x.shape), "log_softmax")
-    return dispatch("log_softmax", (x,), lambda t: get_platform().local_op("log_softmax")(t, d), {"dim": d})
+    return dispatch("log_softmax", (x,), lambda t: get_platform().softmax(t, d, log=True), {"dim": d})
 
 
 def cross_entropy(logits: Any, target: Any, reduction: str = "mean") -> Any:
@@ -221,7 +222,7 @@ def cross_entropy(logits: Any, target: Any, reduction: str = "mean") -> Any:
         loss, _ = loss_parallel.vocab_parallel_cross_entropy(logits, target, axis)
         return loss if reduction == "none" else sum(loss, 0)
     return dispatch("cross_entropy", (logits, target),
-                    lambda x, t: get_platform().local_op("cross_entropy")(x, t, reduction), {"reduction": reduction})
+                    lambda x, t: get_platform().cross_entropy(x, t, reduction), {"reduction": reduction})
 
 
 # -- shapes ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ classes ``start_r .. start_r + c_r``. Per row, over the axis's group:
    shift cancels in the loss);
 2. ``s = sum_c exp(logits - m)`` : **all-reduce** (sum) of the local sums;
 3. ``z = logits[target] - m`` : each rank picks the target's logit if it holds that
-   class (a one-hot of its classes, ``platform.local_op("masked_embedding")``), zeros
+   class (a one-hot of its classes, ``tensor_ops.masked_embedding``), zeros
    otherwise; **all-reduce** (sum);
 4. ``loss = log(s) - z``, the same on every rank of the axis.
 
@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core import tensor_ops
 from hyper_parallel.core.dtensor.dtensor import DTensor, wrap_local
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_offset, local_shape
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
@@ -91,7 +92,7 @@ def vocab_parallel_cross_entropy(logits: DTensor, target: DTensor, axis: int,
     coordinate = mesh.get_coordinate()
     start = local_offset(logits.shape, placements, mesh.shape, coordinate, 1)
     classes = local_shape(logits.shape, placements, mesh.shape, coordinate)[1]
-    masked = p.local_op("masked_embedding")
+    masked = tensor_ops.masked_embedding
     with p.no_grad():
         eye = p.to_dtype(p.from_numpy(np.eye(classes, dtype=np.float32)), local.dtype)
         onehot = masked(ids, eye, start)

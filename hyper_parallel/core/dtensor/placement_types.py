@@ -181,7 +181,7 @@ class NormPartial(Partial):
         """NormPartial -> Replicate: **all-reduce** of ``|local| ** p`` (sum), then the
         p-th root; ``p = inf``: all-reduce max of ``|local|``."""
         p = get_platform()
-        magnitude = p.local_op("abs")(local)
+        magnitude = local.abs()
         if self.norm_type == float("inf"):
             return p.all_reduce(magnitude, "max", group=group).wait()
         total = p.all_reduce(magnitude ** self.norm_type, "sum", group=group).wait()

@@ -59,8 +59,7 @@ class GatherBufferPool:
     def release(self, buffer: Any) -> None:
         """Give ``buffer`` back: its last readers were issued on the current stream."""
         p = get_platform()
-        event = p.new_event()
-        p.record_event(event)
+        event = p.record_event()
         self._free.setdefault((tuple(int(d) for d in buffer.shape), p.dtype_name(buffer.dtype)), []).append(
             (buffer, event))
 

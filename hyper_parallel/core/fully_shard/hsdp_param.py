@@ -220,8 +220,7 @@ class HSDPParam:
                     self.buffer = out
             # [Note: collectives and overlap] (hsdp_state): the all-gather stream waits for
             # the input made on the current stream and for the last readers of a reused buffer.
-            ready = p.new_event()
-            p.record_event(ready)
+            ready = p.record_event()
             with p.stream(stream):
                 p.wait_event(ready)
                 if free is not None:
@@ -263,8 +262,7 @@ class HSDPParam:
             if self.sequence_parallel_group is not None:
                 g = p.all_reduce(g, group=self.sequence_parallel_group).wait()
             if self.replicated:  # [Note: no empty chunks on MindSpore]
-                ready = p.new_event()
-                p.record_event(ready)
+                ready = p.record_event()
                 with p.stream(stream):
                     p.wait_event(ready)
                     self.pending_reduce = p.all_reduce(g.contiguous(), group=self.shard_group, async_op=True)
@@ -272,8 +270,7 @@ class HSDPParam:
             if self.dim:
                 g = g.transpose(0, self.dim)
             g = p.pad(g, 0, 0, self.chunk * self.shard_size - self.shape[self.dim]).contiguous()
-            ready = p.new_event()  # the gradient was computed on the current stream
-            p.record_event(ready)
+            ready = p.record_event()  # the gradient was computed on the current stream
             with p.stream(stream):
                 p.wait_event(ready)
                 self.pending_reduce = p.reduce_scatter_tensor(g, group=self.shard_group, async_op=True)

@@ -98,31 +98,13 @@ class CollectivesSection(ABC):
         """
 
     @abstractmethod
-    def isend(self, tensor: Any, dst: int, group: Any = None) -> Work:
-        """Start sending ``tensor`` to group rank ``dst``; ``wait()`` returns ``None``.
-
-        The send reads ``tensor`` itself (no copy, as torch's and MindSpore's own
-        ``isend``) until ``wait()``: the caller must not write it before then.
-
-        Raises:
-            ValueError: ``dst`` is this rank or not in ``group``.
-        """
-
-    @abstractmethod
-    def irecv(self, tensor: Any, src: int, group: Any = None) -> Work:
-        """Start receiving from group rank ``src`` into a buffer shaped like ``tensor``;
-        ``wait()`` returns the received tensor (``tensor`` itself, filled, where the
-        framework receives in place).
-
-        Raises:
-            ValueError: ``src`` is this rank or not in ``group``.
-        """
-
-    @abstractmethod
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         """Start a batch of sends and receives so that no ordering of the batch among
-        the peers deadlocks; returns one Work per op, in order. A send reads its tensor
-        until its ``wait()``, as ``isend``.
+        the peers deadlocks; returns one Work per op, in order: a send's ``wait()``
+        returns ``None``, a receive's the received tensor (its buffer itself, filled,
+        where the framework receives in place). A send reads its tensor itself (no copy,
+        as the frameworks' own ``isend``) until its ``wait()``: the caller must not write
+        it before then.
 
         Raises:
             ValueError: an op's peer is this rank or outside its group.

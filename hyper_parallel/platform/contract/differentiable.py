@@ -26,19 +26,6 @@ class DifferentiableSection(ABC):
         """
 
     @abstractmethod
-    def differentiable_reduce_scatter(self, tensor: Any, dim: int = 0, op: ReduceOp | str = ReduceOp.SUM,
-                                      group: Any = None) -> Any:
-        """Reduce (``SUM`` or ``AVG``) over ranks and keep block ``rank`` of ``dim``.
-
-        ``tensor.shape[dim]`` must be divisible by the group size. Forward:
-        reduce-scatter. Backward: all-gather of the gradient along ``dim`` (divided by
-        the group size for ``AVG``).
-
-        Raises:
-            ValueError: indivisible ``dim``; ``op`` other than SUM/AVG.
-        """
-
-    @abstractmethod
     def differentiable_all_reduce(self, tensor: Any, op: ReduceOp | str = ReduceOp.SUM,
                                   group: Any = None) -> Any:
         """All-reduce (``SUM`` or ``AVG``) with backward all-reduce of the gradient
@@ -84,19 +71,6 @@ class DifferentiableSection(ABC):
         layout, for a backward pre-hook to consume just before the projection GEMM.
         Without ``handle_box``: run the reverse all-to-all synchronously and return the
         gradient of ``x``.
-        """
-
-    @abstractmethod
-    def differentiable_async_allgather_wait(self, x: Any, work: Work, out_perm: Any, group: Any,
-                                            world_size: int, gather_dim: int,
-                                            handle_box: list[tuple[Work, Any]] | None = None) -> Any:
-        """Finish an all-gather launched earlier and return it inside autograd.
-
-        The launch side moves ``gather_dim`` of ``x`` to the front, contiguous, and calls
-        ``all_gather_into_tensor(..., async_op=True)``: ``work``. Forward: wait and move
-        the gathered dim back: ``x`` with ``gather_dim`` grown ``n`` times. Backward:
-        reduce-scatter (sum) of the gradient; with ``handle_box`` asynchronously as in
-        ``differentiable_async_a2a_wait`` (zero gradient returned for ``x``).
         """
 
     @abstractmethod

@@ -8,7 +8,7 @@ Factories create tensors on this platform's current device.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,20 +19,17 @@ import numpy as np
 #: (``x[:, a:b] += y`` adds into a part of ``x`` on every backend); ``__iadd__`` gives
 #: ``x + y``, in place where the framework does it (torch; MindSpore returns a new
 #: tensor), so use its result. Neither is for tensors autograd records.
+#: ``abs``, ``pow(exponent)`` (a Python float), ``sqrt``, ``rsqrt``, ``sigmoid``, ``tanh``,
+#: ``erf``: elementwise and differentiable. ``clamp(min, max)`` bounds values (integer
+#: ids here). ``>``, ``>=``, ``<`` against a Python number give a bool tensor (cast it
+#: with ``to_dtype`` before arithmetic).
 TENSOR_METHODS: tuple[str, ...] = (
     "shape", "dtype", "ndim", "dim", "numel", "reshape", "view", "permute", "transpose",
     "contiguous", "is_contiguous", "unsqueeze", "squeeze", "flatten", "sum", "mean",
     "amax", "exp", "log", "float", "__getitem__", "__setitem__",
     "__add__", "__iadd__", "__sub__", "__mul__", "__truediv__", "__neg__", "__matmul__",
+    "abs", "pow", "sqrt", "rsqrt", "sigmoid", "tanh", "erf", "clamp", "__gt__", "__ge__", "__lt__",
 )
-
-#: The framework functions ``local_op(name)`` returns, with the signature each one has
-#: (the DTensor op rules run them on local tensors; see ``local_op``).
-LOCAL_OPS: tuple[str, ...] = (
-    "softmax", "log_softmax", "embedding", "cross_entropy", "silu", "gelu", "relu", "sigmoid", "tanh",
-    "sqrt", "rsqrt", "pow", "abs", "masked_embedding",
-)
-
 
 class OpsSection(ABC):
     """Tensor factories, shape ops and conversions (attention: ``contract.attention``)."""
@@ -95,25 +92,15 @@ class OpsSection(ABC):
         through unchanged)."""
 
     @abstractmethod
-    def local_op(self, name: str) -> Callable[..., Any]:
-        """The framework's differentiable implementation of the named op (one of
-        ``LOCAL_OPS``), on local tensors of any floating dtype:
+    def softmax(self, x: Any, dim: int, *, log: bool = False) -> Any:
+        """Softmax of floating ``x`` along ``dim`` (any shape, kept), by the framework's
+        kernel; ``log=True``: log-softmax (the framework's fused one, not ``log`` of the
+        softmax). Differentiable."""
 
-        - ``softmax(x, dim)``, ``log_softmax(x, dim)``: along ``dim``, shape kept.
-        - ``embedding(ids, weight)``: ``ids`` integer ``[*]``, ``weight`` ``[vocab, dim]``
-          -> ``[*, dim]`` (rows of ``weight``; gradient to ``weight`` only).
-        - ``cross_entropy(logits, target, reduction)``: ``logits`` ``[N, C]``, ``target``
-          int64 ``[N]`` class indices, ``reduction`` ``"none"`` (-> ``[N]``), ``"sum"`` or
-          ``"mean"`` (-> ``[]``); natural log, no ignore index, no label smoothing.
-        - ``silu(x)``, ``gelu(x)`` (exact erf form), ``relu(x)``, ``sigmoid(x)``,
-          ``tanh(x)``, ``sqrt(x)``, ``rsqrt(x)``: elementwise.
-        - ``pow(x, exponent)``: elementwise ``x ** exponent`` for a Python float exponent.
-        - ``abs(x)``: elementwise.
-        - ``masked_embedding(ids, weight, start)``: ``weight`` ``[rows, dim]`` holds rows
-          ``start .. start + rows`` of a larger table; ids in that range give their row,
-          other ids zeros -> ``[*, dim]`` (vocabulary-parallel embedding; gradient to
-          ``weight`` only; ``rows`` may be 0).
-
-        Raises:
-            ValueError: ``name`` is not in ``LOCAL_OPS``.
-        """
+    @abstractmethod
+    def cross_entropy(self, logits: Any, target: Any, reduction: str) -> Any:
+        """The framework's cross-entropy of ``logits`` ``[N, C]`` (floating) against int64
+        class indices ``target`` ``[N]``: natural log, no ignore index, no label
+        smoothing; ``reduction`` ``"none"`` (-> ``[N]``), ``"sum"`` or ``"mean"`` (->
+        ``[]``). Differentiable in ``logits``. (Not composed from ``softmax``: MindSpore's
+        CPU log-softmax loses precision in float64 that its fused loss keeps.)"""

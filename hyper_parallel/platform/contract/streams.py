@@ -16,10 +16,6 @@ class StreamsSection(ABC):
     """Streams, events, and synchronisation."""
 
     @abstractmethod
-    def current_stream(self) -> Any:
-        """The stream that device work is issued to now (a no-op stream object on CPU)."""
-
-    @abstractmethod
     def new_stream(self) -> Any:
         """A new stream of the current device, for work that should overlap the current stream."""
 
@@ -28,17 +24,11 @@ class StreamsSection(ABC):
         """A context manager under which device work is issued to ``stream``."""
 
     @abstractmethod
-    def new_event(self) -> Any:
-        """A new event, to be recorded on one stream and waited for by another."""
-
-    @abstractmethod
-    def record_event(self, event: Any, stream: Any = None) -> None:
-        """Record ``event`` on ``stream`` (the current stream when ``None``)."""
+    def record_event(self, stream: Any = None) -> Any:
+        """A new event recorded now on ``stream`` (the current stream when ``None``): it
+        completes once the work issued to that stream so far is done. Another stream
+        waits for it with ``wait_event``."""
 
     @abstractmethod
     def wait_event(self, event: Any, stream: Any = None) -> None:
         """Make ``stream`` (the current one when ``None``) wait for ``event``."""
-
-    @abstractmethod
-    def synchronize(self) -> None:
-        """Block the host until all issued device work is done."""

@@ -202,7 +202,7 @@ class MindSporeCollectives(CollectivesSection):
 
     # -- point-to-point ------------------------------------------------------------------
 
-    def isend(self, tensor: Any, dst: int, group: Any = None) -> Work:
+    def _isend(self, tensor: Any, dst: int, group: Any = None) -> Work:
         """``dist_comm_isend_op`` (see [Note: calling the p2p primitives directly])."""
         name, ranks, me = self._member_group(group, "isend")
         check_peer(dst, len(ranks), me, argument="dst")
@@ -211,7 +211,7 @@ class MindSporeCollectives(CollectivesSection):
         # The default argument keeps the buffer alive until the send is waited on.
         return HandleWork([handle], lambda keep=wire: None)
 
-    def irecv(self, tensor: Any, src: int, group: Any = None) -> Work:
+    def _irecv(self, tensor: Any, src: int, group: Any = None) -> Work:
         """``dist_comm_irecv_op`` into ``tensor``, or into a fresh buffer when ``tensor`` is
         not contiguous or is bool (see ``_receive_buffer``); on CPU posted at ``wait()``
         (see [Note: CPU receives are posted at wait])."""
@@ -239,7 +239,7 @@ class MindSporeCollectives(CollectivesSection):
         if self._device_type == "ascend" and checked and len({name for _, name, _ in checked}) == 1:
             return self._native_batch(checked)
         works: dict[int, Work] = {}
-        for kind, post in (("isend", self.isend), ("irecv", self.irecv)):
+        for kind, post in (("isend", self._isend), ("irecv", self._irecv)):
             for index, (op, _, _) in enumerate(checked):
                 if op.op == kind:
                     works[index] = post(op.tensor, op.peer, op.group)

@@ -12,7 +12,7 @@ and are differentiable. Arguments are checked here for the same reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
 from hyper_parallel.platform.contract.ops import OpsSection
 from hyper_parallel.platform.mindspore import attention as kernels
-from hyper_parallel.platform.validation import check_local_op, normalize_dim, refuse_dtensor
+from hyper_parallel.platform.validation import normalize_dim, refuse_dtensor
 
 
 def _shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -120,33 +120,16 @@ class MindSporeOps(OpsSection):
         """A one-piece ``mint.cat``: MindSpore 2.10 has no CPU kernel for ``clone``."""
         return self._mint.cat([tensor])
 
-    def _masked_embedding(self, ids: Any, weight: Any, start: int) -> Any:
-        mint, ops = self._mint, self._ops
-        rows = int(weight.shape[0])
-        if rows == 0:
-            return mint.zeros((*ids.shape, int(weight.shape[1])), dtype=weight.dtype)
-        local = ids - start
-        valid = mint.logical_and(local >= 0, local < rows)
-        out = ops.gather(weight, mint.clamp(local, 0, rows - 1), 0)
-        return out * mint.unsqueeze(valid, -1).astype(out.dtype)
+    def softmax(self, x: Any, dim: int, *, log: bool = False) -> Any:
+        """``mint.nn.functional.softmax``; ``ops.log_softmax`` for ``log=True``
+        (``LogSoftmaxExt`` is unregistered on CPU in MindSpore 2.10)."""
+        if log:
+            return self._ops.log_softmax(x, axis=dim)
+        return self._mint.nn.functional.softmax(x, dim=dim)
 
-    def local_op(self, name: str) -> Callable[..., Any]:
-        """``mint`` where it has CPU kernels; ``ops.log_softmax``, ``ops.gather`` (for
-        embedding), ``ops.gelu`` and ``ops.cross_entropy`` where ``mint``'s do not
-        (LogSoftmaxExt, Embedding and GeluExt are unregistered on CPU in 2.10)."""
-        mint, ops = self._mint, self._ops
-        functional = mint.nn.functional
-        table: dict[str, Callable[..., Any]] = {
-            "softmax": lambda x, dim: functional.softmax(x, dim=dim),
-            "log_softmax": lambda x, dim: ops.log_softmax(x, axis=dim),
-            "embedding": lambda ids, weight: ops.gather(weight, ids, 0),
-            "cross_entropy": lambda logits, target, reduction: ops.cross_entropy(logits, target, reduction=reduction),
-            "silu": functional.silu, "gelu": lambda x: ops.gelu(x, approximate="none"), "relu": functional.relu,
-            "sigmoid": mint.sigmoid, "tanh": mint.tanh, "sqrt": mint.sqrt, "rsqrt": mint.rsqrt,
-            "pow": lambda x, exponent: mint.pow(x, float(exponent)),
-            "abs": mint.abs, "masked_embedding": self._masked_embedding,
-        }
-        return check_local_op(name, table)
+    def cross_entropy(self, logits: Any, target: Any, reduction: str) -> Any:
+        """``ops.cross_entropy``."""
+        return self._ops.cross_entropy(logits, target, reduction=reduction)
 
     def check_attention(self, q: Any, k: Any, v: Any, mask: AttentionMask = FULL) -> None:
         kernels.check(self, q, k, v, mask)

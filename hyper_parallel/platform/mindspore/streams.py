@@ -1,7 +1,7 @@
 """Streams and events: ``mindspore.runtime`` on Ascend, host no-ops on CPU.
 
 MindSpore's stream API (``runtime.Stream``, ``Event``, ``StreamCtx``,
-``current_stream``, ``synchronize``) supports Ascend and GPU only; on CPU each call logs
+``current_stream``) supports Ascend and GPU only; on CPU each call logs
 an error, and CPU work runs in program order on one queue anyway, so the CPU backend
 hands out the shared host objects of ``hyper_parallel.platform.host_streams``.
 """
@@ -21,12 +21,6 @@ class MindSporeStreams(StreamsSection):
     _ms: Any
     _device_type: str
 
-    def current_stream(self) -> Any:
-        """``mindspore.runtime.current_stream()``."""
-        if self._device_type == "cpu":
-            return host_streams.HostStream()
-        return self._ms.runtime.current_stream()
-
     def new_stream(self) -> Any:
         """``mindspore.runtime.Stream()``."""
         if self._device_type == "cpu":
@@ -39,26 +33,13 @@ class MindSporeStreams(StreamsSection):
             return host_streams.host_stream_context(stream)
         return self._ms.runtime.StreamCtx(stream)
 
-    def new_event(self) -> Any:
-        """``mindspore.runtime.Event()``."""
-        if self._device_type == "cpu":
-            return host_streams.HostEvent()
-        return self._ms.runtime.Event()
-
-    def record_event(self, event: Any, stream: Any = None) -> None:
-        """``event.record(stream)``; MindSpore records on the current stream for ``None``."""
+    def record_event(self, stream: Any = None) -> Any:
+        """A ``mindspore.runtime.Event()`` recorded on ``stream`` (MindSpore records on
+        the current stream for ``None``)."""
+        event = host_streams.HostEvent() if self._device_type == "cpu" else self._ms.runtime.Event()
         event.record(stream)
+        return event
 
     def wait_event(self, event: Any, stream: Any = None) -> None:
         """``event.wait(stream)``; MindSpore makes the current stream wait for ``None``."""
         event.wait(stream)
-
-    def synchronize(self) -> None:
-        """``mindspore.runtime.synchronize()``. On CPU, PyNative still runs operations on a
-        background queue, so this drains that queue (``_pynative_executor.sync()``)."""
-        if self._device_type == "cpu":
-            from mindspore.graph.api import _pynative_executor
-
-            _pynative_executor.sync()
-        else:
-            self._ms.runtime.synchronize()

@@ -147,18 +147,6 @@ class TorchCollectives:
         g = self._group(group)
         check_peer(peer, dist.get_world_size(g), dist.get_rank(g), argument=argument)
 
-    def isend(self, tensor: Any, dst: int, group: Any = None) -> Work:
-        self._check_p2p(dst, group, "dst")
-        buf = _source(tensor)
-        native = dist.isend(buf, group=self._group(group), group_dst=dst)
-        return HandleWork([native], _keep_alive(buf))
-
-    def irecv(self, tensor: Any, src: int, group: Any = None) -> Work:
-        self._check_p2p(src, group, "src")
-        buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        native = dist.irecv(buf, group=self._group(group), group_src=src)
-        return HandleWork([native], lambda: buf)
-
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Work]:
         native_ops, results, bufs = [], [], []
         for op in ops:

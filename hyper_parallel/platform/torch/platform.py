@@ -29,7 +29,6 @@ from hyper_parallel.platform.validation import (
     refuse_dtensor,
     check_attention_backward,
     check_group_ranks,
-    check_local_op,
     check_vjp_part,
     normalize_dim,
 )
@@ -43,16 +42,6 @@ _DTYPES = {
     "uint8": torch.uint8, "bool": torch.bool,
 }
 assert set(_DTYPES) == set(DTYPE_NAMES)
-
-
-def _masked_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
-    rows = weight.shape[0]
-    if rows == 0:
-        return weight.new_zeros((*ids.shape, weight.shape[1]))
-    local = ids - start
-    valid = (local >= 0) & (local < rows)
-    out = torch.nn.functional.embedding(local.clamp(0, rows - 1), weight)
-    return out * valid.unsqueeze(-1).to(out.dtype)
 
 
 def _npu_available() -> bool:
@@ -415,18 +404,12 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         out = attn.local(self, q, k, v, is_causal, scale)
         return super().local_attention(q, k, v, is_causal=is_causal, scale=scale) if out is None else out
 
-    def local_op(self, name: str) -> Callable[..., Any]:
+    def softmax(self, x: Any, dim: int, *, log: bool = False) -> Any:
         F = torch.nn.functional
-        table: dict[str, Callable[..., Any]] = {
-            "softmax": lambda x, dim: F.softmax(x, dim=dim),
-            "log_softmax": lambda x, dim: F.log_softmax(x, dim=dim),
-            "embedding": F.embedding,
-            "cross_entropy": lambda logits, target, reduction: F.cross_entropy(logits, target, reduction=reduction),
-            "silu": F.silu, "gelu": F.gelu, "relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
-            "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "pow": torch.pow,
-            "abs": torch.abs, "masked_embedding": _masked_embedding,
-        }
-        return check_local_op(name, table)
+        return F.log_softmax(x, dim=dim) if log else F.softmax(x, dim=dim)
+
+    def cross_entropy(self, logits: Any, target: Any, reduction: str) -> Any:
+        return torch.nn.functional.cross_entropy(logits, target, reduction=reduction)
 
     # -- streams and events ------------------------------------------------------------
     def _device_module(self) -> Any:
@@ -447,20 +430,13 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             return host_streams.host_stream_context(stream)
         return self._device_module().stream(stream)
 
-    def new_event(self) -> Any:
-        if self._device_type == "cpu":
-            return host_streams.HostEvent()
-        return self._device_module().Event()
-
-    def record_event(self, event: Any, stream: Any = None) -> None:
+    def record_event(self, stream: Any = None) -> Any:
+        event = host_streams.HostEvent() if self._device_type == "cpu" else self._device_module().Event()
         event.record(stream if stream is not None else self.current_stream())
+        return event
 
     def wait_event(self, event: Any, stream: Any = None) -> None:
         (stream if stream is not None else self.current_stream()).wait_event(event)
-
-    def synchronize(self) -> None:
-        if self._device_type != "cpu":
-            self._device_module().synchronize()
 
     # -- device ------------------------------------------------------------------------
     def set_device(self, local_rank: int) -> None:
