@@ -32,7 +32,7 @@ from hyper_parallel.platform.contract.common import (
 from hyper_parallel.platform.contract.device import DeviceSection
 from hyper_parallel.platform.contract.differentiable import DifferentiableSection
 from hyper_parallel.platform.contract.groups import GroupsSection
-from hyper_parallel.platform.contract.modules import ModulesSection
+from hyper_parallel.platform.contract.modules import ModulesSection, ModuleTypes
 from hyper_parallel.platform.contract.ops import LOCAL_OPS, TENSOR_METHODS, OpsSection
 from hyper_parallel.platform.contract.streams import StreamsSection
 from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
@@ -41,7 +41,7 @@ from hyper_parallel.platform.validation import check_partition, normalize_dim
 
 __all__ = [
     "BACKENDS", "DTYPE_NAMES", "FULL", "LOCAL_OPS", "TENSOR_METHODS", "AttentionMask", "Capability", "CompletedWork", "CustomFunction",
-    "HandleWork", "MemoryStats", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
+    "HandleWork", "MemoryStats", "ModuleTypes", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
     "contract_members",
 ]
 

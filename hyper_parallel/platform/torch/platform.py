@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 from hyper_parallel.platform import host_memory, host_streams
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
 from hyper_parallel.platform.base import FULL, AttentionMask, Capability, CustomFunction, MemoryStats, Platform, RemovableHandle, VjpFn
+from hyper_parallel.platform.contract.modules import ModuleTypes
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
 from hyper_parallel.platform.saved_tensor_layers import PASS, LayeredHooks, SavedTensorLayer
@@ -301,6 +302,11 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return outputs, backward
 
     # -- module hooks and tree ---------------------------------------------------------
+    def module_types(self) -> ModuleTypes:
+        """``nn.Module``, ``nn.Linear``, ``nn.ModuleList``, ``nn.ModuleDict``."""
+        nn = torch.nn
+        return ModuleTypes(Module=nn.Module, Linear=nn.Linear, ModuleList=nn.ModuleList, ModuleDict=nn.ModuleDict)
+
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
                                   with_kwargs: bool = False) -> RemovableHandle:
         return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
