@@ -8,27 +8,25 @@ The DTensor op rules run them on local tensors; nothing here communicates.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from hyper_parallel.platform import get_platform
-
-_SQRT1_2 = 1.0 / math.sqrt(2.0)
+from hyper_parallel.platform import Activation, get_platform
 
 
 def relu(x: Any) -> Any:
-    """``max(x, 0)`` elementwise; the gradient is 0 where ``x <= 0`` (torch's ``relu``)."""
-    return x * get_platform().to_dtype(x > 0, x.dtype)
+    """``max(x, 0)`` elementwise, the framework's kernel; the gradient is 0 where ``x <= 0``."""
+    return get_platform().activation(x, Activation.RELU)
 
 
 def silu(x: Any) -> Any:
-    """``x * sigmoid(x)`` elementwise."""
-    return x * x.sigmoid()
+    """``x * sigmoid(x)`` elementwise, the framework's fused kernel."""
+    return get_platform().activation(x, Activation.SILU)
 
 
 def gelu(x: Any) -> Any:
-    """The exact (erf) GELU, ``x * (1 + erf(x / sqrt(2))) / 2``, elementwise."""
-    return x * 0.5 * ((x * _SQRT1_2).erf() + 1.0)
+    """The exact (erf) GELU, ``x * (1 + erf(x / sqrt(2))) / 2``, elementwise, the
+    framework's kernel."""
+    return get_platform().activation(x, Activation.GELU)
 
 
 def _rows(weight: Any, ids: Any) -> Any:

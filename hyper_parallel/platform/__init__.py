@@ -5,7 +5,7 @@ types from ``base``, and backend selection (``get_platform``, ``init``; the rule
 
 from __future__ import annotations
 
-from hyper_parallel.platform.base import BACKENDS, FULL, AttentionMask, Capability, P2POp, Platform, ReduceOp, Work
+from hyper_parallel.platform.base import BACKENDS, FULL, Activation, AttentionMask, Capability, P2POp, Platform, ReduceOp, Work
 from hyper_parallel.platform.selection import (
     ENV_VAR,
     backend_problem,
@@ -17,6 +17,6 @@ from hyper_parallel.platform.selection import (
     reset_platform,
 )
 
-__all__ = ["BACKENDS", "ENV_VAR", "FULL", "AttentionMask", "Capability", "P2POp", "Platform", "ReduceOp", "Work",
+__all__ = ["BACKENDS", "ENV_VAR", "FULL", "Activation", "AttentionMask", "Capability", "P2POp", "Platform", "ReduceOp", "Work",
            "backend_problem", "framework_of", "get_platform", "init", "installed_frameworks", "requested_platform",
            "reset_platform"]

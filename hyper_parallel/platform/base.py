@@ -19,6 +19,7 @@ from hyper_parallel.platform.contract.attention import FULL, AttentionMask, Atte
 from hyper_parallel.platform.contract.autograd import AutogradSection, VjpFn
 from hyper_parallel.platform.contract.collectives import CollectivesSection
 from hyper_parallel.platform.contract.common import (
+    Activation,
     Capability,
     CompletedWork,
     CustomFunction,
@@ -32,7 +33,7 @@ from hyper_parallel.platform.contract.common import (
 from hyper_parallel.platform.contract.device import DeviceSection
 from hyper_parallel.platform.contract.differentiable import DifferentiableSection
 from hyper_parallel.platform.contract.groups import GroupsSection
-from hyper_parallel.platform.contract.modules import ModulesSection
+from hyper_parallel.platform.contract.modules import ModulesSection, ModuleTypes
 from hyper_parallel.platform.contract.ops import TENSOR_METHODS, OpsSection
 from hyper_parallel.platform.contract.streams import StreamsSection
 from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
@@ -40,8 +41,8 @@ from hyper_parallel.platform.local_attention import LocalAttention
 from hyper_parallel.platform.validation import check_partition, normalize_dim
 
 __all__ = [
-    "BACKENDS", "DTYPE_NAMES", "FULL", "TENSOR_METHODS", "AttentionMask", "Capability", "CompletedWork", "CustomFunction",
-    "HandleWork", "MemoryStats", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
+    "BACKENDS", "DTYPE_NAMES", "FULL", "TENSOR_METHODS", "Activation", "AttentionMask", "Capability", "CompletedWork", "CustomFunction",
+    "HandleWork", "MemoryStats", "ModuleTypes", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
     "contract_members", "derived_members",
 ]
 

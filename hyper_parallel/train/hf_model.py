@@ -9,6 +9,9 @@ and wraps it in ``HFLossModel``, which has the job's model interface
 ``(tokens, positions, targets) -> mean cross-entropy``.
 
 The vocabulary: see ``hf_config``.
+
+torch by nature: Hugging Face's models are torch modules, so this module (alone in
+``train/``, see ``tests/train/test_one_definition.py``) imports torch.
 """
 
 from __future__ import annotations

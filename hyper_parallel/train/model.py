@@ -1,6 +1,7 @@
-"""The Llama-style decoder of ``hyper-parallel train``, built natively in torch and in
-MindSpore with the same architecture and parameter names, and initialised from one numpy
-generator so that both frameworks start from bit-identical weights.
+"""The Llama-style decoder of ``hyper-parallel train``, defined once over the platform's
+module classes (``Platform.module_types()``: a ``torch.nn.Module`` on torch, a
+``mindspore.nn.Cell`` on MindSpore) and its ops, with the same parameter names on both, and
+initialised from one numpy generator so that both frameworks start from bit-identical weights.
 
 Architecture (Touvron et al., *LLaMA*, 2023; Ainslie et al., *GQA*, 2023): token embedding
 ``[vocab, dim]``; ``n_layers`` blocks of pre-norm attention and pre-norm SwiGLU MLP
@@ -31,12 +32,14 @@ each rank) needs no change here.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core import tensor_ops
 from hyper_parallel.core.context_parallel import scaled_dot_product_attention
-from hyper_parallel.platform import Platform
+from hyper_parallel.platform import Activation, Platform
 from hyper_parallel.train.config import ModelConfig
 
 
@@ -87,10 +90,9 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build_model(p: Platform, cfg: ModelConfig, seed: int) -> Any:
-    """The decoder as a ``torch.nn.Module`` or ``mindspore.nn.Cell`` (``p.framework``),
-    holding ``initial_weights(cfg, seed)``."""
-    cos, sin = rope_tables(cfg)
-    model = _build_torch(p, cfg, cos, sin) if p.framework == "torch" else _build_mindspore(p, cfg, cos, sin)
+    """The decoder as the framework's module (``p.module_types().Module``: a
+    ``torch.nn.Module`` or a ``mindspore.nn.Cell``), holding ``initial_weights(cfg, seed)``."""
+    model = _classes(p).Decoder(cfg)
     for name, value in initial_weights(cfg, seed).items():
         p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
     names = [name for name, _ in p.named_parameters(model)]
@@ -107,195 +109,143 @@ def _apply_rope(p: Platform, x: Any, cos: Any, sin: Any) -> Any:
     return p.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _attention(p: Platform, m: Any, x: Any, cos: Any, sin: Any, head_dim: int) -> Any:
-    b, s = x.shape[0], x.shape[1]
-    q = _apply_rope(p, m.wq(x).reshape(b, s, -1, head_dim), cos, sin)
-    k = _apply_rope(p, m.wk(x).reshape(b, s, -1, head_dim), cos, sin)
-    v = m.wv(x).reshape(b, s, -1, head_dim)
-    # the core attention is its own (parameter-free) module so that ContextParallel can hook it
-    out = m.core(q, k, v)
-    return m.wo(out.reshape(b, s, -1))
+def _rope(module: Any, positions: Any) -> tuple[Any, Any]:
+    """The rotary ``(cos, sin)`` ``[batch, seq, 1, head_dim/2]`` of int ``positions``
+    ``[batch, seq]``, looked up in ``module``'s tables."""
+    b, s = positions.shape
+    return module.rope_cos[positions].reshape(b, s, 1, -1), module.rope_sin[positions].reshape(b, s, 1, -1)
 
 
-def _add_linears(module: Any, linear: type, cfg: ModelConfig, kind: str) -> None:
-    """Give ``module`` its bias-free linear layers (``linear(in, out, bias=False)``, the
-    framework's class), in parameter order: ``attention`` wq, wk, wv, wo; ``feed_forward`` w1, w2, w3."""
-    hd = cfg.head_dim
-    sizes = ({"wq": (cfg.dim, cfg.n_heads * hd), "wk": (cfg.dim, cfg.n_kv_heads * hd),
-              "wv": (cfg.dim, cfg.n_kv_heads * hd), "wo": (cfg.n_heads * hd, cfg.dim)} if kind == "attention" else
-             {"w1": (cfg.dim, cfg.hidden_dim), "w2": (cfg.hidden_dim, cfg.dim), "w3": (cfg.dim, cfg.hidden_dim)})
-    for name, (in_features, out_features) in sizes.items():
-        setattr(module, name, linear(in_features, out_features, bias=False))
+def _head(h: Any, module: Any, tied: bool) -> Any:
+    """``[batch, seq, vocab]`` logits of the normed residual stream ``h`` ``[batch, seq, dim]``:
+    ``h @ W^T`` with ``W`` the output head (or the embedding, ``tied``)."""
+    head = module.tok_embeddings.weight if tied else module.output.weight
+    return h @ head.transpose(0, 1)
 
 
-def _block(m: Any, x: Any, cos: Any, sin: Any) -> Any:
-    """Pre-norm residual block: attention, then the SwiGLU MLP."""
-    h = x + m.attention(m.attention_norm(x), cos, sin)
-    return h + m.feed_forward(m.ffn_norm(h))
+class _Classes:
+    """The decoder's module classes on one platform, defined once over its
+    ``module_types()`` (the framework's Module base and dense linear layer)."""
 
+    def __init__(self, p: Platform) -> None:
+        types = p.module_types()
+        Module, Linear = types.Module, types.Linear
+        float32 = p.dtype("float32")
 
-def _build_torch(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table: np.ndarray) -> Any:
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+        class RMSNorm(Module):
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                self.eps = cfg.norm_eps
+                self.weight = p.make_parameter(p.full((cfg.dim,), 1.0, float32))
 
-    class RMSNorm(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(cfg.dim))
+            def forward(self, x: Any) -> Any:
+                return x * ((x * x).mean(-1, True) + self.eps).rsqrt() * self.weight
 
-        def forward(self, x: Any) -> Any:
-            return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + cfg.norm_eps) * self.weight
+        class Embedding(Module):
+            """Rows of ``weight`` ``[vocab, dim]`` for int ids (the platform's embedding op)."""
 
-    class CoreAttention(nn.Module):
-        """Causal softmax attention of ``[batch, seq, heads, head_dim]`` q/k/v (no parameters):
-        the platform's fused kernels alone, sequence-parallel under ``ContextParallel``."""
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                self.weight = p.make_parameter(p.zeros((cfg.vocab_size, cfg.dim), float32))
 
-        def forward(self, q: Any, k: Any, v: Any) -> Any:
-            return scaled_dot_product_attention(q, k, v, is_causal=True)
+            def forward(self, tokens: Any) -> Any:
+                return tensor_ops.embedding(tokens, self.weight)
 
-    class Attention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            _add_linears(self, nn.Linear, cfg, "attention")
-            self.core = CoreAttention()
+        class CoreAttention(Module):
+            """Causal softmax attention of ``[batch, seq, heads, head_dim]`` q/k/v (no parameters):
+            the platform's fused kernels alone, sequence-parallel under ``ContextParallel``."""
 
-        def forward(self, x: Any, cos: Any, sin: Any) -> Any:
-            return _attention(p, self, x, cos, sin, cfg.head_dim)
+            def forward(self, q: Any, k: Any, v: Any) -> Any:
+                return scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    class FeedForward(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            _add_linears(self, nn.Linear, cfg, "feed_forward")
+        class Attention(Module):
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                hd = self.head_dim = cfg.head_dim
+                # in parameter order: wq, wk, wv, wo (bias-free)
+                self.wq = Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+                self.wk = Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+                self.wv = Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+                self.wo = Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+                # the core attention is its own (parameter-free) module so that ContextParallel can hook it
+                self.core = CoreAttention()
 
-        def forward(self, x: Any) -> Any:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+            def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+                b, s, hd = x.shape[0], x.shape[1], self.head_dim
+                q = _apply_rope(p, self.wq(x).reshape(b, s, -1, hd), cos, sin)
+                k = _apply_rope(p, self.wk(x).reshape(b, s, -1, hd), cos, sin)
+                v = self.wv(x).reshape(b, s, -1, hd)
+                return self.wo(self.core(q, k, v).reshape(b, s, -1))
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attention_norm = RMSNorm()
-            self.attention = Attention()
-            self.ffn_norm = RMSNorm()
-            self.feed_forward = FeedForward()
+        class FeedForward(Module):
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                # in parameter order: w1, w2, w3 (bias-free)
+                self.w1 = Linear(cfg.dim, cfg.hidden_dim, bias=False)
+                self.w2 = Linear(cfg.hidden_dim, cfg.dim, bias=False)
+                self.w3 = Linear(cfg.dim, cfg.hidden_dim, bias=False)
 
-        def forward(self, x: Any, cos: Any, sin: Any) -> Any:
-            return _block(self, x, cos, sin)
+            def forward(self, x: Any) -> Any:
+                return self.w2(p.activation(self.w1(x), Activation.SILU) * self.w3(x))
 
-    class Decoder(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-            self.layers = nn.ModuleList([Block() for _ in range(cfg.n_layers)])
-            self.norm = RMSNorm()
-            if not cfg.tie_embeddings:
-                self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        class Block(Module):
+            """Pre-norm residual block: attention, then the SwiGLU MLP."""
+
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                self.attention_norm = RMSNorm(cfg)
+                self.attention = Attention(cfg)
+                self.ffn_norm = RMSNorm(cfg)
+                self.feed_forward = FeedForward(cfg)
+
+            def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+                h = x + self.attention(self.attention_norm(x), cos, sin)
+                return h + self.feed_forward(self.ffn_norm(h))
+
+        def set_rope_tables(module: Any, cfg: ModelConfig) -> None:
             # constants, not parameters: no gradient, not in named_parameters or checkpoints
-            self.register_buffer("rope_cos", torch.from_numpy(cos_table), persistent=False)
-            self.register_buffer("rope_sin", torch.from_numpy(sin_table), persistent=False)
+            cos, sin = rope_tables(cfg)
+            module.rope_cos, module.rope_sin = p.from_numpy(cos), p.from_numpy(sin)
 
-        def logits(self, tokens: Any, positions: Any) -> Any:
-            """``[batch, seq, vocab]`` float32 next-byte logits of int ``tokens`` at ``positions``."""
-            b, s = tokens.shape
-            cos = self.rope_cos[positions].reshape(b, s, 1, -1)
-            sin = self.rope_sin[positions].reshape(b, s, 1, -1)
-            h = self.tok_embeddings(tokens)
-            for layer in self.layers:
-                h = layer(h, cos, sin)
-            h = self.norm(h)
-            head = self.tok_embeddings.weight if cfg.tie_embeddings else self.output.weight
-            return h @ head.t()
+        class Decoder(Module):
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                self.tied = cfg.tie_embeddings
+                self.tok_embeddings = Embedding(cfg)
+                self.layers = types.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+                self.norm = RMSNorm(cfg)
+                if not cfg.tie_embeddings:
+                    self.output = Linear(cfg.dim, cfg.vocab_size, bias=False)
+                set_rope_tables(self, cfg)
 
-        def forward(self, tokens: Any, positions: Any, targets: Any) -> Any:
-            return cross_entropy(p, self.logits(tokens, positions), targets)
+            def logits(self, tokens: Any, positions: Any) -> Any:
+                """``[batch, seq, vocab]`` float32 next-byte logits of int ``tokens`` at ``positions``."""
+                cos, sin = _rope(self, positions)
+                h = self.tok_embeddings(tokens)
+                for layer in self.layers:
+                    h = layer(h, cos, sin)
+                return _head(self.norm(h), self, self.tied)
 
-    return Decoder()
+            def forward(self, tokens: Any, positions: Any, targets: Any) -> Any:
+                return cross_entropy(p, self.logits(tokens, positions), targets)
+
+        class Stage(Module):
+            """One pipeline stage of the decoder (``build_stage``)."""
+
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                set_rope_tables(self, cfg)
+
+            def forward(self, *inputs: Any) -> Any:
+                return _stage_forward(p, self, inputs)
+
+        self.Decoder, self.Stage, self.ModuleDict = Decoder, Stage, types.ModuleDict
 
 
-def _build_mindspore(p: Platform, cfg: ModelConfig, cos_table: np.ndarray, sin_table: np.ndarray) -> Any:
-    import mindspore as ms
-    from mindspore import mint, nn
-
-    class RMSNorm(nn.Cell):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = ms.Parameter(mint.ones(cfg.dim), name="weight")
-
-        def construct(self, x: Any) -> Any:
-            return x * mint.rsqrt(mint.mean(x * x, -1, True) + cfg.norm_eps) * self.weight
-
-    class CoreAttention(nn.Cell):
-        """Causal softmax attention of ``[batch, seq, heads, head_dim]`` q/k/v (no parameters):
-        the platform's fused kernels alone, sequence-parallel under ``ContextParallel``."""
-
-        def construct(self, q: Any, k: Any, v: Any) -> Any:
-            return scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    class Attention(nn.Cell):
-        def __init__(self) -> None:
-            super().__init__()
-            _add_linears(self, mint.nn.Linear, cfg, "attention")
-            self.core = CoreAttention()
-
-        def construct(self, x: Any, cos: Any, sin: Any) -> Any:
-            return _attention(p, self, x, cos, sin, cfg.head_dim)
-
-    class FeedForward(nn.Cell):
-        def __init__(self) -> None:
-            super().__init__()
-            _add_linears(self, mint.nn.Linear, cfg, "feed_forward")
-
-        def construct(self, x: Any) -> Any:
-            return self.w2(mint.nn.functional.silu(self.w1(x)) * self.w3(x))
-
-    class Block(nn.Cell):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attention_norm = RMSNorm()
-            self.attention = Attention()
-            self.ffn_norm = RMSNorm()
-            self.feed_forward = FeedForward()
-
-        def construct(self, x: Any, cos: Any, sin: Any) -> Any:
-            return _block(self, x, cos, sin)
-
-    class Embedding(nn.Cell):
-        # MindSpore 2.10 has no CPU kernel for mint's Embedding; indexing the table is
-        # the same gather, with a scatter-add gradient.
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = ms.Parameter(mint.zeros((cfg.vocab_size, cfg.dim)), name="weight")
-
-        def construct(self, tokens: Any) -> Any:
-            return self.weight[tokens]
-
-    class Decoder(nn.Cell):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok_embeddings = Embedding()
-            self.layers = nn.CellList([Block() for _ in range(cfg.n_layers)])
-            self.norm = RMSNorm()
-            if not cfg.tie_embeddings:
-                self.output = mint.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-            self.rope_cos = ms.Tensor(cos_table)
-            self.rope_sin = ms.Tensor(sin_table)
-
-        def logits(self, tokens: Any, positions: Any) -> Any:
-            """``[batch, seq, vocab]`` float32 next-byte logits of int ``tokens`` at ``positions``."""
-            b, s = tokens.shape
-            cos = self.rope_cos[positions].reshape(b, s, 1, -1)
-            sin = self.rope_sin[positions].reshape(b, s, 1, -1)
-            h = self.tok_embeddings(tokens)
-            for layer in self.layers:
-                h = layer(h, cos, sin)
-            h = self.norm(h)
-            head = self.tok_embeddings.weight if cfg.tie_embeddings else self.output.weight
-            return mint.matmul(h, head.T)
-
-        def construct(self, tokens: Any, positions: Any, targets: Any) -> Any:
-            return cross_entropy(p, self.logits(tokens, positions), targets)
-
-    return Decoder()
+@functools.cache
+def _classes(p: Platform) -> _Classes:
+    """``p``'s decoder classes, defined on first use (one class identity per platform)."""
+    return _Classes(p)
 
 
 def cross_entropy(p: Platform, logits: Any, targets: Any) -> Any:
@@ -303,19 +253,7 @@ def cross_entropy(p: Platform, logits: Any, targets: Any) -> Any:
     vocab]`` against int ``targets`` ``[batch, seq]``: the decoder's loss, and the loss of
     each pipeline microbatch on the last stage (the same arithmetic in both)."""
     flat = logits.reshape(-1, logits.shape[-1])
-    if p.framework == "torch":
-        import torch.nn.functional as F
-
-        return F.cross_entropy(flat.float(), targets.reshape(-1))
-    import mindspore as ms
-    from mindspore import mint
-
-    # cross-entropy by log-sum-exp: MindSpore 2.10 has no CPU kernel for log_softmax.
-    # The max is a constant shift (its gradient cancels), taken for range only.
-    shift = ms.ops.stop_gradient(flat.amax(-1, keepdims=True))
-    lse = mint.log(mint.sum(mint.exp(flat - shift), -1)) + shift.reshape(-1)
-    picked = mint.gather(flat, 1, targets.reshape(-1, 1)).reshape(-1)
-    return mint.mean(lse - picked)
+    return p.cross_entropy(flat.float(), targets.reshape(-1), "mean")
 
 
 def stage_layers(n_layers: int, num_stages: int) -> list[range]:
@@ -347,16 +285,12 @@ def _stage_forward(p: Platform, m: Any, inputs: tuple[Any, ...]) -> Any:
     else:
         h, carried = inputs
         positions = p.to_dtype(carried, p.dtype("int64"))
-    b, s = positions.shape
-    cos = m.rope_cos[positions].reshape(b, s, 1, -1)
-    sin = m.rope_sin[positions].reshape(b, s, 1, -1)
+    cos, sin = _rope(m, positions)
     for layer in m.layers.values():
         h = layer(h, cos, sin)
     if not m.last:
         return h, carried
-    h = m.norm(h)
-    head = m.output.weight
-    return h @ head.t() if p.framework == "torch" else h @ head.T
+    return _head(m.norm(h), m, tied=False)
 
 
 def build_stage(p: Platform, cfg: ModelConfig, model: Any, layers: range, first: bool, last: bool) -> Any:
@@ -376,35 +310,9 @@ def build_stage(p: Platform, cfg: ModelConfig, model: Any, layers: range, first:
         raise ValueError("--tie-embeddings cannot be pipelined: the embedding sits on the first stage and the output "
                          "head on the last, so the shared weight would need its gradient summed across stages; drop "
                          "--tie-embeddings or --pp")
-    cos, sin = rope_tables(cfg)
-    if p.framework == "torch":
-        import torch
-        from torch import nn
-
-        class Stage(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.register_buffer("rope_cos", torch.from_numpy(cos), persistent=False)
-                self.register_buffer("rope_sin", torch.from_numpy(sin), persistent=False)
-
-            def forward(self, *inputs: Any) -> Any:
-                return _stage_forward(p, self, inputs)
-
-        stage, blocks = Stage(), nn.ModuleDict({str(i): model.layers[i] for i in layers})
-    else:
-        import mindspore as ms
-        from mindspore import nn
-
-        class Stage(nn.Cell):  # type: ignore[no-redef]
-            def __init__(self) -> None:
-                super().__init__()
-                self.rope_cos = ms.Tensor(cos)
-                self.rope_sin = ms.Tensor(sin)
-
-            def construct(self, *inputs: Any) -> Any:
-                return _stage_forward(p, self, inputs)
-
-        stage, blocks = Stage(), nn.CellDict({str(i): model.layers[i] for i in layers})
+    classes = _classes(p)
+    stage = classes.Stage(cfg)
+    blocks = classes.ModuleDict({str(i): model.layers[i] for i in layers})
     stage.first, stage.last = first, last
     if first:
         stage.tok_embeddings = model.tok_embeddings

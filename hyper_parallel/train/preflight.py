@@ -24,7 +24,7 @@ def check_platform(cfg: TrainConfig) -> None:
     """``ValueError`` if ``--platform`` cannot run here (``platform.backend_problem``)."""
     problem = backend_problem(cfg.platform)
     if problem is not None:
-        cpu = "torch-cpu" if cfg.platform.startswith("torch") else "mindspore-cpu"
+        cpu = cfg.platform.split("-")[0] + "-cpu"  # the same framework on the CPU
         raise ValueError(f"--platform={cfg.platform!r} cannot run on this machine: {problem}; use --platform {cpu} "
                          "here, or run on a machine with that backend installed")
 

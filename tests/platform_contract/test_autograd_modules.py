@@ -127,7 +127,7 @@ def test_forward_pre_hook_with_kwargs(run_on_ranks) -> None:
     run_on_ranks(check_forward_pre_hook_with_kwargs, world_size=1)
 
 
-def check_tensor_hook_and_set_parameter() -> None:
+def check_set_parameter() -> None:
     p = get_platform()
     weights = mlp_weights(4, 5, 3)
     model = build_mlp(p, weights)
@@ -145,22 +145,10 @@ def check_tensor_hook_and_set_parameter() -> None:
     else:
         raise AssertionError("set_parameter accepted a missing fqn")
 
-    seen: list[np.ndarray] = []
-
-    def fn(t):
-        y = t * 3.0
-        p.register_tensor_hook(y, lambda grad: seen.append(p.to_numpy(grad)) or grad * 2.0)
-        return y * 1.0
-
-    g = rank_data(1, (2, 4))
-    _, backward = p.vjp(fn, [p.from_numpy(x)])
-    (gx,), _ = backward([p.from_numpy(g)])
-    close(seen[0], g, "tensor hook sees the incoming gradient")
-    close(p.to_numpy(gx), 6 * g, "tensor hook's return replaces the gradient")
 
 
-def test_tensor_hook_and_set_parameter(run_on_ranks) -> None:
-    run_on_ranks(check_tensor_hook_and_set_parameter, world_size=1)
+def test_set_parameter(run_on_ranks) -> None:
+    run_on_ranks(check_set_parameter, world_size=1)
 
 
 def check_vjp_backwards_out_of_order() -> None:

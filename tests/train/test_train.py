@@ -112,7 +112,7 @@ def _config(*flags: str):
     (["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--microbatches", "2", "--model", "tiny"],
      ["makes 4 pipeline stages (2 per rank with --pp-schedule interleaved-1f1b)", "has 2 layers"]),
     (["--pp", "2", "--microbatches", "3", "--n-layers", "6", "--pp-schedule", "interleaved-1f1b",
-      "--batch-size", "6", "--nproc", "2"], ["--microbatches=3 must be a multiple of --pp=2"]),
+      "--batch-size", "6", "--nproc", "2"], ["--microbatches=3 does not fit --pp-schedule interleaved-1f1b with --pp=2", "must be a multiple of"]),
     (["--pp", "2", "--microbatches", "1", "--nproc", "2"], ["--microbatches=1 must be >= --pp=2"]),
     (["--pp", "2", "--microbatches", "3", "--nproc", "2"], ["--batch-size=8", "--microbatches (3)"]),
     (["--pp", "2", "--microbatches", "2", "--nproc", "2", "--tie-embeddings"],

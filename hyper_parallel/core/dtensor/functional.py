@@ -109,9 +109,9 @@ sqrt = _unary("sqrt", lambda t: t.sqrt(), "the tensor method")
 rsqrt = _unary("rsqrt", lambda t: t.rsqrt(), "the tensor method")
 sigmoid = _unary("sigmoid", lambda t: t.sigmoid(), "the tensor method")
 tanh = _unary("tanh", lambda t: t.tanh(), "the tensor method")
-silu = _unary("silu", tensor_ops.silu, "``x * sigmoid(x)``, ``core/tensor_ops.py``")
-gelu = _unary("gelu", tensor_ops.gelu, "exact erf form, ``core/tensor_ops.py``")
-relu = _unary("relu", tensor_ops.relu, "``core/tensor_ops.py``")
+silu = _unary("silu", tensor_ops.silu, "``x * sigmoid(x)``, the framework's kernel")
+gelu = _unary("gelu", tensor_ops.gelu, "exact erf form, the framework's kernel")
+relu = _unary("relu", tensor_ops.relu, "the framework's kernel")
 
 
 def to_float(x: Any) -> Any:

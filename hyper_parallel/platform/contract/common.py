@@ -39,6 +39,14 @@ class ReduceOp(enum.Enum):
         raise ValueError(f"{argument}={op!r} is not a reduce op; use one of {accepted} (or hyper_parallel.ReduceOp)")
 
 
+class Activation(enum.Enum):
+    """An elementwise activation ``Platform.activation`` runs with the framework's kernel."""
+
+    SILU = "silu"  # x * sigmoid(x) (swish)
+    GELU = "gelu"  # the exact (erf) form, x * (1 + erf(x / sqrt(2))) / 2
+    RELU = "relu"  # max(x, 0); gradient 0 where x <= 0
+
+
 class Capability(enum.Enum):
     """What a backend can do natively. A member missing from ``Platform.capabilities()``
     is either emulated (the ``NATIVE_*`` ones: same results, more traffic) or absent

@@ -10,13 +10,49 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.platform.contract.common import RemovableHandle
 
 
+@dataclass(frozen=True)
+class ModuleTypes:
+    """The framework's module classes, enough to define a model once for every backend
+    (``Platform.module_types``; the job's decoder in ``train/model.py`` is written so).
+
+    Attributes:
+        Module: the base class of a model's modules. A subclass defines ``__init__``
+            (calling ``super().__init__()`` first, then assigning submodules, parameters
+            made by ``make_parameter`` and plain tensors as attributes) and
+            ``forward(*args, **kwargs)``, which calling the module runs with the hooks of
+            this section around it. torch: ``torch.nn.Module``; MindSpore: a
+            ``mindspore.nn.Cell`` whose ``construct`` calls ``forward``. A tensor attribute
+            that is not a parameter is a constant: not a parameter, not in checkpoints.
+        Linear: the dense linear layer ``Linear(in_features, out_features, bias=False)``,
+            parameters ``weight [out, in]`` (and ``bias [out]``), the layer
+            ``named_modules(linear_only=True)`` lists and tensor parallelism shards
+            (torch ``nn.Linear``, MindSpore ``mint.nn.Linear``).
+        ModuleList: ``ModuleList(modules)``: indexed by int, iterable; children named
+            ``"0"``, ``"1"``, ... (torch ``nn.ModuleList``, MindSpore ``nn.CellList``).
+        ModuleDict: ``ModuleDict({name: module})``: indexed by name, ``keys()``,
+            ``values()``, ``items()`` in insertion order (torch ``nn.ModuleDict``,
+            MindSpore ``nn.CellDict``).
+    """
+
+    Module: type
+    Linear: type
+    ModuleList: type
+    ModuleDict: type
+
+
 class ModulesSection(ABC):
     """Hooks on modules and tensors; walking and editing a module tree."""
+
+    @abstractmethod
+    def module_types(self) -> ModuleTypes:
+        """The framework's module classes (``ModuleTypes``): the same classes on every
+        call, so ``isinstance`` against them holds across calls."""
 
     @abstractmethod
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
@@ -50,11 +86,6 @@ class ModulesSection(ABC):
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
         """Call ``hook(module, grad_output)`` (a tuple) before the module's backward;
         a non-None return replaces ``grad_output``."""
-
-    @abstractmethod
-    def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
-        """Call ``hook(grad)`` when the gradient of ``tensor`` is computed; a non-None
-        return replaces the gradient."""
 
     @abstractmethod
     def named_modules(self, module: Any, *, linear_only: bool = False) -> Iterator[tuple[str, Any]]:

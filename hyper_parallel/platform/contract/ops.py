@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.platform.contract.common import Activation
+
 #: Tensor attributes and methods core may use directly on a framework tensor.
 #: ``__getitem__`` takes basic slices, and an int64 index tensor on dim 0 (rows, repeats
 #: allowed, differentiable). ``__setitem__`` writes a tensor into basic slices in place
@@ -96,6 +98,12 @@ class OpsSection(ABC):
         """Softmax of floating ``x`` along ``dim`` (any shape, kept), by the framework's
         kernel; ``log=True``: log-softmax (the framework's fused one, not ``log`` of the
         softmax). Differentiable."""
+
+    @abstractmethod
+    def activation(self, x: Any, kind: Activation) -> Any:
+        """``kind`` (``Activation``) of floating ``x`` elementwise by the framework's fused
+        kernel (torch ``F.silu`` / ``F.gelu`` / ``F.relu``; MindSpore ``mint.nn.functional``'s):
+        same shape and dtype, differentiable."""
 
     @abstractmethod
     def cross_entropy(self, logits: Any, target: Any, reduction: str) -> Any:

@@ -7,18 +7,43 @@ in PyNative mode, so most members forward to them directly.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from hyper_parallel.platform.contract.common import RemovableHandle
-from hyper_parallel.platform.contract.modules import ModulesSection
+from hyper_parallel.platform.contract.modules import ModulesSection, ModuleTypes
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
+
+
+@functools.cache
+def _module_types(ms: Any) -> ModuleTypes:
+    """``ModuleTypes`` of MindSpore, built once per process (one class identity)."""
+
+    class Module(ms.nn.Cell):
+        """A Cell defined by ``forward``, as a torch Module is: ``Cell.__call__`` runs the
+        hooks and ``construct``, which calls ``forward`` (PyNative mode). A forward
+        replaced through ``register_forward_hook(replace_forward=True)`` replaces
+        ``construct`` and so still runs inside the hooks."""
+
+        def construct(self, *args: Any, **kwargs: Any) -> Any:
+            return self.forward(*args, **kwargs)
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(f"{type(self).__name__} defines no forward(); a Module subclass defines it")
+
+    return ModuleTypes(Module=Module, Linear=ms.mint.nn.Linear, ModuleList=ms.nn.CellList, ModuleDict=ms.nn.CellDict)
 
 
 class MindSporeModules(ModulesSection):
     """Module members of ``MindSporePlatform``; uses the platform's ``_ms`` module."""
 
     _ms: Any
+
+    def module_types(self) -> ModuleTypes:
+        """``Module`` (a Cell whose ``construct`` calls ``forward``), ``mint.nn.Linear``,
+        ``nn.CellList``, ``nn.CellDict``."""
+        return _module_types(self._ms)
 
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
                                   with_kwargs: bool = False) -> RemovableHandle:
@@ -36,10 +61,6 @@ class MindSporeModules(ModulesSection):
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
         """``Cell.register_backward_pre_hook``."""
         return module.register_backward_pre_hook(hook)
-
-    def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
-        """``Tensor.register_hook``."""
-        return tensor.register_hook(hook)
 
     def named_modules(self, module: Any, *, linear_only: bool = False) -> Iterator[tuple[str, Any]]:
         """``Cell.cells_and_names()`` (root ``""`` first, depth-first, each Cell once);

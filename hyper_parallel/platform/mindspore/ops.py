@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
+from hyper_parallel.platform.contract.common import Activation
 from hyper_parallel.platform.contract.ops import OpsSection
 from hyper_parallel.platform.mindspore import attention as kernels
 from hyper_parallel.platform.validation import normalize_dim, refuse_dtensor
@@ -126,6 +127,13 @@ class MindSporeOps(OpsSection):
         if log:
             return self._ops.log_softmax(x, axis=dim)
         return self._mint.nn.functional.softmax(x, dim=dim)
+
+    def activation(self, x: Any, kind: Activation) -> Any:
+        """``mint.nn.functional.silu`` / ``relu``; ``ops.gelu(approximate="none")`` (GeluExt,
+        mint's, is unregistered on CPU in MindSpore 2.10)."""
+        if kind is Activation.GELU:
+            return self._ops.gelu(x, approximate="none")
+        return getattr(self._mint.nn.functional, kind.value)(x)
 
     def cross_entropy(self, logits: Any, target: Any, reduction: str) -> Any:
         """``ops.cross_entropy``."""

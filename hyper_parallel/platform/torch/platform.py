@@ -16,7 +16,8 @@ import torch.utils.checkpoint
 
 from hyper_parallel.platform import host_memory, host_streams
 from hyper_parallel.platform.autograd_collectives import DifferentiableCollectives
-from hyper_parallel.platform.base import FULL, AttentionMask, Capability, CustomFunction, MemoryStats, Platform, RemovableHandle, VjpFn
+from hyper_parallel.platform.base import FULL, Activation, AttentionMask, Capability, CustomFunction, MemoryStats, Platform, RemovableHandle, VjpFn
+from hyper_parallel.platform.contract.modules import ModuleTypes
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
 from hyper_parallel.platform.saved_tensor_layers import PASS, LayeredHooks, SavedTensorLayer
@@ -290,6 +291,11 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         return outputs, backward
 
     # -- module hooks and tree ---------------------------------------------------------
+    def module_types(self) -> ModuleTypes:
+        """``nn.Module``, ``nn.Linear``, ``nn.ModuleList``, ``nn.ModuleDict``."""
+        nn = torch.nn
+        return ModuleTypes(Module=nn.Module, Linear=nn.Linear, ModuleList=nn.ModuleList, ModuleDict=nn.ModuleDict)
+
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
                                   with_kwargs: bool = False) -> RemovableHandle:
         return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
@@ -306,9 +312,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         warnings for outputs that are dataclasses or dicts, nor for inputs without
         gradients (token ids)."""
         return register_output_grad_pre_hook(module, hook)
-
-    def register_tensor_hook(self, tensor: Any, hook: Callable[[Any], Any]) -> RemovableHandle:
-        return tensor.register_hook(hook)
 
     def named_modules(self, module: Any, *, linear_only: bool = False) -> Iterator[tuple[str, Any]]:
         if not linear_only:
@@ -407,6 +410,9 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def softmax(self, x: Any, dim: int, *, log: bool = False) -> Any:
         F = torch.nn.functional
         return F.log_softmax(x, dim=dim) if log else F.softmax(x, dim=dim)
+
+    def activation(self, x: Any, kind: Activation) -> Any:
+        return getattr(torch.nn.functional, kind.value)(x)
 
     def cross_entropy(self, logits: Any, target: Any, reduction: str) -> Any:
         return torch.nn.functional.cross_entropy(logits, target, reduction=reduction)
