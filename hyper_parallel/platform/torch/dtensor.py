@@ -140,8 +140,9 @@ def _translate(name: str, overload: str, args: tuple[Any, ...], kwargs: dict[str
         shape = tuple(x.shape)
         return "view", {"shape": shape[:dim] + (1,) + shape[dim:]}
     if name == "squeeze":
-        dims = range(x.dim()) if len(args) < 2 else _dims(args[1])
-        drop = {d % max(x.dim(), 1) for d in dims if x.shape[d] == 1}
+        # squeeze.dims with an empty list squeezes nothing; a 0-dim tensor has no dim to drop
+        dims = range(x.dim()) if len(args) < 2 else (_dims(args[1]) or ()) if x.dim() else ()
+        drop = {d % x.dim() for d in dims if x.shape[d] == 1}
         return "view", {"shape": tuple(s for d, s in enumerate(x.shape) if d not in drop)}
     if name == "expand":
         size = [int(s) for s in args[1]]
@@ -580,6 +581,19 @@ _get_local = operator.attrgetter("_local")
 _PLAN_CACHE_SIZE = 4096
 
 
+def _written(func: Any, args: tuple[Any, ...], is_dtensor: Callable[[Any], bool]) -> int | None:
+    """The index among the DTensor arguments of the first one the op's schema says it
+    writes (``rrelu_with_noise``'s ``noise``), or None: it is planned as an in-place op's
+    input (kept in its placements; refused, naming the op, where that is impossible)."""
+    position = 0
+    for value, argument in zip(args, func._schema.arguments):
+        if is_dtensor(value):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                return position
+            position += 1
+    return None
+
+
 def _run_skipped(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Under ``SkipDTensorDispatch``: the op on the local tensors; an in-place op returns
     the DTensor it wrote."""
@@ -644,7 +658,7 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
     if rule == "embedding":
         # aten.embedding(weight, indices); the rule takes (indices, weight)
         return base.dispatch_op(rule, dtensors[::-1], lambda ids, w: call(w, ids), params)
-    written = 0 if inplace and is_dtensor(args[0]) else None
+    written = 0 if inplace and is_dtensor(args[0]) else _written(func, args, is_dtensor)
     frozen = base.freeze_params(params)
     out = base.dispatch_op(rule, dtensors, call, frozen, written)
     _remember(base, plans, key, rule, frozen, written, args, is_dtensor)
