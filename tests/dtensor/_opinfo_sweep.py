@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -321,6 +322,8 @@ def run_torch(impl: str, mesh_shape: tuple[int, ...], ops: Sequence[str] | None 
                 continue
             n_tensors = sum(isinstance(leaf, torch.Tensor) for leaf in case.leaves)
             for mode in modes_for(len(mesh_shape), n_tensors, index, rotate):
+                if trace:
+                    print(f"rank {dist.get_rank()}: {key} [{','.join(mode)}]", file=sys.stderr, flush=True)
                 try:
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
@@ -336,14 +339,20 @@ def run_torch(impl: str, mesh_shape: tuple[int, ...], ops: Sequence[str] | None 
     return verdicts
 
 
-def sweep_torch(impl: str, mesh_shape: tuple[int, ...], ops: Sequence[str] | None = None, per_op: int = 1,
-                rotate: bool = False, trace: bool = False) -> list[Verdict] | None:
-    """``run_torch`` for the pool: rank 0's verdicts (the others return None: they
-    agree with rank 0 case by case)."""
-    import torch.distributed as dist
+def merge(per_rank: Sequence[Sequence[Verdict]]) -> list[Verdict]:
+    """One list from every rank's (the same verdicts, case by case): each case with the
+    detail of a rank that found its verdict itself."""
+    merged = []
+    for cases in zip(*per_rank):
+        own = [v for v in cases if not v.detail.startswith("on another rank")]
+        merged.append(own[0] if own else cases[0])
+    return merged
 
-    verdicts = run_torch(impl, mesh_shape, ops, per_op, rotate, trace)
-    return verdicts if dist.get_rank() == 0 else None
+
+def sweep_torch(impl: str, mesh_shape: tuple[int, ...], ops: Sequence[str] | None = None, per_op: int = 1,
+                rotate: bool = False, trace: bool = False) -> list[Verdict]:
+    """``run_torch`` for the pool (``merge`` the ranks' lists)."""
+    return run_torch(impl, mesh_shape, ops, per_op, rotate, trace)
 
 
 # --------------------------------------------------------------------------- MindSpore
@@ -626,9 +635,6 @@ def _ms_case(fn: Callable[..., Any], case: PortableCase, arrays: Sequence[Array]
 
 
 def sweep_mindspore(mesh_shape: tuple[int, ...], cases: Sequence[PortableCase], rotate: bool = False,
-                    trace: bool = False) -> list[Verdict] | None:
-    """``run_mindspore`` for the pool: rank 0's verdicts (the others return None)."""
-    from hyper_parallel.platform import get_platform
-
-    verdicts = run_mindspore(mesh_shape, cases, rotate, trace)
-    return verdicts if get_platform().rank() == 0 else None
+                    trace: bool = False) -> list[Verdict]:
+    """``run_mindspore`` for the pool (``merge`` the ranks' lists)."""
+    return run_mindspore(mesh_shape, cases, rotate, trace)

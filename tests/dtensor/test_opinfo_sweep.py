@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("expecttest", reason="torch's op_db imports expecttest (the test extra)")
 pytest.importorskip("torch", reason="the samples come from torch's op_db")
 
-from tests.dtensor._opinfo_sweep import Verdict, portable_cases, summarize, sweep_mindspore, sweep_torch  # noqa: E402
+from tests.dtensor._opinfo_sweep import Verdict, merge, portable_cases, summarize, sweep_mindspore, sweep_torch  # noqa: E402
 
 ON_MINDSPORE = os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore")
 
@@ -50,8 +50,8 @@ def _check(verdicts: list[Verdict], known: dict[str, str], what: str) -> None:
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["mesh2", "mesh2x2"])
 def test_opinfo_sweep_torch(run_on_ranks, mesh_shape: tuple[int, ...]) -> None:
     world = 2 if len(mesh_shape) == 1 else 4
-    verdicts = run_on_ranks(sweep_torch, "ours", mesh_shape, None, 1, len(mesh_shape) > 1,
-                            world_size=world, timeout_s=900)[0]
+    verdicts = merge(run_on_ranks(sweep_torch, "ours", mesh_shape, None, 1, len(mesh_shape) > 1,
+                            world_size=world, timeout_s=900))
     _check(verdicts, KNOWN_ERRORS["torch"], f"op_db on mesh {mesh_shape}")
     if len(mesh_shape) == 1:
         stale = sorted(set(KNOWN_ERRORS["torch"]) - {v.op for v in verdicts if v.verdict == "error"})
@@ -72,5 +72,5 @@ def test_opinfo_sweep_mindspore(run_on_ranks, mesh_shape: tuple[int, ...]) -> No
     cases = portable_cases(_mint_names())
     # MindSpore's PyNative ops and emulated CPU collectives cost ~10x torch's per case:
     # one mode per op (in turn) on both meshes, so each op runs sharded once per mesh
-    verdicts = run_on_ranks(sweep_mindspore, mesh_shape, cases, True, world_size=world, timeout_s=900)[0]
+    verdicts = merge(run_on_ranks(sweep_mindspore, mesh_shape, cases, True, world_size=world, timeout_s=900))
     _check(verdicts, KNOWN_ERRORS["mindspore"], f"op_db through mindspore.mint on mesh {mesh_shape}")

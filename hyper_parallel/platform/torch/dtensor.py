@@ -637,8 +637,11 @@ def _run_op(cls: type, base: type, func: Any, args: tuple[Any, ...], kwargs: dic
         return routed
     rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs, is_dtensor)
     dtensors, call = _local_call(func, args, kwargs, is_dtensor)
-    if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand") and not kwargs:
-        # the size argument is global; the local call takes this rank's
+    if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand", "squeeze", "unsqueeze") and not kwargs:
+        # the size argument is global; the local call takes this rank's (a squeeze as a
+        # view too: a piece's own size-1 dims, 1 row of an uneven shard, are not the tensor's)
+        if name in ("squeeze", "unsqueeze"):
+            func = aten.view.default
         local_fn = _view(func) if rule == "view" else (lambda x, local_shape: func(x, list(local_shape)))
         frozen = base.freeze_params(params)
         out = base.dispatch_op(rule, dtensors, local_fn, frozen, with_local_shape=True)
