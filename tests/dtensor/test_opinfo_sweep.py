@@ -51,7 +51,7 @@ def _check(verdicts: list[Verdict], known: dict[str, str], what: str) -> None:
 def test_opinfo_sweep_torch(run_on_ranks, mesh_shape: tuple[int, ...]) -> None:
     world = 2 if len(mesh_shape) == 1 else 4
     verdicts = merge(run_on_ranks(sweep_torch, "ours", mesh_shape, None, 1, len(mesh_shape) > 1,
-                            world_size=world, timeout_s=900))
+                                  world_size=world, timeout_s=900))
     _check(verdicts, KNOWN_ERRORS["torch"], f"op_db on mesh {mesh_shape}")
     if len(mesh_shape) == 1:
         stale = sorted(set(KNOWN_ERRORS["torch"]) - {v.op for v in verdicts if v.verdict == "error"})
