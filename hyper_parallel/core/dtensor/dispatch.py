@@ -217,7 +217,15 @@ def _plan_cached(op: str, specs: tuple[DTensorSpec, ...], frozen: tuple[Any, ...
     if rule.family == "view":
         first = specs[0].placements
         params["nested"] = frozenset(d for d in range(len(shapes[0])) if first.count(Shard(d)) > 1)
-    out_shape = output_shape(rule, shapes, params)
+    try:
+        out_shape = output_shape(rule, shapes, params)
+    except ValueError as err:
+        raise ValueError(f"{op}: {err} (the rule {rule.family!r} of op_rules.py does not fit these inputs)") from err
+    if inplace is not None and tuple(out_shape) != tuple(shapes[inplace]):
+        # an in-place view (unsqueeze_, transpose_) would change the written DTensor's
+        # global shape, which a DTensor's metadata cannot follow in place
+        raise RuntimeError(f"in-place {op} on a DTensor of shape {tuple(shapes[inplace])} would change its shape to "
+                           f"{tuple(out_shape)}; a DTensor's shape cannot change in place: use the out-of-place op")
     chosen = []
     for axis in range(mesh.ndim):
         current = [spec.placements[axis] for spec in specs]
@@ -273,6 +281,21 @@ def _vocabulary_parallel(op: str, plan: OpPlan, weight: DTensorSpec,
     coordinate = weight.mesh.get_coordinate()
     start = 0 if coordinate is None else local_offset(weight.shape, target, weight.mesh.shape, coordinate, 0)
     return lambda ids, table: tensor_ops.masked_embedding(ids, table, start)
+
+
+def _check_dtype(op: str, out: Any) -> None:
+    """Refuse a local result whose dtype the platform has no name for (complex ones: a
+    torch conjugate view keeps its bit on the local tensor, not on the DTensor, and the
+    rules are written for real values).
+
+    Raises:
+        TypeError: naming the op and the dtype.
+    """
+    try:
+        get_platform().dtype_name(out.dtype)
+    except ValueError as err:
+        raise TypeError(f"{op}: its result on DTensors would have dtype {out.dtype}, which DTensors do not "
+                        f"support ({err}); compute it on the local or whole tensors") from None
 
 
 def _check_result(op: str, out: Any, plan: OpPlan) -> None:
@@ -355,6 +378,7 @@ def _run(op: str, local_fn: Callable[..., Any], locals_: Sequence[Any], plan: Op
     else:
         out = local_fn(*locals_)
     _check_result(op, out, plan)
+    _check_dtype(op, out)
     if inplace is not None:
         return dtensors[inplace]
     return wrap(out, plan.out_spec)
@@ -446,6 +470,13 @@ def full_local(dt: DTensor) -> Any:
     return redistribute_raw(dt._local, dt.spec, (Replicate(),) * dt.device_mesh.ndim)
 
 
+def _contiguous(local: Any) -> Any:
+    """``local`` itself when contiguous: an op without a rule may write a replicated
+    input in place (the noise of torch's ``rrelu_with_noise``), and its local tensor
+    must then be the one written."""
+    return local if local.is_contiguous() else local.contiguous()
+
+
 def _fallback(op: str, dtensors: Sequence[DTensor], local_fn: Callable[..., Any], *, differentiable: bool) -> Any:
     """No rule: every input to Replicate (all-gather / all-reduce), the op on the whole
     tensors on every rank, a Replicate result. Warns once per op name (Python's
@@ -455,15 +486,18 @@ def _fallback(op: str, dtensors: Sequence[DTensor], local_fn: Callable[..., Any]
                   UserWarning, stacklevel=1)
     mesh = dtensors[0].device_mesh
     replicate = (Replicate(),) * mesh.ndim
+    # whole tensors in the layout a plain one has (a gather along a later dim leaves a
+    # strided view, which kernels such as group norm's refuse)
     if differentiable:
-        out = local_fn(*[t.redistribute(mesh, replicate).to_local() for t in dtensors])
+        out = local_fn(*[t.redistribute(mesh, replicate).to_local().contiguous() for t in dtensors])
     else:
-        out = local_fn(*[full_local(t) for t in dtensors])
+        out = local_fn(*[_contiguous(full_local(t)) for t in dtensors])
     p = get_platform()
 
     def wrap(value: Any) -> Any:
         if not p.is_tensor(value) or isinstance(value, DTensor):
             return value
+        _check_dtype(op, value)
         spec = DTensorSpec(mesh, replicate, tuple(int(s) for s in value.shape))
         return wrap_local(value, spec) if differentiable else make_dtensor(value, spec)
 

@@ -26,7 +26,7 @@ Families (``n``: the size of the mesh axis; dims are dims of the global tensors)
 | ``cross_entropy`` | ``logits [N, C]``, ``target [N]``: ``(Shard(0), Shard(0)) -> Shard(0)`` (``reduction="none"``) or ``Partial`` (``"sum"``) |
 | ``transpose``/``permute`` | ``Shard(d) -> Shard(d moved)``; ``Partial -> Partial`` |
 | ``view`` | ``Shard(d) -> Shard(d')`` when ``d`` maps to one output dim of the same size, or is the first dim of a split/merge whose chunks line up (``ceil(size / n)`` a whole multiple of the inner sizes); ``Partial -> Partial`` |
-| ``norm`` | p-norm (``ord``) over ``dim``: reduced dim sharded -> ``NormPartial(ord)``; kept dim ``Shard(d) -> Shard(d')``; ``NormPartial(ord) -> NormPartial(ord)`` (a norm of norms) |
+| ``norm`` | p-norm (``ord``) over ``dim``: reduced dim sharded -> ``NormPartial(ord)``; kept dim ``Shard(d) -> Shard(d')``; ``NormPartial(ord) -> NormPartial(ord)`` (a norm of norms); without ``ord`` only the kept-dim strategies |
 | ``stack`` | ``Shard(d)`` on every input -> ``Shard(d')`` (``d' = d`` before the new dim, ``d + 1`` from it); a ``Partial`` that an input has -> the same ``Partial`` on every input |
 | ``expand`` | ``Shard(d)`` of a dim that is not broadcast -> ``Shard(d')``; ``Partial -> Partial`` |
 | ``addmm`` | ``bias + x @ y`` (2-D): the ``matmul`` strategies of ``(x, y)``, the bias aligned to the output's shard (``Partial`` with a ``Partial`` output) |
@@ -306,13 +306,17 @@ def strategies(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[str
     elif family == "norm":
         reduced = _reduced(shapes[0], params.get("dim"))
         keepdim = params.get("keepdim", False)
-        partial = NormPartial(float(params["ord"]))
+        # without its order the norm of pieces cannot be combined (a sum of p-th powers,
+        # or a max for p = inf): the reduced dims are then made whole
+        partial = NormPartial(float(params["ord"])) if "ord" in params else None
         for d in range(len(shapes[0])):
             if d in reduced:
-                add([Shard(d)], partial)
+                if partial is not None:
+                    add([Shard(d)], partial)
             else:
                 add([Shard(d)], Shard(d if keepdim else d - sum(1 for r in reduced if r < d)))
-        add([partial], partial)
+        if partial is not None:
+            add([partial], partial)
     elif family == "stack":
         dim = params["dim"] % (len(shapes[0]) + 1)
         for d in range(len(shapes[0])):

@@ -164,7 +164,10 @@ class _Redistribute(CustomFunction):
         coordinate = ctx.spec.mesh.get_coordinate()
         for step in reversed(ctx.steps):
             grad = _backward_step(grad.contiguous(), step, ctx.spec, coordinate)
-        return grad, None, None
+        # contiguous: MindSpore 2.10 reads a strided gradient (the local chunk of a later
+        # dim, a narrow view) as if it were dense when the input was itself a view (a
+        # split's piece), so full_tensor() of a split of a Shard(-1) DTensor had a wrong gradient
+        return grad.contiguous(), None, None
 
 
 def gradient_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:

@@ -118,7 +118,10 @@ class MindSporeOps(OpsSection):
         return self._ops.stop_gradient(tensor)
 
     def clone(self, tensor: Any) -> Any:
-        """A one-piece ``mint.cat``: MindSpore 2.10 has no CPU kernel for ``clone``."""
+        """A one-piece ``mint.cat``: MindSpore 2.10 has no CPU kernel for ``clone`` (a
+        0-dim tensor goes through one dim: Concat refuses it)."""
+        if tensor.ndim == 0:
+            return self._mint.cat([tensor.reshape((1,))]).reshape(())
         return self._mint.cat([tensor])
 
     def softmax(self, x: Any, dim: int, *, log: bool = False) -> Any:

@@ -140,8 +140,9 @@ def _translate(name: str, overload: str, args: tuple[Any, ...], kwargs: dict[str
         shape = tuple(x.shape)
         return "view", {"shape": shape[:dim] + (1,) + shape[dim:]}
     if name == "squeeze":
-        dims = range(x.dim()) if len(args) < 2 else _dims(args[1])
-        drop = {d % max(x.dim(), 1) for d in dims if x.shape[d] == 1}
+        # squeeze.dims with an empty list squeezes nothing; a 0-dim tensor has no dim to drop
+        dims = range(x.dim()) if len(args) < 2 else (_dims(args[1]) or ()) if x.dim() else ()
+        drop = {d % x.dim() for d in dims if x.shape[d] == 1}
         return "view", {"shape": tuple(s for d, s in enumerate(x.shape) if d not in drop)}
     if name == "expand":
         size = [int(s) for s in args[1]]
@@ -585,6 +586,19 @@ _get_local = operator.attrgetter("_local")
 _PLAN_CACHE_SIZE = 4096
 
 
+def _written(func: Any, args: tuple[Any, ...], is_dtensor: Callable[[Any], bool]) -> int | None:
+    """The index among the DTensor arguments of the first one the op's schema says it
+    writes (``rrelu_with_noise``'s ``noise``), or None: it is planned as an in-place op's
+    input (kept in its placements; refused, naming the op, where that is impossible)."""
+    position = 0
+    for value, argument in zip(args, func._schema.arguments):
+        if is_dtensor(value):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                return position
+            position += 1
+    return None
+
+
 def _run_skipped(cls: type, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Under ``SkipDTensorDispatch``: the op on the local tensors; an in-place op returns
     the DTensor it wrote."""
@@ -633,8 +647,11 @@ def _run_op(cls: type, entry: Any, func: Any, args: tuple[Any, ...], kwargs: dic
         return routed
     rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs, is_dtensor)
     dtensors, call = _local_call(func, args, kwargs, is_dtensor)
-    if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand") and not kwargs:
-        # the size argument is global; the local call takes this rank's
+    if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand", "squeeze", "unsqueeze") and not kwargs:
+        # the size argument is global; the local call takes this rank's (a squeeze as a
+        # view too: a piece's own size-1 dims, 1 row of an uneven shard, are not the tensor's)
+        if name in ("squeeze", "unsqueeze"):
+            func = aten.view.default
         local_fn = _view(func) if rule == "view" else (lambda x, local_shape: func(x, list(local_shape)))
         frozen = entry.freeze_params(params)
         out = entry.dispatch_op(rule, dtensors, local_fn, frozen, with_local_shape=True)
@@ -654,7 +671,7 @@ def _run_op(cls: type, entry: Any, func: Any, args: tuple[Any, ...], kwargs: dic
     if rule == "embedding":
         # aten.embedding(weight, indices); the rule takes (indices, weight)
         return entry.dispatch_op(rule, dtensors[::-1], lambda ids, w: call(w, ids), params)
-    written = 0 if inplace and is_dtensor(args[0]) else None
+    written = 0 if inplace and is_dtensor(args[0]) else _written(func, args, is_dtensor)
     frozen = entry.freeze_params(params)
     out = entry.dispatch_op(rule, dtensors, call, frozen, inplace=written)
     _remember(entry, plans, key, rule, frozen, written, args, is_dtensor)
