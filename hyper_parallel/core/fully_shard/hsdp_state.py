@@ -30,8 +30,9 @@ stream. The orderings that matter, and how each is kept:
    MindSpore's ``value_and_grad``) the sharded gradient. So the sharded parameter
    reaches ``GatherParam`` through ``WaitReduce``, an identity whose backward waits for
    the reduce-scatter and returns the gradient: ``GatherParam.backward`` issues the
-   reduce-scatter and returns a placeholder, ``WaitReduce.backward`` returns the real
-   gradient. Autograd runs a ready node created later before one created earlier
+   reduce-scatter (the unit's flat one once its last gradient is written: [Note: flat
+   reduce-scatter] in ``param_group``) and returns a placeholder, ``WaitReduce.backward``
+   returns the real gradient. Autograd runs a ready node created later before one created earlier
    (torch's engine orders ready nodes by creation), so ``WaitReduce`` nodes of unit
    ``U`` are created in the forward pre-hook of the unit that ran just before ``U``
    in the last step: ``U``'s reduce-scatter is then waited for only after that

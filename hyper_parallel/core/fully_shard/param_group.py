@@ -85,6 +85,7 @@ class _FlatReduce:
         self.arrived: set[int] = set()  # indexes (into the group) of the gradients written
         self.work: Any = None  # the reduce-scatter's Work once issued
         self.result: Any = None  # [1, total]: reduced, all-reduced over replicas, divided
+        self.collected: int = 0  # members that took their gradient; at len(arrived) the round is dropped
 
 
 class ParamGroup:
@@ -251,5 +252,10 @@ class ParamGroup:
             i = self.params.index(hp)
             off, n = self.offsets[i], self.numels[i]
             g = flat.result[:, off:off + n].reshape(self._front_shape(hp, hp.chunk))
+            flat.collected += 1
+            if flat.collected == len(flat.arrived):  # the gradients hold what they view, no more
+                flat.result = None
+                if self.reduce is flat:
+                    self.reduce = None
             g = p.narrow(g, 0, 0, hp.local_length())  # the padding rows' sums are dropped
             return self._front(p, g, hp.dim)
