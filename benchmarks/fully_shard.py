@@ -87,7 +87,16 @@ def bench_rank(impl: str, blocks: int, dim: int, batch: int, seq: int, iters: in
         elapsed = time.perf_counter() - start
         if step >= warmup:
             seconds.append(elapsed)
-    return {"seconds": seconds, "peak_bytes": p.memory_stats().peak - base,
+    # One more step under torch's CommDebugMode: the collectives each implementation issues
+    # per step (the same counter for both: the c10d ops reaching the dispatcher).
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        model(x).pow(2).mean().backward()
+    opt.zero_grad()
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items() if n}
+    return {"seconds": seconds, "peak_bytes": p.memory_stats().peak - base, "collectives": counts,
+            "units": blocks + 1, "param_tensors": len(list(model.parameters())),
             # this rank's values: both implementations' parameters are DTensors of the global shape
             "params": sum(int(t.to_local().numel() if hasattr(t, "to_local") else t.numel())
                           for t in model.parameters())}
@@ -103,7 +112,8 @@ def run(impl: str, world: int, args: argparse.Namespace) -> dict:
     slowest = [max(rank["seconds"][i] for rank in per_rank) for i in range(args.iters)]
     return {"impl": impl, "world_size": world, "step_ms": statistics.median(slowest) * 1e3,
             "peak_mib": max(rank["peak_bytes"] for rank in per_rank) / 2**20,
-            "local_params": per_rank[0]["params"]}
+            "local_params": per_rank[0]["params"], "collectives": per_rank[0]["collectives"],
+            "units": per_rank[0]["units"], "param_tensors": per_rank[0]["param_tensors"]}
 
 
 def comparison(rows: list[dict]) -> list[dict]:
@@ -124,14 +134,25 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
              "Step: median over iterations of the slowest rank. Peak: the largest rank's peak RSS minus its RSS "
              "before the model was built. ratio = hyper_parallel / torch (below 1: faster / smaller).", "",
              "| world | hyper_parallel step ms | torch step ms | ratio | hyper_parallel peak MiB | torch peak MiB "
-             "| ratio | params on rank 0 |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ratio | params on rank 0 | hyper_parallel collectives / step | torch collectives / step |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for world in args.worlds:
         ours, theirs = by[("hyper_parallel", world)], by[("torch", world)]
         lines.append(f"| {world} | {ours['step_ms']:.1f} | {theirs['step_ms']:.1f} | "
                      f"{ours['step_ms'] / theirs['step_ms']:.2f} | {ours['peak_mib']:.1f} | {theirs['peak_mib']:.1f} | "
-                     f"{ours['peak_mib'] / max(theirs['peak_mib'], 1e-9):.2f} | {ours['local_params']} |")
+                     f"{ours['peak_mib'] / max(theirs['peak_mib'], 1e-9):.2f} | {ours['local_params']} | "
+                     f"{_counts(ours)} | {_counts(theirs)} |")
+    first = rows[0]
+    lines += ["", f"Collectives per step (forward + backward, counted by torch's `CommDebugMode`): "
+              f"{first['units']} units ({args.blocks} blocks and the root), {first['param_tensors']} parameter "
+              "tensors; `reshard_after_forward=True`: each unit is all-gathered in the forward and again for its "
+              "backward, except that FSDP2 keeps its root gathered after the root's forward (one all-gather "
+              "fewer); one reduce-scatter per unit."]
     return "\n".join(lines) + "\n"
+
+
+def _counts(row: dict) -> str:
+    return ", ".join(f"{name} {n}" for name, n in sorted(row["collectives"].items())) or "none"
 
 
 def main() -> int:

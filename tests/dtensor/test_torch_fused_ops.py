@@ -21,6 +21,7 @@ import pytest
 
 from hyper_parallel import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from hyper_parallel.platform import get_platform
+from tests.collective_counts import count_collectives
 
 pytestmark = pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
                                 reason="torch's aten-level kernels (MindSpore intercepts above autograd)")
@@ -33,33 +34,10 @@ def _mesh(mesh_shape: tuple[int, ...]):
     return init_device_mesh(get_platform().device_type, mesh_shape, mesh_dim_names=names)
 
 
-_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
-                "batch_isend_irecv")
-
-
 def _collectives(fn):
-    """``fn()``'s result and the number of the platform's collectives it issued (counted
-    on this process's platform object, restored after; torch's ``CommDebugMode`` cannot
-    see collectives issued inside a ``__torch_dispatch__``)."""
-    p = get_platform()
-    calls = []
-
-    def counting(name):
-        method = getattr(p, name)
-
-        def call(*args, **kwargs):
-            calls.append(name)
-            return method(*args, **kwargs)
-        return call
-
-    for name in _COLLECTIVES:
-        setattr(p, name, counting(name))
-    try:
-        out = fn()
-    finally:
-        for name in _COLLECTIVES:
-            delattr(p, name)
-    return out, len(calls)
+    """``fn()``'s result and the number of the platform's collectives it issued."""
+    out, calls = count_collectives(fn)
+    return out, sum(calls.values())
 
 
 def _sharded_leaf(full, mesh, placements):

@@ -1,4 +1,6 @@
-"""A pool of reusable output buffers for the all-gathers of gathered weights.
+"""A pool of reusable buffers for the all-gathers of gathered weights (and for the
+units' flat all-gather and reduce-scatter buffers: [Note: flat all-gather copy-in] in
+``param_group``, where a buffer goes back right after the collective's copy-out).
 
 Used by ``weight_parallel(..., buffer_pool=True)`` (the ISP idea of InternEvo, arXiv
 2401.09149: the gathered weights of a few blocks live at any time, so a handful of

@@ -16,6 +16,12 @@ placement first (the tp chunk, then the dp chunk inside it), the tensor-parallel
 shape. Under ``CPUOffloadPolicy`` the chunk and its gradient live in host memory; each
 all-gather starts from a device copy.
 
+The collectives here are one parameter's own. A unit's sharded parameters normally
+share its ``ParamGroup`` (``param_group``: one flat all-gather and one flat
+reduce-scatter for the whole unit), and their ``start_gather`` ... ``finish_reduce``
+hand over to it; a replicated parameter and one gathered into a ``GatherBufferPool``
+keep the per-parameter collectives below.
+
 [Note: no empty chunks on MindSpore]
 Where a backend's parameters cannot have a zero-size local tensor (its DTensor class says
 ``empty_parameters = False``: MindSpore, whose optimizers create their state with
@@ -128,6 +134,10 @@ class HSDPParam:
         # The tp group of a SequenceParallel module's parameter (set by fully_shard): its
         # full gradient is a partial sum over the sequence shards, all-reduced there first.
         self.sequence_parallel_group: Any = None
+        # The unit's ParamGroup whose flat collectives serve this parameter (set by the
+        # unit at its first gather), or None: its own per-parameter collectives (a
+        # replicated or pooled parameter; see ``param_group``).
+        self.group: Any = None
 
     # -- views ---------------------------------------------------------------------------
     def presented(self, full: Any, owner: Any) -> Any:
@@ -196,7 +206,11 @@ class HSDPParam:
         the all-gather ``stream``, cast to ``dtype`` first so the collective moves the
         compute dtype (into a pooled buffer when ``pool`` is set). After a forward with
         ``reshard_after_forward=k`` the kept blocks are all-gathered over the
-        ``shard_size / k`` ranks of the same block position instead."""
+        ``shard_size / k`` ranks of the same block position instead. A member of a
+        ``ParamGroup`` issues the group's one flat all-gather instead."""
+        if self.group is not None:
+            self.group.start_gather(dtype, stream)
+            return
         p = get_platform()
         with p.no_grad():
             if self.replicated:
@@ -229,7 +243,11 @@ class HSDPParam:
 
     def finish_gather(self) -> Any:
         """Wait for the all-gather (on accelerators: the current stream waits for the
-        collective); drop the padding; set and return ``self.unsharded``."""
+        collective); drop the padding; set and return ``self.unsharded`` (a group's
+        member: the group's wait, which sets every member's)."""
+        if self.group is not None:
+            self.group.finish_gather()
+            return self.unsharded
         p = get_platform()
         with p.no_grad():
             gathered = self.pending.wait()  # [Ns * chunk, ...] with dim moved to the front
@@ -255,7 +273,11 @@ class HSDPParam:
         """Issue the **reduce-scatter** (sum) of the full gradient ``grad`` over the shard
         axis, asynchronously on the reduce-scatter ``stream``; ``finish_reduce`` waits.
         A ``SequenceParallel`` parameter's gradient is first **all-reduced** (sum) over
-        its tp group (each tp rank saw part of the sequence)."""
+        its tp group (each tp rank saw part of the sequence). A member of a
+        ``ParamGroup`` writes its gradient into the group's flat reduce-scatter instead."""
+        if self.group is not None:
+            self.group.start_reduce(self, grad, reduce_dtype, stream)
+            return
         p = get_platform()
         with p.no_grad():
             g = p.to_dtype(grad, reduce_dtype)
@@ -280,8 +302,11 @@ class HSDPParam:
         (sum) over the replicate axis (HSDP), divide by the data-parallel size
         ``shard_size * replicate_size`` when ``reduce_op`` is ``AVG`` (each rank's loss
         is a mean over its own batch; ``SUM`` leaves the sum), cut the padding, cast to
-        the parameter's dtype and home."""
+        the parameter's dtype and home (a group's member: its columns of the group's
+        flat result, see ``param_group``)."""
         p = get_platform()
+        if self.group is not None:
+            return self._home_grad(self.group.finish_reduce(self))
         with p.no_grad():
             g = self.pending_reduce.wait()
             self.pending_reduce = None
@@ -293,6 +318,13 @@ class HSDPParam:
                 g = p.narrow(g, 0, 0, self.local_length())  # the padding rows' sums are dropped
                 if self.dim:
                     g = g.transpose(0, self.dim)
+        return self._home_grad(g)
+
+    def _home_grad(self, g: Any) -> Any:
+        """The reduced chunk ``g`` as the sharded gradient: the parameter's dtype, home
+        (and added onto ``main_grad`` in float32 under ``apply_grad_on_fp32_main_grad``)."""
+        p = get_platform()
+        with p.no_grad():
             if self.accumulate_main_grad:
                 self._add_main_grad(self.to_home(p.to_dtype(g.contiguous(), p.dtype("float32"))))
             return self.to_home(p.to_dtype(g.contiguous(), self.sharded.dtype))

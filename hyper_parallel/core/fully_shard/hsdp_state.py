@@ -30,8 +30,9 @@ stream. The orderings that matter, and how each is kept:
    MindSpore's ``value_and_grad``) the sharded gradient. So the sharded parameter
    reaches ``GatherParam`` through ``WaitReduce``, an identity whose backward waits for
    the reduce-scatter and returns the gradient: ``GatherParam.backward`` issues the
-   reduce-scatter and returns a placeholder, ``WaitReduce.backward`` returns the real
-   gradient. Autograd runs a ready node created later before one created earlier
+   reduce-scatter (the unit's flat one once its last gradient is written: [Note: flat
+   reduce-scatter] in ``param_group``) and returns a placeholder, ``WaitReduce.backward``
+   returns the real gradient. Autograd runs a ready node created later before one created earlier
    (torch's engine orders ready nodes by creation), so ``WaitReduce`` nodes of unit
    ``U`` are created in the forward pre-hook of the unit that ran just before ``U``
    in the last step: ``U``'s reduce-scatter is then waited for only after that
@@ -103,7 +104,9 @@ from typing import Any
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
 from hyper_parallel.core.dtensor.device_mesh import _axis_lines
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.fully_shard.buffer_pool import GatherBufferPool
 from hyper_parallel.core.fully_shard.hsdp_param import GatherParam, HSDPParam, WaitReduce
+from hyper_parallel.core.fully_shard.param_group import ParamGroup
 from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.core.module_attrs import FULLY_SHARDED_ATTR
 from hyper_parallel.platform import get_platform
@@ -133,6 +136,10 @@ class HSDPContext:
         self.pre_forward_order: list[HSDPState] = []  # this step's, so far
         self.last_pre_forward_order: list[HSDPState] = []  # the last step's
         self._streams: tuple[Any, Any] | None = None
+        # The units' flat all-gather and reduce-scatter buffers (see [Note: flat
+        # all-gather copy-in] in ``param_group``): one pool for the tree, so units of
+        # one size share them across units and steps.
+        self.flat_buffers: GatherBufferPool = GatherBufferPool()
 
     def streams(self) -> tuple[Any, Any]:
         """``(all_gather_stream, reduce_scatter_stream)``, made at first use (the units
@@ -184,6 +191,7 @@ class HSDPState:
         # (id(owner), attribute) -> the tensor _pre_recompute put there, until it is removed
         self._recomputed: dict[tuple[int, str], Any] = {}
         self._grads_pending: int = 0
+        self.groups: list[ParamGroup] | None = None  # made at the first gather: see _group
         self._param_dtype: Any = None if mp_policy.param_dtype is None else p.dtype(mp_policy.param_dtype)
         reduce = mp_policy.reduce_dtype or mp_policy.param_dtype
         self._reduce_dtype: Any = None if reduce is None else p.dtype(reduce)
@@ -216,8 +224,23 @@ class HSDPState:
             self.reshard()
         self._unshard(async_op)
 
+    def _group(self) -> None:
+        """Put the unit's sharded parameters into ``ParamGroup``s (one per dtype), whose
+        one flat all-gather and one flat reduce-scatter serve them all. Made at the
+        first gather, after ``weight_parallel`` set its pools: a replicated parameter and
+        a pooled one keep their own collectives (see ``param_group``)."""
+        if self.groups is not None:
+            return
+        by_dtype: dict[str, list[HSDPParam]] = {}
+        p = get_platform()
+        for hp in self.params:
+            if not hp.replicated and hp.pool is None:
+                by_dtype.setdefault(p.dtype_name(hp.sharded.dtype), []).append(hp)
+        self.groups = [ParamGroup(members, self) for members in by_dtype.values()]
+
     def _unshard(self, async_op: bool) -> None:
         """``unshard`` from the hooks: marks the unit, whose copy the root's next forward drops."""
+        self._group()
         self._hook_copy = True
         for hp in self.params:
             if hp.pending_reduce is not None:
@@ -449,6 +472,7 @@ class HSDPState:
         return self._gathered(self.params[index])
 
     def _gathered(self, hp: HSDPParam) -> Any:
+        self._group()
         if hp.unsharded is None:
             self._hook_copy = True
             if hp.pending is None:
@@ -463,6 +487,7 @@ class HSDPState:
         returns the sharded gradient); without, the full gradient is accumulated and the
         sharded gradient is zero."""
         p = get_platform()
+        self._group()
         reduce_dtype = self._reduce_dtype or hp.sharded.dtype
         if not self.requires_gradient_sync:
             with p.no_grad():
