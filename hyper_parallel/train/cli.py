@@ -1,5 +1,6 @@
 """``hyper-parallel train``: the command line of the main job (and ``hyper-parallel export``,
-a checkpoint as a Hugging Face model folder: ``train/export.py``).
+a checkpoint as a Hugging Face model folder: ``train/export.py``; ``generate`` and ``eval``, a
+checkpoint's text and loss on one rank: ``train/generate.py``, ``train/evaluate.py``).
 
 Outside a launcher it validates the configuration (every error before any rank starts),
 starts the ranks through the framework's launcher (``launch.py``) and, with
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import sys
+from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
@@ -103,9 +105,10 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line: "
-                                     "train a model across ranks, export a checkpoint")
+                                     "train a model across ranks, export a checkpoint, generate text "
+                                     "from it or evaluate it")
     parser.add_argument("--version", action="version", version=f"hyper-parallel {_version()}")
-    commands = parser.add_subparsers(dest="command", metavar="{train,export}")
+    commands = parser.add_subparsers(dest="command", metavar="{train,export,generate,eval}")
     t = commands.add_parser("train", help="train a Llama-style byte-level language model across N ranks",
                             description=TRAIN_DESCRIPTION, formatter_class=_HelpFormatter)
     t.add_argument("--list-presets", action=_ListPresets)
@@ -198,7 +201,69 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="the folder to write (created; must be new or empty)")
     e.add_argument("--force", action="store_true",
                    help="write into a folder that is not empty, replacing the exported files there")
+    _add_generate_and_eval(commands)
     return parser
+
+
+def _add_generate_and_eval(commands: Any) -> None:
+    """The parsers of ``generate`` (``train/generate.py``) and ``eval`` (``train/evaluate.py``)."""
+    from hyper_parallel.train.evaluate import BATCHES, SPLITS
+    from hyper_parallel.train.generate import MAX_NEW_TOKENS
+
+    where = ("a checkpoint folder (step_XXXXXXXX) or the folder holding them (<out>/checkpoints: the newest "
+             "complete one), written by any layout on either framework")
+    platform = "torch or mindspore, or a backend name (default: as train's --platform)"
+    g = commands.add_parser("generate", help="continue a prompt with a checkpoint's model (one process)",
+                            description=GENERATE_DESCRIPTION, formatter_class=_HelpFormatter)
+    g.add_argument("checkpoint", help=where)
+    g.add_argument("--prompt", required=True, help="the text to continue (its UTF-8 bytes are the tokens)")
+    g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                   help="bytes to generate (fewer where the model's max_seq_len ends)")
+    g.add_argument("--sample", action="store_true",
+                   help="draw each byte from the model's distribution instead of taking the most likely (greedy, "
+                        "the default); implied by --temperature, --top-k and --top-p")
+    g.add_argument("--temperature", type=float, default=None, help="divide the logits by T > 0 (default 1)")
+    g.add_argument("--top-k", type=int, default=None, help="draw from the K >= 1 most likely bytes (default: all)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="draw from the fewest most likely bytes whose probability sums to P, 0 < P <= 1 (default 1)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the draws (numpy; the same bytes on both frameworks)")
+    g.add_argument("--no-cache", dest="cache", action="store_false",
+                   help="recompute the whole sequence for each byte instead of caching keys and values (the "
+                        "default)")
+    g.add_argument("--platform", default=None, help=platform)
+    v = commands.add_parser("eval", help="a checkpoint's loss and bits per byte on held-out text (one process)",
+                            description=EVAL_DESCRIPTION, formatter_class=_HelpFormatter)
+    v.add_argument("checkpoint", help=where)
+    v.add_argument("--data", nargs="+", default=[], metavar="PATH",
+                   help="text files or folders, as train's --data (default: the standard library's .py files)")
+    v.add_argument("--split", default="validation",
+                   help=f"{' or '.join(SPLITS)}: the held-out split the job validates on, or all of the text")
+    v.add_argument("--seq-len", type=int, default=None, help="bytes per sequence (default: the checkpoint's run's)")
+    v.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per batch (default: the checkpoint's run's)")
+    v.add_argument("--batches", type=int, default=BATCHES, help="batches averaged (the job validates on 2)")
+    v.add_argument("--seed", type=int, default=None, help="seed of the batches (default: the checkpoint's run's)")
+    v.add_argument("--platform", default=None, help=platform)
+
+
+GENERATE_DESCRIPTION = """\
+Continue a prompt with the model of a checkpoint of `hyper-parallel train`, in one process (no
+ranks), on either framework, whatever layout wrote it; greedy unless sampling is asked for:
+
+    hyper-parallel generate runs/latest/checkpoints --prompt "def main():"
+    hyper-parallel generate runs/latest/checkpoints --prompt "import " --top-k 20 --top-p 0.9 --seed 1
+
+The checkpoint used goes to stderr, the prompt and its continuation to stdout.
+"""
+
+EVAL_DESCRIPTION = """\
+A checkpoint's mean next-byte loss (nats) and bits per byte, in one process, on the validation
+batches the job draws (with the checkpoint's run's seed, batch size and sequence length unless
+given): with the run's --data, the run's own validation loss.
+
+    hyper-parallel eval runs/latest/checkpoints
+    hyper-parallel eval runs/latest/checkpoints --data notes.txt --split all
+"""
 
 
 EXPORT_DESCRIPTION = """\
@@ -328,6 +393,20 @@ def run_export(args: argparse.Namespace) -> None:
           "byte-level tokenizer)")
 
 
+def _run_one_process_command(args: argparse.Namespace) -> None:
+    """``export``, ``generate`` or ``eval`` (``ValueError`` for anything the user gave wrong)."""
+    if args.command == "export":
+        run_export(args)
+    elif args.command == "generate":
+        from hyper_parallel.train.generate import run_generate
+
+        run_generate(args)
+    else:
+        from hyper_parallel.train.evaluate import run_eval
+
+        run_eval(args)
+
+
 def _default_folder(args: argparse.Namespace) -> bool:
     """Whether the run folder is a new one under ``runs/`` chosen here (no --out, no --run-name)."""
     return args.out is None and args.run_name is None and not args.resume
@@ -373,11 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:  # bare `hyper-parallel`: what it can do
         parser.print_help()
         return 0
-    if args.command == "export":
+    if args.command in ("export", "generate", "eval"):
         try:
-            run_export(args)
+            _run_one_process_command(args)
         except ValueError as err:
-            parser.exit(2, f"hyper-parallel export: error: {err}\n")
+            parser.exit(2, f"hyper-parallel {args.command}: error: {err}\n")
         return 0
     try:
         cfg = config_from_args(args)

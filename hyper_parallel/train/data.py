@@ -22,6 +22,10 @@ import numpy as np
 #: One validation file in this many (by sorted path) when the corpus has enough files.
 VALIDATION_EVERY = 20
 
+#: The validation batches are drawn with this stream id (the train batches with 0), see
+#: ``global_batch``: the job's validation loss and ``hyper-parallel eval`` draw the same.
+VALIDATION_STREAM = 1
+
 
 def default_corpus_root() -> Path:
     """The standard library folder of this interpreter (``sysconfig``'s ``stdlib`` path)."""

@@ -224,29 +224,40 @@ def whole_parameters(path: Path, manifest: dict[str, Any]) -> dict[str, np.ndarr
     return {key.split("/", 1)[1]: value for key, value in arrays.items()}
 
 
-def hf_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config.json, {HF name: whole tensor})`` of the checkpoint: the job's decoder as
-    ``LlamaForCausalLM``, or an ``--hf-config`` run's model under its own names and
-    configuration.
+def decoder_sizes(path: Path, manifest: dict[str, Any]) -> ModelConfig:
+    """The sizes of the job's decoder a checkpoint's manifest records (no tensor read).
 
     Raises:
-        ValueError: the model record is not one this version builds, or the checkpoint's
-            parameters are not the model's (a missing or extra name, another shape).
+        ValueError: the checkpoint holds an ``--hf-config`` run's model, or its model record
+            is not one this version builds.
     """
     record = dict(manifest.get("model") or {})
-    params = whole_parameters(path, manifest)
     if "hf_config" in record:
-        return record["hf_config"], params
+        raise ValueError(f"checkpoint {str(path)!r} holds a Hugging Face model (an --hf-config run), not the job's "
+                         "decoder; export it (hyper-parallel export --format hf) and load it with transformers")
+    try:
+        return ModelConfig(**record)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint {str(path)!r} records a model this version cannot build ({err}); "
+                         "use the version that wrote it") from err
+
+
+def decoder_state(path: Path, manifest: dict[str, Any]) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """``(sizes, {name: whole tensor})`` of the job's decoder a checkpoint holds, under the
+    job's names (``model.parameter_shapes``), whatever layout wrote it (``whole_parameters``).
+    What ``hf_state``, ``hyper-parallel generate`` and ``hyper-parallel eval`` read.
+
+    Raises:
+        ValueError: see ``decoder_sizes``; or the checkpoint's parameters are not the
+            model's (a missing or extra name, another shape).
+    """
+    cfg = decoder_sizes(path, manifest)
+    params = whole_parameters(path, manifest)
     if any(name.startswith(("model.", "lm_head.")) for name in params):
         raise ValueError(f"checkpoint {str(path)!r} holds a Hugging Face model's parameters (an --hf-config run) but "
                          "its manifest does not record the HF configuration it was trained from (written before "
                          "checkpoints recorded it, which they do since hyper-parallel export); export a checkpoint "
                          "of a run of this version")
-    try:
-        cfg = ModelConfig(**record)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"checkpoint {str(path)!r} records a model this version cannot build ({err}); "
-                         "export it with the version that wrote it") from err
     from hyper_parallel.train.model import parameter_shapes
 
     expected = parameter_shapes(cfg)
@@ -258,7 +269,22 @@ def hf_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ValueError(f"checkpoint {str(path)!r} does not hold the decoder its manifest records: "
                          f"{'; '.join(problems[:3])}{more}")
-    return llama_config(cfg), {hf_name(name): params[name] for name in expected}
+    return cfg, {name: params[name] for name in expected}
+
+
+def hf_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config.json, {HF name: whole tensor})`` of the checkpoint: the job's decoder as
+    ``LlamaForCausalLM``, or an ``--hf-config`` run's model under its own names and
+    configuration.
+
+    Raises:
+        ValueError: see ``decoder_state``.
+    """
+    record = manifest.get("model") or {}
+    if "hf_config" in record:
+        return record["hf_config"], whole_parameters(path, manifest)
+    cfg, params = decoder_state(path, manifest)
+    return llama_config(cfg), {hf_name(name): value for name, value in params.items()}
 
 
 def check_out(out: Path, force: bool) -> None:

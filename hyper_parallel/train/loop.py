@@ -32,7 +32,7 @@ from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train import checkpoint
 from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
 from hyper_parallel.train.config import Layout, TrainConfig
-from hyper_parallel.train.data import Corpus, rank_batch
+from hyper_parallel.train.data import VALIDATION_STREAM, Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, MetricsWriter, Progress, plot_losses
 from hyper_parallel.train.model import build_model
 from hyper_parallel.train.optim import AdamW, local_tensor, lr_at, set_parameter_values
@@ -44,8 +44,6 @@ from hyper_parallel.train.pipeline import train_step as pipeline_train_step
 from hyper_parallel.train.preflight import no_checkpoint_message
 from hyper_parallel.train.records import data_record, layout_record, model_record
 
-#: validation batches are drawn with this stream id (train: 0), see data.global_batch
-VALIDATION_STREAM = 1
 
 
 @dataclass

@@ -24,7 +24,9 @@ The forward takes ``tokens`` ``[batch, seq]`` int, ``positions`` ``[batch, seq]`
 position of each token in its document, which indexes the rotary tables) and ``targets``
 ``[batch, seq]`` int, and returns the mean next-byte cross-entropy, a float32 scalar in nats;
 ``logits(tokens, positions)`` returns the logits ``[batch, seq, vocab]`` (the forward's, before
-the loss: what ``hyper-parallel export`` checks against Hugging Face's Llama).
+the loss: what ``hyper-parallel export`` checks against Hugging Face's Llama);
+``logits(tokens, positions, cache)`` decodes incrementally (``KVCache``: ``hyper-parallel
+generate``).
 Attention runs through ``scaled_dot_product_attention``: the platform's fused kernels, forward and backward.
 Modules reshape by ``-1`` heads so tensor parallelism (which leaves ``heads / tp`` heads on
 each rank) needs no change here.
@@ -116,6 +118,59 @@ def _rope(module: Any, positions: Any) -> tuple[Any, Any]:
     return module.rope_cos[positions].reshape(b, s, 1, -1), module.rope_sin[positions].reshape(b, s, 1, -1)
 
 
+class LayerCache:
+    """One decoder block's keys and values of the tokens fed so far, each ``[batch, length,
+    kv_heads, head_dim]`` (keys after RoPE, at the positions they were fed with), or ``None``
+    before the first token."""
+
+    def __init__(self) -> None:
+        self.keys: Any = None
+        self.values: Any = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[1])
+
+    def extend(self, p: Platform, k: Any, v: Any) -> tuple[Any, Any, bool]:
+        """Append the new tokens' ``k``/``v`` ``[batch, new, kv_heads, head_dim]``; returns
+        every cached key and value and whether the new queries attend causally (see
+        [Note: incremental decoding]).
+
+        Raises:
+            ValueError: several new tokens after cached ones.
+        """
+        if self.keys is None:
+            self.keys, self.values = k, v
+            return k, v, True
+        if int(k.shape[1]) != 1:
+            raise ValueError(f"KVCache: {int(k.shape[1])} new tokens after {self.length} cached ones; feed the "
+                             "prompt into an empty cache, then one token at a time")
+        self.keys, self.values = p.cat([self.keys, k], dim=1), p.cat([self.values, v], dim=1)
+        return self.keys, self.values, False
+
+
+class KVCache:
+    """[Note: incremental decoding]
+    ``Decoder.logits(tokens, positions, cache)`` runs only the new tokens through the
+    decoder: each block's attention rotates the new queries and keys at their own
+    ``positions`` (the same rotary tables as the full forward), appends the keys and values
+    to its ``LayerCache`` and attends over all of them. The first call feeds the prompt into
+    the empty cache (queries and keys are the same tokens: causal, as the full forward);
+    each later call feeds one token, whose query sees every cached key (the past only: no
+    mask). So the logits of the last token equal the full forward's of the whole sequence
+    up to float rounding (``tests/train/test_generate.py`` checks greedy generation token
+    for token). Without a cache the forward is the training forward, unchanged. The cache
+    holds no parameters and is not part of the model's state."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.layers = [LayerCache() for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        """Tokens fed so far (the position of the next one, when the first was at 0)."""
+        return self.layers[0].length
+
+
 def _head(h: Any, module: Any, tied: bool) -> Any:
     """``[batch, seq, vocab]`` logits of the normed residual stream ``h`` ``[batch, seq, dim]``:
     ``h @ W^T`` with ``W`` the output head (or the embedding, ``tied``)."""
@@ -170,12 +225,16 @@ class _Classes:
                 # the core attention is its own (parameter-free) module so that ContextParallel can hook it
                 self.core = CoreAttention()
 
-            def forward(self, x: Any, cos: Any, sin: Any) -> Any:
+            def forward(self, x: Any, cos: Any, sin: Any, cache: LayerCache | None = None) -> Any:
                 b, s, hd = x.shape[0], x.shape[1], self.head_dim
                 q = _apply_rope(p, self.wq(x).reshape(b, s, -1, hd), cos, sin)
                 k = _apply_rope(p, self.wk(x).reshape(b, s, -1, hd), cos, sin)
                 v = self.wv(x).reshape(b, s, -1, hd)
-                return self.wo(self.core(q, k, v).reshape(b, s, -1))
+                if cache is None:
+                    return self.wo(self.core(q, k, v).reshape(b, s, -1))
+                # [Note: incremental decoding]; one rank: no ContextParallel hooks to bypass
+                k, v, causal = cache.extend(p, k, v)
+                return self.wo(scaled_dot_product_attention(q, k, v, is_causal=causal).reshape(b, s, -1))
 
         class FeedForward(Module):
             def __init__(self, cfg: ModelConfig) -> None:
@@ -198,8 +257,10 @@ class _Classes:
                 self.ffn_norm = RMSNorm(cfg)
                 self.feed_forward = FeedForward(cfg)
 
-            def forward(self, x: Any, cos: Any, sin: Any) -> Any:
-                h = x + self.attention(self.attention_norm(x), cos, sin)
+            def forward(self, x: Any, cos: Any, sin: Any, cache: LayerCache | None = None) -> Any:
+                attended = self.attention(self.attention_norm(x), cos, sin) if cache is None else \
+                    self.attention(self.attention_norm(x), cos, sin, cache)
+                h = x + attended
                 return h + self.feed_forward(self.ffn_norm(h))
 
         def set_rope_tables(module: Any, cfg: ModelConfig) -> None:
@@ -218,12 +279,14 @@ class _Classes:
                     self.output = Linear(cfg.dim, cfg.vocab_size, bias=False)
                 set_rope_tables(self, cfg)
 
-            def logits(self, tokens: Any, positions: Any) -> Any:
-                """``[batch, seq, vocab]`` float32 next-byte logits of int ``tokens`` at ``positions``."""
+            def logits(self, tokens: Any, positions: Any, cache: KVCache | None = None) -> Any:
+                """``[batch, seq, vocab]`` float32 next-byte logits of int ``tokens`` at ``positions``;
+                with ``cache``, of the new ``tokens`` after the cached ones ([Note: incremental
+                decoding]; one rank, not under ``parallelize``)."""
                 cos, sin = _rope(self, positions)
                 h = self.tok_embeddings(tokens)
-                for layer in self.layers:
-                    h = layer(h, cos, sin)
+                for i, layer in enumerate(self.layers):
+                    h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layers[i])
                 return _head(self.norm(h), self, self.tied)
 
             def forward(self, tokens: Any, positions: Any, targets: Any) -> Any:

@@ -170,7 +170,7 @@ def test_command_line_surface(capsys: pytest.CaptureFixture[str]) -> None:
     from hyper_parallel.train.model import parameter_shapes
 
     assert main([]) == 0
-    assert "{train,export}" in capsys.readouterr().out
+    assert "{train,export,generate,eval}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("hyper-parallel ")
