@@ -158,8 +158,7 @@ class ParamGroup:
                 if length:  # the write casts to ``dtype``; padding columns stay zero
                     inp[:, off:off + length * (n // hp.chunk)] = self._front(p, shard, hp.dim).reshape(1, -1)
             out, free_out = pool.acquire((self.shard_size, self.total), dtype)
-            ready = p.new_event()  # [Note: collectives and overlap] (hsdp_state)
-            p.record_event(ready)
+            ready = p.record_event()  # [Note: collectives and overlap] (hsdp_state)
             with p.stream(stream):
                 p.wait_event(ready)
                 if free_out is not None:
@@ -221,8 +220,7 @@ class ParamGroup:
             for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
                 if i not in flat.arrived:  # no gradient this round: its columns reduce zeros
                     flat.buffer[:, off:off + n] = p.zeros((self.shard_size, n), flat.dtype)
-            ready = p.new_event()  # the gradients were written on the current stream
-            p.record_event(ready)
+            ready = p.record_event()  # the gradients were written on the current stream
             with p.stream(stream):
                 p.wait_event(ready)
                 flat.work = p.reduce_scatter_tensor(flat.buffer, group=self.params[0].shard_group, async_op=True)
