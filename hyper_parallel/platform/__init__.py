@@ -5,7 +5,18 @@ types from ``base``, and backend selection (``get_platform``, ``init``; the rule
 
 from __future__ import annotations
 
-from hyper_parallel.platform.base import BACKENDS, FULL, Activation, AttentionMask, Capability, P2POp, Platform, ReduceOp, Work
+from hyper_parallel.platform.base import (
+    BACKENDS,
+    FULL,
+    Activation,
+    AttentionMask,
+    Capability,
+    P2POp,
+    Platform,
+    ReduceOp,
+    Work,
+    mesh_device_types,
+)
 from hyper_parallel.platform.selection import (
     ENV_VAR,
     backend_problem,
@@ -18,5 +29,5 @@ from hyper_parallel.platform.selection import (
 )
 
 __all__ = ["BACKENDS", "ENV_VAR", "FULL", "Activation", "AttentionMask", "Capability", "P2POp", "Platform", "ReduceOp", "Work",
-           "backend_problem", "framework_of", "get_platform", "init", "installed_frameworks", "requested_platform",
-           "reset_platform"]
+           "backend_problem", "framework_of", "get_platform", "init", "installed_frameworks", "mesh_device_types",
+           "requested_platform", "reset_platform"]

@@ -35,6 +35,7 @@ from hyper_parallel.platform.contract.differentiable import DifferentiableSectio
 from hyper_parallel.platform.contract.groups import GroupsSection
 from hyper_parallel.platform.contract.modules import ModulesSection, ModuleTypes
 from hyper_parallel.platform.contract.ops import TENSOR_METHODS, OpsSection
+from hyper_parallel.platform.contract.optim import Optimizer, OptimSection
 from hyper_parallel.platform.contract.streams import StreamsSection
 from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
 from hyper_parallel.platform.local_attention import LocalAttention
@@ -42,8 +43,8 @@ from hyper_parallel.platform.validation import check_partition, normalize_dim
 
 __all__ = [
     "BACKENDS", "DTYPE_NAMES", "FULL", "TENSOR_METHODS", "Activation", "AttentionMask", "Capability", "CompletedWork", "CustomFunction",
-    "HandleWork", "MemoryStats", "ModuleTypes", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
-    "contract_members", "derived_members",
+    "HandleWork", "MemoryStats", "ModuleTypes", "Optimizer", "P2POp", "Platform", "ReduceOp", "RemovableHandle", "VjpFn", "Work",
+    "contract_members", "derived_members", "mesh_device_types",
 ]
 
 #: backend name (``Platform.name``; the folders of the repository's ``platform/``) ->
@@ -57,6 +58,18 @@ BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
+def mesh_device_types(backend: str) -> tuple[str, ...]:
+    """The ``device_type`` names a ``DeviceMesh`` accepts on ``backend`` (a ``BACKENDS``
+    name, ``Platform.name``): its device type, and on MindSpore also ``"npu"`` (the name
+    MindFormers and the MindSpore ecosystem give Ascend; MindSpore places tensors by its
+    context, not by a mesh's device type, so the mesh takes it as this backend's device).
+    A function of the ``BACKENDS`` table, not a member of the contract."""
+    framework, device_type = BACKENDS[backend]
+    if framework == "mindspore" and device_type != "npu":
+        return (device_type, "npu")
+    return (device_type,)
+
+
 class Platform(
     TypesSection,
     GroupsSection,
@@ -68,6 +81,7 @@ class Platform(
     AttentionSection,
     StreamsSection,
     DeviceSection,
+    OptimSection,
 ):
     """Everything core may ask of a framework/device pair.
 
@@ -89,16 +103,6 @@ class Platform(
         """``"cpu"``, ``"cuda"``, ``"npu"`` or ``"ascend"``: the device half of ``name``
         (see ``BACKENDS``)."""
         return BACKENDS[self.name][1]
-
-    @property
-    def mesh_device_types(self) -> tuple[str, ...]:
-        """The ``device_type`` names a ``DeviceMesh`` accepts here: this backend's, and on
-        MindSpore also ``"npu"`` (the name MindFormers and the MindSpore ecosystem give
-        Ascend; MindSpore places tensors by its context, not by a mesh's device type, so
-        the mesh takes it as this backend's device)."""
-        if self.framework == "mindspore" and self.device_type != "npu":
-            return (self.device_type, "npu")
-        return (self.device_type,)
 
     def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
         """Create one group per part of ``partition`` (disjoint global rank lists that

@@ -20,7 +20,8 @@ import math
 import os
 import signal
 import socket
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hyper_parallel.platform.selection import ENV_VAR as PLATFORM_ENV_VAR
@@ -113,6 +114,9 @@ LAUNCH_BLOCKING_VAR = "MS_DEV_LAUNCH_BLOCKING"
 # ``MS_DEV_LAUNCH_BLOCKING=1`` (operations run in the calling thread) 0.1-4 ms and
 # 15-30 ms. Results are identical; only the overlap of Python with CPU kernels is lost,
 # which N ranks sharing the cores cannot use anyway. A value set by the caller wins.
+# ``launch_plan`` sets the variable; a MindSpore CPU rank started otherwise (msrun) gets it
+# from the backend's ``init_process_group``: 4 ranks of tp 2 x dp-shard 2 on 2 cores took
+# 6.3 s a step with PyNative's async dispatch and 0.64 s without it, the same losses.
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,41 @@ def launch_plan(platform: str, world_size: int, port: int, extra_env: Mapping[st
                                                "LOCAL_RANK": str(rank)})
                for rank in range(world_size)]
     return [*workers, ProcessPlan(Role.SCHEDULER, None, {**cluster, "MS_ROLE": "MS_SCHED"})]
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    """One process a launcher starts from a plain shell: how messages name it
+    (``ProcessPlan.label``, or ``"torchrun"``), its command line and the variables to add
+    to the caller's environment; ``scheduler``: MindSpore's scheduler (no rank, it leaves
+    when the workers have)."""
+
+    label: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    scheduler: bool = False
+
+
+def launch_commands(platform: str, world_size: int, rank_argv: Sequence[str], *,
+                    node_timeout_s: float = MS_NODE_TIMEOUT_S) -> list[LaunchCommand]:
+    """The processes that start a ``world_size``-rank world of ``platform`` on this host,
+    each rank running ``python *rank_argv``, through the framework's own launcher: torch,
+    one ``torchrun`` (``python -m torch.distributed.run --standalone``) that starts the
+    ranks; MindSpore, ``launch_plan``'s workers and scheduler (what ``msrun`` does), on a
+    free port. The caller adds ``common_env(platform)`` to every process's environment
+    (torchrun passes it on to its ranks; ``launch_plan``'s already hold it).
+
+    Raises:
+        ValueError: see ``check_world``.
+    """
+    check_world(platform, world_size)
+    python = sys.executable
+    if framework_of(platform) == "torch":
+        return [LaunchCommand("torchrun", (python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                                           "--nproc-per-node", str(world_size), *rank_argv), {})]
+    return [LaunchCommand(plan.label, (python, *(rank_argv if plan.role is Role.WORKER else SCHEDULER_COMMAND)),
+                          dict(plan.env), scheduler=plan.role is Role.SCHEDULER)
+            for plan in launch_plan(platform, world_size, free_port(HOST), node_timeout_s=node_timeout_s)]
 
 
 def common_env(platform: str) -> dict[str, str]:

@@ -174,3 +174,9 @@ def refuse_dtensor(tensor: Any, member: str) -> None:
     if hasattr(tensor, "_spec") and hasattr(tensor, "to_local"):
         raise TypeError(f"{member}: got a DTensor of global shape {tuple(tensor.shape)}; pass tensor.to_local() "
                         "for this rank's piece or tensor.full_tensor() for the whole tensor (a collective)")
+
+
+def local_piece(tensor: Any) -> Any:
+    """A DTensor's local piece (its ``_local``, the attribute of core's ``DTensor`` a
+    backend's class is built on, ``Platform.dtensor_type``), a plain tensor itself."""
+    return getattr(tensor, "_local", tensor)

@@ -21,11 +21,10 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from hyper_parallel.platform.launch import HOST, SCHEDULER_COMMAND, Role, common_env, free_port, launch_plan
+from hyper_parallel.platform.launch import common_env, launch_commands
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.exits import ERROR_DIR, describe_exit, report
 
@@ -58,22 +57,18 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
-def _commands(cfg: TrainConfig, config_path: Path) -> list[tuple[str, list[str], dict[str, str]]]:
-    """``(label, argv, env)`` per process to start."""
+def _commands(cfg: TrainConfig, config_path: Path) -> list[tuple[str, list[str], dict[str, str], bool]]:
+    """``(label, argv, env, is_scheduler)`` per process to start (``launch_commands``)."""
     env = _base_env(cfg)
     rank_cmd = ["-m", "hyper_parallel.train.rank", str(config_path)]
-    if cfg.platform.startswith("torch"):
-        return [("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                              "--nproc-per-node", str(cfg.nproc), *rank_cmd], env)]
-    # MindSpore's heartbeat bound also caps how long a CPU receive waits for its message,
+    # node_timeout_s: MindSpore's heartbeat bound also caps how long a CPU receive waits for its message,
     # and a pipeline stage waits for its neighbour's whole forward or backward: with a
     # bound of a minute, a loaded 2-core host failed a pp 2 x dp-replicate 2 run in CI. A
     # failed rank is not found by this bound but by launch() (its process exits and the
     # group is killed: seconds, test_launch_failures), so it only has to outlast the run's
     # own --timeout.
-    plans = launch_plan(cfg.platform, cfg.nproc, free_port(HOST), node_timeout_s=cfg.timeout_s)
-    return [(plan.label, [sys.executable, *(rank_cmd if plan.role is Role.WORKER else SCHEDULER_COMMAND)],
-             {**env, **plan.env}) for plan in plans]
+    return [(command.label, list(command.argv), {**env, **command.env}, command.scheduler)
+            for command in launch_commands(cfg.platform, cfg.nproc, rank_cmd, node_timeout_s=cfg.timeout_s)]
 
 
 def launch(cfg: TrainConfig) -> None:
@@ -88,8 +83,8 @@ def launch(cfg: TrainConfig) -> None:
     config_path = cfg.run_dir / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=1))
     specs = _commands(cfg, config_path)
-    procs = [(label, _spawn(cmd, env)) for label, cmd, env in specs]
-    workers = [(label, proc) for label, proc in procs if label != "the scheduler"]
+    procs = [(label, _spawn(cmd, env), scheduler) for label, cmd, env, scheduler in specs]
+    workers = [(label, proc) for label, proc, scheduler in procs if not scheduler]
     deadline = time.monotonic() + cfg.timeout_s
     try:
         while True:
@@ -112,9 +107,8 @@ def launch(cfg: TrainConfig) -> None:
     except KeyboardInterrupt:
         raise LaunchError("interrupted; killed every process of the run") from None
     finally:
-        scheduler = [proc for label, proc in procs if label == "the scheduler"]
-        for proc in scheduler:  # it returns once every worker has left; give it a moment
+        for proc in [proc for _, proc, scheduler in procs if scheduler]:  # it returns once every worker has left; give it a moment
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=SCHEDULER_GRACE_S if all(p.poll() == 0 for _, p in workers) else 0.1)
-        for _, proc in procs:
+        for _, proc, _ in procs:
             _kill(proc)

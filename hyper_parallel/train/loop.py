@@ -35,7 +35,7 @@ from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import VALIDATION_STREAM, Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, MetricsWriter, Progress, plot_losses
 from hyper_parallel.train.model import build_model
-from hyper_parallel.train.optim import AdamW, local_tensor, lr_at, set_parameter_values
+from hyper_parallel.train.optim import AdamW, local_tensor, lr_at
 from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh, context_parallel_style,
                                               data_parallel_coordinate, parallelize)
 from hyper_parallel.train.grad_norm import GlobalGradNorm, clip_coefficient
@@ -202,7 +202,7 @@ def load_checkpoint(run: _Run, root: Path) -> checkpoint.Loaded | None:
 def restore(run: _Run, loaded: checkpoint.Loaded) -> None:
     """Set the parameters and the AdamW state from ``loaded`` (this rank's pieces)."""
     arrays = loaded.arrays
-    set_parameter_values(run.p, run.params, [arrays[f"param/{name}"] for name in run.names])
+    run.optimizer.load_parameter_values([arrays[f"param/{name}"] for name in run.names])
     state: dict[str, np.ndarray] = {"step": np.asarray(loaded.manifest["optimizer_step"], np.int64)}
     for i, name in enumerate(run.names):
         for kind in ("exp_avg", "exp_avg_sq"):

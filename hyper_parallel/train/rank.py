@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.platform.launch import LAUNCH_BLOCKING_VAR, run_scheduler
+from hyper_parallel.platform.launch import run_scheduler
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.exits import ERROR_DIR, supervise
 from hyper_parallel.train.exits import error_path as _error_path
@@ -68,15 +68,9 @@ def run_rank(cfg: TrainConfig) -> list[dict[str, Any]]:
     if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun-style scheduler process
         run_scheduler()
         return []
+    # on MindSpore CPU, init_process_group launches operations blocking ([Note: MindSpore
+    # CPU ranks launch blocking] in platform/launch.py)
     p = hp.init(cfg.platform)
-    if p.name == "mindspore-cpu" and LAUNCH_BLOCKING_VAR not in os.environ:
-        # [Note: MindSpore CPU ranks launch blocking] in hyper_parallel/platform/launch.py:
-        # 4 ranks of tp 2 x dp-shard 2 on 2 cores took 6.3 s a step with PyNative's async
-        # dispatch and 0.64 s without it, the same losses. Not on Ascend, where the
-        # asynchronous launch is what keeps the device busy.
-        import mindspore
-
-        mindspore.runtime.launch_blocking()
     rank = launcher_rank() or 0
     try:
         if p.device_type != "cpu":

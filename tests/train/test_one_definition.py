@@ -33,14 +33,7 @@ ALLOWED: dict[str, dict[str, int]] = {
 }
 
 #: Per file, the framework imports and branches still to remove (kind -> count).
-REMAINING: dict[str, dict[str, int]] = {
-    # AdamW through torch.optim / mindspore.experimental.optim, state through each one
-    "optim.py": {"branch": 6, "import": 7},
-    # the launcher: torchrun for torch, MindSpore's scheduler + workers otherwise
-    "launch.py": {"branch": 1},
-    # mindspore.runtime.launch_blocking() on mindspore-cpu ranks
-    "rank.py": {"branch": 1, "import": 1},
-}
+REMAINING: dict[str, dict[str, int]] = {}
 
 
 def _names_framework(node: ast.AST) -> bool:

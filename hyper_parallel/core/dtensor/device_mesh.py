@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.platform import get_platform
+from hyper_parallel.platform import get_platform, mesh_device_types
 
 
 def _axis_lines(mesh: np.ndarray, axes: Sequence[int]) -> list[list[int]]:
@@ -61,7 +61,7 @@ class DeviceMesh:
 
     def _init(self, device_type: str, ranks: np.ndarray, names: Sequence[str] | None) -> None:
         p = get_platform()
-        if device_type not in p.mesh_device_types:
+        if device_type not in mesh_device_types(p.name):
             raise ValueError(f"DeviceMesh: device_type={device_type!r} but the platform {p.name} computes on "
                              f"{p.device_type!r}; pass {p.device_type!r}")
         if device_type != p.device_type:

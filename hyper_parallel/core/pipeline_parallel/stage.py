@@ -17,7 +17,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.pipeline_parallel.boundary import Rebuild
 from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
 from hyper_parallel.core.pipeline_parallel.weight_grad import LinearWeightSplit
-from hyper_parallel.platform import Platform, get_platform
+from hyper_parallel.platform import Platform, get_platform, mesh_device_types
 
 # [Note: stage placement]
 # Which group rank runs stage ``s`` is a fact of the schedule, as in
@@ -316,6 +316,7 @@ def _check_device(platform: Platform, device: Any) -> None:
     if device is None:
         return
     kind = str(getattr(device, "type", device)).split(":")[0]
-    if kind not in platform.mesh_device_types:
+    accepted = mesh_device_types(platform.name)
+    if kind not in accepted:
         raise ValueError(f"PipelineStage: device={device!r} is not a device of this platform "
-                         f"({platform.name}: {', '.join(platform.mesh_device_types)}); pass one of those or None")
+                         f"({platform.name}: {', '.join(accepted)}); pass one of those or None")

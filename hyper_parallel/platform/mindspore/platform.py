@@ -8,6 +8,7 @@ platform object is built, never when this package is imported.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.platform import host_memory
@@ -20,6 +21,7 @@ from hyper_parallel.platform.mindspore.dtensor import build_dtensor_type
 from hyper_parallel.platform.mindspore.groups import MindSporeGroups
 from hyper_parallel.platform.mindspore.modules import MindSporeModules
 from hyper_parallel.platform.mindspore.ops import MindSporeOps
+from hyper_parallel.platform.mindspore.optim import MindSporeAdamW
 from hyper_parallel.platform.mindspore.p2p import RecvChannels
 from hyper_parallel.platform.mindspore.streams import MindSporeStreams
 
@@ -138,6 +140,11 @@ class MindSporePlatform(
         if self._device_type == "ascend":
             self._ms.set_device("Ascend", local_rank)
             self._device_id = local_rank
+
+    def adamw(self, params: Sequence[Any], lr: float, *, betas: tuple[float, float], eps: float,
+              weight_decay: float) -> MindSporeAdamW:
+        """``mindspore.experimental.optim.AdamW`` ([Note: the framework's AdamW])."""
+        return MindSporeAdamW(params, lr, betas, eps, weight_decay)
 
     def memory_stats(self) -> MemoryStats:
         """Ascend: ``mindspore.runtime.memory_allocated()`` and ``max_memory_allocated()``.

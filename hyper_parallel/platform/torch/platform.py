@@ -25,6 +25,7 @@ from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.backward_hooks import register_output_grad_pre_hook
 from hyper_parallel.platform.torch.collectives import TorchCollectives
 from hyper_parallel.platform.torch.dtensor import build_dtensor_type
+from hyper_parallel.platform.torch.optim import TorchAdamW
 from hyper_parallel.platform.torch.selective_checkpoint import selective_contexts
 from hyper_parallel.platform.validation import (
     refuse_dtensor,
@@ -452,6 +453,11 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         if self._device_type != "cpu":
             self._device_module().set_device(local_rank)
             self._device = torch.device(self._device_type, local_rank)
+
+    def adamw(self, params: Sequence[Any], lr: float, *, betas: tuple[float, float], eps: float,
+              weight_decay: float) -> TorchAdamW:
+        """``torch.optim.AdamW(foreach=False)`` ([Note: the framework's AdamW])."""
+        return TorchAdamW(params, lr, betas, eps, weight_decay)
 
     def memory_stats(self) -> MemoryStats:
         if self._device_type == "cpu":
