@@ -37,6 +37,7 @@ from hyper_parallel.train.checkpoint import KEEP, complete_steps
 from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
 from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
+from hyper_parallel.train.optim import LR_SCHEDULES, WSD_DECAY_FRACTION
 
 #: The layout of a run without layout flags, on ``--nproc`` ranks: sharded data
 #: parallelism (fully_shard over every rank, ``dp_shard = nproc``).
@@ -152,8 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     tr.add_argument("--batch-size", type=int, default=8, help="sequences per step over all data-parallel ranks")
     tr.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then cosine)")
+    tr.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup, then --lr-schedule)")
     tr.add_argument("--warmup-steps", type=int, default=10, help="steps of linear learning-rate warmup")
+    tr.add_argument("--lr-schedule", default="cosine",
+                    help=f"learning rate after warmup: {', '.join(LR_SCHEDULES)} (wsd: warmup-stable-decay, the peak "
+                         f"until the last {WSD_DECAY_FRACTION:.0%} of the steps, then linear), down to --min-lr")
+    tr.add_argument("--min-lr", type=float, default=None,
+                    help="the learning rate the schedule ends at (default: --lr / 10)")
+    tr.add_argument("--weight-decay", type=float, default=0.1,
+                    help="AdamW's decoupled weight decay, on every parameter (0: none)")
     tr.add_argument("--max-norm", type=float, default=1.0,
                     help="clip the gradients to this global L2 norm, over every rank's piece (0: no clipping)")
     tr.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")
@@ -326,7 +334,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     out, _ = run_folder.choose(args.out, args.run_name, args.resume)
     return TrainConfig(platform=args.platform or requested_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-                       warmup_steps=args.warmup_steps, max_norm=args.max_norm, seed=args.seed, eval_every=args.eval_every,
+                       warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, min_lr=args.min_lr,
+                       weight_decay=args.weight_decay, max_norm=args.max_norm, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
                        keep_checkpoints=args.keep_checkpoints, async_checkpoint=args.async_checkpoint,
                        out=out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,

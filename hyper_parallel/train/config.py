@@ -17,6 +17,7 @@ from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
 from hyper_parallel.train.hf_config import model_config, read_hf_config
 from hyper_parallel.train.model_config import PRESETS, ModelConfig
+from hyper_parallel.train.optim import LR_SCHEDULES
 
 #: ``--cp-mode`` values (context parallelism: Ulysses all-to-all, ring attention,
 #: all-gathered key/value, and the 2-D Ulysses x ring hybrid).
@@ -162,7 +163,11 @@ class TrainConfig:
         seq_len: tokens per sequence.
         batch_size: sequences per optimizer step, over all data-parallel ranks together.
         steps: optimizer steps to reach (a resumed run continues up to this step).
-        lr: peak learning rate (linear warmup over ``warmup_steps``, then cosine to 10%).
+        lr: peak learning rate (linear warmup over ``warmup_steps``, then ``lr_schedule``).
+        weight_decay: AdamW's decoupled weight decay, on every parameter.
+        lr_schedule: after warmup: ``cosine``, ``linear``, ``constant`` or ``wsd``
+            (``optim.LR_SCHEDULES``), decaying to ``min_lr``.
+        min_lr: the learning rate the schedule ends at (default ``lr / 10``).
         seed: seeds the initial weights (numpy) and the batch sampling.
         eval_every: validation loss every this many steps (and at the last step).
         eval_batches: batches averaged into one validation loss.
@@ -199,6 +204,8 @@ class TrainConfig:
     lr: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.1
+    lr_schedule: str = "cosine"
+    min_lr: float | None = None
     max_norm: float = 1.0
     seed: int = 0
     eval_every: int = 25
@@ -244,6 +251,14 @@ class TrainConfig:
                              "use --seed 0 or another non-negative integer")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr={self.lr!r} must be a positive number")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule={self.lr_schedule!r} is not a schedule; use one of "
+                             f"{', '.join(LR_SCHEDULES)}")
+        if self.min_lr is not None and not (0 <= self.min_lr <= self.lr and math.isfinite(self.min_lr)):
+            raise ValueError(f"--min-lr={self.min_lr!r} must be a number in [0, --lr={self.lr!r}] (the learning rate "
+                             "the schedule decays to); leave it out for --lr / 10")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"--weight-decay={self.weight_decay!r} must be a number >= 0 (0: no weight decay)")
         if not (self.max_norm >= 0 and math.isfinite(self.max_norm)):
             raise ValueError(f"--max-norm={self.max_norm!r} must be a number >= 0 (0 turns gradient clipping off)")
         if self.timeout_s <= 0:

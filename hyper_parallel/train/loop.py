@@ -124,7 +124,7 @@ def _train_step(run: _Run, step: int) -> tuple[float, float]:
     """One step; returns the mean loss and the global gradient norm before clipping."""
     cfg, p = run.cfg, run.p
     batch = rank_batch(run.corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
-    lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps)
+    lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule, cfg.min_lr)
     if run.pipe is not None:  # see [Note: pipeline gradients and loss]
         local = pipeline_train_step(run.pipe, _batch_tensors(run, batch))
         grads = run.pipe.gradients()
@@ -332,7 +332,7 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
             loss, grad_norm = _train_step(run, step)
             elapsed = time.perf_counter() - began
             row: dict[str, Any] = {"step": step, "loss": loss, "grad_norm": grad_norm,
-                                   "lr": lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps),
+                                   "lr": lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule, cfg.min_lr),
                                    "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                                    "peak_memory_bytes": _peak_memory(run)}
             if step % cfg.eval_every == 0 or step == cfg.steps:

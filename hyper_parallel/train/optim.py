@@ -86,11 +86,37 @@ class AdamW:
         self._opt.load_parameter_values(values)
 
 
-def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int) -> float:
+#: ``--lr-schedule`` values (after the linear warmup): cosine decay to ``min_lr``; linear
+#: decay to ``min_lr``; constant at the peak; WSD (warmup-stable-decay, Hu et al.,
+#: *MiniCPM*, 2024): the peak until the last ``WSD_DECAY_FRACTION`` of the steps after
+#: warmup, then linear decay to ``min_lr``.
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+WSD_DECAY_FRACTION = 0.2
+
+
+def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int, schedule: str = "cosine",
+          min_lr: float | None = None) -> float:
     """Learning rate of 1-based ``step``: linear warmup to ``peak`` over ``warmup_steps``,
-    then cosine decay to ``peak / 10`` at ``total_steps``."""
+    then ``schedule`` (``LR_SCHEDULES``) from ``peak`` to ``min_lr`` (default ``peak / 10``)
+    at ``total_steps``.
+
+    Raises:
+        ValueError: an unknown ``schedule``.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"--lr-schedule={schedule!r} is not a schedule; use one of {', '.join(LR_SCHEDULES)}")
+    # the end as a fraction of the peak (0.1 by default: the arithmetic of earlier runs, so
+    # a resumed run's learning rates are bit-identical)
+    ratio = 0.1 if min_lr is None else min_lr / peak
     if warmup_steps and step <= warmup_steps:
         return peak * step / warmup_steps
+    if schedule == "constant":
+        return peak
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + np.cos(np.pi * progress)))
+    if schedule == "wsd":
+        stable = 1.0 - WSD_DECAY_FRACTION
+        progress = max(0.0, progress - stable) / WSD_DECAY_FRACTION
+    elif schedule == "cosine":
+        return float(peak * (ratio + (1.0 - ratio) * 0.5 * (1.0 + np.cos(np.pi * progress))))
+    return peak * (1.0 - (1.0 - ratio) * progress)
