@@ -106,3 +106,25 @@ def test_one_collective_per_unit(run_on_ranks, world, configs) -> None:
         if "mesh" in config and framework == "torch":  # MindSpore CPU's reduce-scatter is an all-reduce inside
             assert counts["all_reduce"] == units, (config, counts)
     assert all(rank_results == results[0] for rank_results in results), results  # every rank issues the same
+
+
+def test_a_shard_axis_of_one_rank_issues_nothing(run_on_ranks) -> None:
+    """World 1 ([Note: a shard axis of one rank]): each rank holds its parameters whole,
+    so a step issues no all-gather and no reduce-scatter (FSDP2 issues no collective at
+    world 1 either), in full and in low precision; the gradients are still one process's
+    (checked in ``count_step``)."""
+    configs = [{"reshard": True}, {"reshard": False, "mp": "low"}]
+    for config, result in zip(configs, run_on_ranks(check_counts, configs, world_size=1, timeout_s=600)[0]):
+        assert result["params"] == 12 and result["units"] == 3, result
+        assert result["counts"] == {name: 0 for name in _COUNTED}, (config, result["counts"])
+
+
+def test_hsdp_with_a_shard_axis_of_one_rank(run_on_ranks) -> None:
+    """HSDP on a ``(2, 1)`` mesh: no all-gather, no reduce-scatter; each parameter's
+    gradient is all-reduced over the replicate axis (counted on torch: MindSpore CPU's
+    collectives are built from all-reduce)."""
+    results = run_on_ranks(check_counts, [{"mesh": (2, 1), "reshard": True}], world_size=2, timeout_s=600)
+    counts = results[0][0]["counts"]
+    assert counts["all_gather_into_tensor"] == 0 and counts["reduce_scatter_tensor"] == 0, counts
+    if get_platform().framework == "torch":
+        assert counts["all_reduce"] == 12, counts

@@ -33,6 +33,13 @@ the reduce op ``"sum"``). Such a parameter has fewer than ``N x (N - 1)`` rows a
 shard dim, so the memory kept is small. ``fully_shard(replicate_params=...)`` asks for
 the same for chosen parameters (MindFormers replicates those whose rows do not divide
 evenly).
+
+[Note: a shard axis of one rank]
+With one rank on the shard axis (plain fully_shard at world 1, or an HSDP mesh of shape
+``(R, 1)``) each rank holds its parameters whole: a gather is a local copy in the compute
+dtype (as a replicated parameter's), with no all-gather and no flat buffers, and the
+gradient needs no reduce-scatter (only the replicate axis's all-reduce, if any), as FSDP2
+issues no collective at world 1. Such parameters join no ``ParamGroup``.
 """
 
 from __future__ import annotations
@@ -173,6 +180,13 @@ class HSDPParam:
         """The shape of this rank's chunk (``shape`` with ``dim`` cut to ``local_length``)."""
         return tuple(self.local_length() if d == self.dim else n for d, n in enumerate(self.shape))
 
+    @property
+    def whole_here(self) -> bool:
+        """Whether this rank holds the whole tensor, so a gather is a local copy: a
+        replicated parameter, or a shard axis of one rank (world 1 of plain fully_shard:
+        [Note: a shard axis of one rank])."""
+        return self.replicated or self.shard_size == 1
+
     def local_tensor(self) -> Any:
         """This rank's chunk: the registered DTensor parameter's local tensor (its
         current values; not differentiable)."""
@@ -192,7 +206,7 @@ class HSDPParam:
     def keep_block(self, full: Any, k: int) -> None:
         """After the forward with ``reshard_after_forward=k``: keep this rank's block of
         ``k`` shards, sliced from the gathered ``full`` (no communication)."""
-        if self.replicated:
+        if self.whole_here:
             return  # each gather is a local copy: nothing to keep
         p = get_platform()
         with p.no_grad():
@@ -213,7 +227,7 @@ class HSDPParam:
             return
         p = get_platform()
         with p.no_grad():
-            if self.replicated:
+            if self.whole_here:
                 local = p.detach(self.local_tensor())
                 if self.offload is not None:
                     local = p.to_device(local, p.device_type)
@@ -252,7 +266,7 @@ class HSDPParam:
         with p.no_grad():
             gathered = self.pending.wait()  # [Ns * chunk, ...] with dim moved to the front
             self.pending = None
-            if self.replicated:
+            if self.whole_here:
                 self.unsharded = gathered
                 return gathered
             full = p.narrow(gathered, 0, 0, self.shape[self.dim])
@@ -283,6 +297,9 @@ class HSDPParam:
             g = p.to_dtype(grad, reduce_dtype)
             if self.sequence_parallel_group is not None:
                 g = p.all_reduce(g, group=self.sequence_parallel_group).wait()
+            if self.shard_size == 1:  # [Note: a shard axis of one rank]: nothing to reduce over it
+                self.pending_reduce = _Ready(g.contiguous())
+                return
             if self.replicated:  # [Note: no empty chunks on MindSpore]
                 ready = p.record_event()
                 with p.stream(stream):
@@ -314,7 +331,7 @@ class HSDPParam:
                 g = p.all_reduce(g, group=self.replicate_group).wait()
             if self.reduce_op is ReduceOp.AVG:
                 g = g * (1.0 / (self.shard_size * self.replicate_size))
-            if not self.replicated:
+            if not self.whole_here:
                 g = p.narrow(g, 0, 0, self.local_length())  # the padding rows' sums are dropped
                 if self.dim:
                     g = g.transpose(0, self.dim)
@@ -339,8 +356,9 @@ class HSDPParam:
 
 
 class _Ready:
-    """A finished ``Work``: a replicated parameter's "gather" (see [Note: no empty chunks
-    on MindSpore])."""
+    """A finished ``Work``: the "gather" of a parameter this rank holds whole (see
+    [Note: no empty chunks on MindSpore], [Note: a shard axis of one rank]), or the
+    "reduce-scatter" over a shard axis of one rank."""
 
     def __init__(self, result: Any) -> None:
         self._result = result

@@ -234,7 +234,7 @@ class HSDPState:
         by_dtype: dict[str, list[HSDPParam]] = {}
         p = get_platform()
         for hp in self.params:
-            if not hp.replicated and hp.pool is None:
+            if not hp.whole_here and hp.pool is None:  # [Note: a shard axis of one rank] in hsdp_param
                 by_dtype.setdefault(p.dtype_name(hp.sharded.dtype), []).append(hp)
         self.groups = [ParamGroup(members, self) for members in by_dtype.values()]
 
