@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--warmup-steps", type=int, default=10, help="steps of linear learning-rate warmup")
     tr.add_argument("--lr-schedule", default="cosine",
                     help=f"learning rate after warmup: {', '.join(LR_SCHEDULES)} (wsd: warmup-stable-decay, the peak "
-                         f"until the last {WSD_DECAY_FRACTION:.0%} of the steps, then linear), down to --min-lr")
+                         f"until the last {round(WSD_DECAY_FRACTION * 100)}%% of the steps, then linear), down to "
+                         "--min-lr")
     tr.add_argument("--min-lr", type=float, default=None,
                     help="the learning rate the schedule ends at (default: --lr / 10)")
     tr.add_argument("--weight-decay", type=float, default=0.1,
