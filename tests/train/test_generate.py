@@ -29,8 +29,15 @@ from hyper_parallel.train.generate import Sampling, generate, load_decoder, next
 from hyper_parallel.train.model import KVCache
 from tests.train._ranks import TEST_DATA, tiny_config
 
+# float32 logits of one token against the same position of a full-sequence forward: the
+# cached and the whole attention sum their keys in other orders (measured 9e-8 on torch,
+# 0 on MindSpore); 1e-5 is far below what a wrong position or a stale cache gives (O(1))
 CACHE_ATOL = 1e-5
+# eval against the job's own validation loss, same weights and batches, one rank: only
+# the reduction order of the mean differs
 SAME_RUN_RTOL = 1e-6
+# a checkpoint written by tp 2 evaluated on one rank: the job's loss came from sharded
+# GEMMs whose partial sums add in another order (measured ~1e-5 relative)
 TP_RTOL = 2e-5
 PROMPT = "import json\ndef "
 
