@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
+from hyper_parallel.core.process_groups import barrier
 
 
 MODES = ("off", "full", "selective")
@@ -138,7 +139,7 @@ def bench_rank(impl: str, mode: str, model_name: str, batch: int, seq: int, iter
     seconds = []
     for step in range(warmup + iters):
         if n > 1:
-            p.barrier().wait()
+            barrier()
         start = time.perf_counter()
         loss = model(*args)
         loss.backward()

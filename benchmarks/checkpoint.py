@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
+from hyper_parallel.core.process_groups import barrier
 
 
 def bench_rank(models: list[tuple[int, int, int]], saves: int, steps_between: int, root: str) -> list[dict]:
@@ -62,13 +63,13 @@ def _bench_model(dim: int, n_layers: int, hidden_dim: int, saves: int, steps_bet
             for _ in range(steps_between):
                 step += 1
                 busy = writer is not None and writer.in_flight
-                p.barrier().wait()
+                barrier()
                 began = time.perf_counter()
                 _train_step(run, step)
                 (busy_steps_s if busy else steps_s).append(time.perf_counter() - began)
             if "state_bytes_per_rank" not in out:  # after a step: AdamW's moments exist
                 out["state_bytes_per_rank"] = sum(piece.value.nbytes for piece in _pieces(run).values())
-            p.barrier().wait()
+            barrier()
             began = time.perf_counter()
             save_checkpoint(run, Path(f"{root}/{mode}"), step, writer)
             saves_s.append(time.perf_counter() - began)

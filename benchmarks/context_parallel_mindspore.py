@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
 from benchmarks.context_parallel import BATCH, HEAD_DIM, HEADS, MODES  # noqa: E402
+from hyper_parallel.core.process_groups import barrier
 
 
 def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
@@ -59,7 +60,7 @@ def bench_rank(seqs: list[int], iters: int, warmup: int) -> list[dict]:
         for name, (fn, (q, k, v, dout)) in runs.items():
             times = []
             for i in range(warmup + iters):
-                p.barrier()
+                barrier()
                 start = time.perf_counter()
                 _, backward = p.vjp(fn, [q, k, v])
                 grads, _ = backward([dout])

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
+from hyper_parallel.core.process_groups import barrier
 
 
 def bench_rank(impl: str, blocks: int, dim: int, batch: int, seq: int, iters: int, warmup: int) -> dict:
@@ -78,7 +79,7 @@ def bench_rank(impl: str, blocks: int, dim: int, batch: int, seq: int, iters: in
     x = torch.from_numpy(np.random.default_rng(r).standard_normal((batch, seq, dim)).astype(np.float32))
     seconds = []
     for step in range(warmup + iters):
-        p.barrier().wait()
+        barrier()
         start = time.perf_counter()
         loss = model(x).pow(2).mean()
         loss.backward()

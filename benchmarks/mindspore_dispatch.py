@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import host_meta, timed, write_results  # noqa: E402  (after the path insert)
+from hyper_parallel.core.process_groups import barrier
 
 #: The calls timed (each ends with a read back to numpy).
 CALLS = ("local add", "all_reduce", "all_gather_into_tensor", "barrier", "redistribute Shard(0)->Replicate")
@@ -44,12 +45,12 @@ def bench_rank(iters: int, warmup: int) -> dict[str, list[float]]:
         "local add": lambda: p.to_numpy(x + 1.0),
         "all_reduce": lambda: p.to_numpy(p.all_reduce(x).wait()),
         "all_gather_into_tensor": lambda: p.to_numpy(p.all_gather_into_tensor(x).wait()),
-        "barrier": lambda: p.barrier().wait(),
+        "barrier": lambda: barrier(),
         "redistribute Shard(0)->Replicate": lambda: p.to_numpy(
             hp.DTensor.from_local(shard, mesh, [hp.Shard(0)], shape=(2 * n, 5))
             .redistribute(mesh, [hp.Replicate()]).to_local()),
     }
-    return {name: timed(calls[name], warmup, iters, lambda: p.barrier().wait()) for name in CALLS}
+    return {name: timed(calls[name], warmup, iters, lambda: barrier()) for name in CALLS}
 
 
 def slowest_median_ms(per_rank: list[dict[str, list[float]]], name: str) -> float:

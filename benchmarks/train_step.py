@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
+from hyper_parallel.core.process_groups import barrier
 
 
 def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmup: int) -> list[dict]:
@@ -81,7 +82,7 @@ def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmu
             batch = rank_batch(corpus.train, 0, i + 1, batch_size, seq_len, 0, 1)
             tensors = [torch.from_numpy(batch.tokens), torch.from_numpy(batch.positions),
                        torch.from_numpy(batch.targets)]
-            p.barrier().wait()
+            barrier()
             began = time.perf_counter()
             losses.append(step(params, opt, tensors))
             elapsed = time.perf_counter() - began

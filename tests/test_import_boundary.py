@@ -34,3 +34,20 @@ def test_core_is_framework_free(tmp_path: Path) -> None:
     (copy / "hyper_parallel" / "core" / "_offender.py").write_text("import torch\n")
     done = _lint(copy)
     assert done.returncode != 0 and "hyper_parallel.core._offender -> torch" in done.stdout, done.stdout
+
+
+def test_core_reaches_the_platform_only_through_the_contract() -> None:
+    """issue 34 item 3: every helper module of ``hyper_parallel.platform`` (a module
+    beside ``base`` and ``selection``, outside ``contract/`` and the backends) is on the
+    forbidden list of core's contract, so a helper added later cannot be imported by core
+    unnoticed: it goes into ``contract/`` (part of the contract) or into core."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    contract = next(c for c in config["tool"]["importlinter"]["contracts"]
+                    if c["name"].startswith("core imports from the platform only the contract"))
+    helpers = {f"hyper_parallel.platform.{path.stem}" for path in (REPO / "hyper_parallel" / "platform").glob("*.py")
+               if path.stem not in ("__init__", "base", "selection")}
+    assert helpers == set(contract["forbidden_modules"]), (
+        f"platform helper modules not forbidden to core: {sorted(helpers - set(contract['forbidden_modules']))}; "
+        f"listed but gone: {sorted(set(contract['forbidden_modules']) - helpers)}")

@@ -16,6 +16,7 @@ import numpy as np
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.layout import Layout
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.tensor_ops import dtype_name
 
 
 def local_layout(module: Any) -> dict[str, dict[str, Any]]:
@@ -26,7 +27,7 @@ def local_layout(module: Any) -> dict[str, dict[str, Any]]:
     p = get_platform()
     out: dict[str, dict[str, Any]] = {}
     for name, param in p.named_parameters(module):
-        info: dict[str, Any] = {"type": p.dtype_name(param.dtype), "full_shape": [int(s) for s in param.shape]}
+        info: dict[str, Any] = {"type": dtype_name(param.dtype), "full_shape": [int(s) for s in param.shape]}
         if isinstance(param, DTensor):
             layout = Layout.of(param.device_mesh, param.placements, param.shape)
             names = layout.alias_name or tuple(f"axis_{a}" for a in range(len(layout.mesh_shape)))

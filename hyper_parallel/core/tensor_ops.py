@@ -10,7 +10,57 @@ from __future__ import annotations
 
 from typing import Any
 
+from collections.abc import Sequence
+
 from hyper_parallel.platform import Activation, get_platform
+from hyper_parallel.platform.contract.types import DTYPE_NAMES
+from hyper_parallel.platform.contract.validation import normalize_dim
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name in ``DTYPE_NAMES`` of a framework dtype: the inverse of
+    ``Platform.dtype(name)``, so the backend's table is the one place the pairs are
+    written.
+
+    Raises:
+        ValueError: the dtype has no name in ``DTYPE_NAMES`` (the message lists them).
+    """
+    p = get_platform()
+    for name in DTYPE_NAMES:
+        try:
+            if p.dtype(name) == dtype:
+                return name
+        except ValueError:  # a name this backend has no dtype for
+            continue
+    raise ValueError(f"dtype_name: {dtype!r} has no hyper_parallel name; supported: {', '.join(DTYPE_NAMES)}")
+
+
+def stack(tensors: Sequence[Any], dim: int = 0) -> Any:
+    """Stack equal-shaped tensors along a new ``dim`` (``[*shape]`` each ->
+    ``[..., len(tensors) at dim, ...]``): a ``cat`` of the tensors unsqueezed at ``dim``
+    (MindSpore 2.10 has no CPU kernel for ``mint.stack``); differentiable.
+
+    Raises:
+        ValueError: ``tensors`` is empty, or their shapes differ.
+    """
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("stack: tensors is empty; give at least one tensor")
+    dim = normalize_dim(dim, tensors[0].ndim + 1)
+    if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
+        raise ValueError(f"stack: shapes differ ({[tuple(t.shape) for t in tensors]}); stack needs equal shapes")
+    return get_platform().cat([t.unsqueeze(dim) for t in tensors], dim)
+
+
+def clone(x: Any) -> Any:
+    """A copy of ``x`` in its own memory, same shape and dtype; differentiable (the
+    gradient passes through unchanged). A one-piece ``cat``: one copy kernel on every
+    backend (MindSpore 2.10 has no CPU kernel for ``clone``); a 0-dim tensor goes through
+    one dim, since ``cat`` refuses 0-dim tensors."""
+    p = get_platform()
+    if x.ndim == 0:
+        return p.cat([x.reshape((1,))]).reshape(())
+    return p.cat([x])
 
 
 def relu(x: Any) -> Any:
@@ -33,7 +83,7 @@ def _rows(weight: Any, ids: Any) -> Any:
     """``weight[ids]`` for integer ``ids`` of any shape: ``[*ids.shape, dim]``."""
     p = get_platform()
     flat = ids.reshape(-1)
-    if p.dtype_name(flat.dtype) != "int64":
+    if dtype_name(flat.dtype) != "int64":
         flat = p.to_dtype(flat, p.dtype("int64"))
     return weight[flat].reshape(*tuple(ids.shape), int(weight.shape[1]))
 

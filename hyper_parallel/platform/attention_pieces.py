@@ -7,7 +7,7 @@ A mask form is cut into *pieces*, each a block of consecutive queries against a 
 of consecutive keys that the kernel takes as it is: all pairs allowed, or top-left causal
 (``j <= i``; square unless the kernel takes any shape). Pieces of different query rows
 are independent; pieces that share query rows are merged by log-sum-exp
-([Note: log-sum-exp merge]):
+([Note: log-sum-exp merge] in ``platform/contract/attention_merge``):
 
 - bottom-right causal with ``kv_seq >= q_seq`` is keys ``[0, kv_seq - q_seq)`` in full
   plus the last ``q_seq`` keys top-left causal (two pieces, merged); with
@@ -28,17 +28,6 @@ least one of its keys: a row that sees no key is in no piece (its gradients are 
 the assembly fills), so the log-sum-exp a kernel's backward reads is finite on every row
 it computes and the kernels are called without masking ``-inf`` rows. Nothing here holds more than one
 piece's kernel workspace: no score matrix.
-
-[Note: log-sum-exp merge]
-Attention over keys ``K = K1 ∪ K2`` equals ``w1 * out1 + w2 * out2`` with
-``w_i = exp(lse_i - lse)`` and ``lse = log(exp(lse1) + exp(lse2))``, where ``out_i`` and
-``lse_i`` are the output and log-sum-exp over ``K_i`` alone (the online-softmax identity
-of FlashAttention, used by ring attention: Liu et al., "Ring Attention with Blockwise
-Transformers", 2023, and torch's ``_templated_ring_attention``). The merge runs in
-``max(float32, dtype)`` whatever the input dtype. A query that sees no key of a block has
-``lse = -inf``; it is floored to ``LSE_FLOOR`` (a finite number far below any real
-log-sum-exp), so ``-inf - -inf`` never makes a NaN and its weight ``exp(floor - lse)``
-is exactly 0 once a real block has been merged.
 """
 
 from __future__ import annotations
@@ -48,9 +37,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.platform.contract.attention import AttentionMask
+# re-exported: the backends' kernels merge their own pieces with them
+from hyper_parallel.platform.contract.attention_merge import LSE_FLOOR, floor_lse, merge, stat_dtype
 
-#: Far below any reachable log-sum-exp, far above -inf; see [Note: log-sum-exp merge].
-LSE_FLOOR = -1.0e30
+__all__ = ["LSE_FLOOR", "Group", "Piece", "floor_lse", "is_whole", "merge", "plan_pieces", "run_backward", "run_forward",
+           "stat_dtype", "sum_by_range"]
+
 
 #: ``kernel(q, k, v, causal) -> (out, lse)`` on BSHD pieces; ``causal`` is top-left.
 ForwardKernel = Callable[[Any, Any, Any, bool], tuple[Any, Any]]
@@ -121,37 +113,6 @@ def is_whole(groups: list[Group], q_seq: int, kv_seq: int) -> bool:
     """True when the plan is a single kernel call on the unsliced tensors."""
     return (len(groups) == 1 and len(groups[0].pieces) == 1 and groups[0].q_len == q_seq
             and groups[0].pieces[0].k_len == kv_seq)
-
-
-def stat_dtype(p: Any, dtype: Any) -> Any:
-    """``max(float32, dtype)``: the dtype of softmax statistics and merges."""
-    return dtype if p.dtype_name(dtype) == "float64" else p.dtype("float32")
-
-
-def floor_lse(p: Any, lse: Any) -> Any:
-    """``max(lse, LSE_FLOOR)`` with the documented methods (no clamp on the list)."""
-    floor = p.full(tuple(lse.shape), LSE_FLOOR, lse.dtype)
-    return p.stack([lse, floor], 0).amax(0)
-
-
-def _weight(x: Any) -> Any:
-    """``[batch, heads, q_len]`` -> ``[batch, q_len, heads, 1]`` to scale an output."""
-    return x.transpose(1, 2).unsqueeze(-1)
-
-
-def merge(p: Any, acc: tuple[Any, Any] | None, new: tuple[Any, Any]) -> tuple[Any, Any]:
-    """Merge a partial ``(out [batch, q, heads, dim], lse [batch, heads, q])`` into the
-    accumulator ``acc`` (``None`` at first), in ``max(float32, dtype)``; see
-    [Note: log-sum-exp merge]. Differentiable (the stabilizing maximum is detached)."""
-    out, lse = new
-    dtype = stat_dtype(p, out.dtype)
-    out, lse = p.to_dtype(out, dtype), floor_lse(p, p.to_dtype(lse, dtype))
-    if acc is None:
-        return out, lse
-    acc_out, acc_lse = acc
-    top = p.detach(p.stack([acc_lse, lse], 0).amax(0))
-    merged = ((acc_lse - top).exp() + (lse - top).exp()).log() + top
-    return acc_out * _weight((acc_lse - merged).exp()) + out * _weight((lse - merged).exp()), merged
 
 
 def _assemble(p: Any, parts: list[tuple[int, Any]], length: int, dim: int, like: tuple[int, ...], dtype: Any,

@@ -14,11 +14,11 @@ from typing import Any
 
 from hyper_parallel.platform.contract.common import CustomFunction, HandleWork, ReduceOp, Work
 from hyper_parallel.platform.contract.differentiable import DifferentiableSection
-from hyper_parallel.platform.tensor_layout import from_front as _from_front
-from hyper_parallel.platform.tensor_layout import merge_leading as _merge_leading
-from hyper_parallel.platform.tensor_layout import split_leading as _split_leading
-from hyper_parallel.platform.tensor_layout import to_front as _to_front
-from hyper_parallel.platform.validation import check_divisible, check_split_sizes, normalize_dim
+from hyper_parallel.platform.contract.layout import from_front as _from_front
+from hyper_parallel.platform.contract.layout import merge_leading as _merge_leading
+from hyper_parallel.platform.contract.layout import split_leading as _split_leading
+from hyper_parallel.platform.contract.layout import to_front as _to_front
+from hyper_parallel.platform.contract.validation import check_divisible, check_split_sizes, normalize_dim
 
 
 def _all_to_all(p: Any, x: Any, split_dim: int, concat_dim: int, group: Any,

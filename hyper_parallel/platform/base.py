@@ -39,7 +39,6 @@ from hyper_parallel.platform.contract.optim import Optimizer, OptimSection
 from hyper_parallel.platform.contract.streams import StreamsSection
 from hyper_parallel.platform.contract.types import DTYPE_NAMES, TypesSection
 from hyper_parallel.platform.local_attention import LocalAttention
-from hyper_parallel.platform.validation import check_partition, normalize_dim
 
 __all__ = [
     "BACKENDS", "DTYPE_NAMES", "FULL", "TENSOR_METHODS", "Activation", "AttentionMask", "Capability", "CompletedWork", "CustomFunction",
@@ -104,27 +103,6 @@ class Platform(
         (see ``BACKENDS``)."""
         return BACKENDS[self.name][1]
 
-    def split_group(self, partition: Sequence[Sequence[int]]) -> Any:
-        """Create one group per part of ``partition`` (disjoint global rank lists that
-        together cover the world) and return the one this rank belongs to.
-
-        Called by every rank with the same partition (a collective over the world):
-        each rank calls ``create_group`` for every part in partition order, because
-        ``create_group`` is collective over the world on torch.
-
-        Raises:
-            ValueError: the parts overlap, miss a rank or name one outside the world
-                (before any group is created).
-        """
-        parts = check_partition(partition, self.world_size())
-        own = self.rank()
-        mine = None
-        for part in parts:
-            group = self.create_group(part)
-            if own in part:
-                mine = group
-        return mine
-
     def check_attention(self, q: Any, k: Any, v: Any, mask: AttentionMask = FULL) -> None:
         """Raise what ``attention`` would raise for these inputs: core calls it before the
         collectives of context parallelism, so that bad input (a dtype or head_dim the
@@ -185,22 +163,6 @@ class Platform(
         """
         return self.differentiable_all_to_all(tensor, 0, 0, group, input_split_sizes=list(input_split_sizes),
                                               output_split_sizes=list(output_split_sizes))
-
-    def stack(self, tensors: Sequence[Any], dim: int = 0) -> Any:
-        """Stack equal-shaped tensors along a new ``dim`` (``[*shape]`` each ->
-        ``[..., len(tensors) at dim, ...]``): a ``cat`` of the tensors unsqueezed at
-        ``dim`` (MindSpore 2.10 has no CPU kernel for ``mint.stack``); differentiable.
-
-        Raises:
-            ValueError: ``tensors`` is empty, or their shapes differ.
-        """
-        tensors = list(tensors)
-        if not tensors:
-            raise ValueError("stack: tensors is empty; give at least one tensor")
-        dim = normalize_dim(dim, tensors[0].ndim + 1)
-        if any(tuple(t.shape) != tuple(tensors[0].shape) for t in tensors):
-            raise ValueError(f"stack: shapes differ ({[tuple(t.shape) for t in tensors]}); stack needs equal shapes")
-        return self.cat([t.unsqueeze(dim) for t in tensors], dim)
 
 
 def contract_members() -> dict[str, str]:

@@ -31,45 +31,20 @@ Why not torch's own ``create_selective_checkpoint_contexts``: it requires every
 operation of the recomputation to have run in the forward, and fully_shard's hooks on a
 unit inside a checkpointed module take another path in the recomputation (they hand over
 parameters gathered again, [Note: a unit inside a checkpointed module] in
-``core/fully_shard/hsdp_state``). Such bookkeeping runs inside ``unmatched_operations()``:
+``core/fully_shard/hsdp_state``). Such bookkeeping runs inside ``unmatched_operations()`` (``platform/contract/autograd``):
 neither counted nor kept, in both runs, so the module's own operations are matched alone.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+
+from hyper_parallel.platform.contract.autograd import in_unmatched_operations
 
 Keep = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], bool]
 
-#: set while the operations running are bookkeeping that the two runs do differently
-_UNMATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar("hyper_parallel_sac_unmatched", default=False)
 _CONSUMED = object()
-
-
-@contextlib.contextmanager
-def unmatched_operations() -> Iterator[None]:
-    """Operations run inside are neither kept nor counted by selective checkpointing
-    (fully_shard's hooks: see [Note: selective checkpointing])."""
-    token = _UNMATCHED.set(True)
-    try:
-        yield
-    finally:
-        _UNMATCHED.reset(token)
-
-
-def unmatched(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook`` (a module hook) run inside ``unmatched_operations()``."""
-
-    @functools.wraps(hook)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with unmatched_operations():
-            return hook(*args, **kwargs)
-
-    return run
 
 
 def signature(value: Any) -> Any:
@@ -109,7 +84,7 @@ class KeptOutputs:
     def forward(self, op: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                 run: Callable[[], Any], always_run: bool) -> Any:
         out = run()
-        if always_run or _UNMATCHED.get():
+        if always_run or in_unmatched_operations():
             return out
         key = self._key(name)
         if self._keep(op, args, kwargs, out):
@@ -117,7 +92,7 @@ class KeptOutputs:
         return out
 
     def recompute(self, name: str, args: tuple[Any, ...], run: Callable[[], Any], always_run: bool) -> Any:
-        if always_run or _UNMATCHED.get():
+        if always_run or in_unmatched_operations():
             return run()
         key = self._key(name)
         entry = self._kept.get(key)

@@ -94,6 +94,7 @@ from hyper_parallel.platform import Platform
 from hyper_parallel.train.checkpoint_format import (FORMAT, INDEX, READABLE_FORMATS, ShardReader, build_index,
                                                     digest, fsync_path, manifest_file, read_manifest, shard_name,
                                                     write_json_atomic, write_shard)
+from hyper_parallel.core.process_groups import barrier
 
 __all__ = ["FORMAT", "INDEX", "KEEP", "READABLE_FORMATS", "manifest_file", "Loaded", "PendingSave", "Piece",
            "begin_save", "check_compatible", "commit", "complete_steps", "describe_layout", "expired",
@@ -126,7 +127,7 @@ def _failed_name(rank: int) -> str:
 def _barrier(p: Platform | None, world: int) -> None:
     if world > 1:
         assert p is not None, "a save or load over more than one rank needs the platform"
-        p.barrier().wait()
+        barrier()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import numpy as np
 
 from hyper_parallel.core.fully_shard import Box
 from hyper_parallel.platform import Platform
+from hyper_parallel.core.tensor_ops import stack
 
 
 def _piece_id(name: str, box: Box) -> float:
@@ -69,7 +70,7 @@ class GlobalGradNorm:
         for grad, holders in zip(grads, self._holders):
             g = p.to_dtype(grad, float32)
             terms.append((g * g).sum() * (1.0 / holders))
-        total = p.stack(terms).sum() if terms else p.zeros((), float32)
+        total = stack(terms).sum() if terms else p.zeros((), float32)
         if self._world > 1:
             total = p.all_reduce(total, "sum").wait()
         return float(np.sqrt(max(float(p.to_numpy(total)), 0.0)))

@@ -21,6 +21,7 @@ from hyper_parallel.platform.launch import run_scheduler
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.exits import ERROR_DIR, supervise
 from hyper_parallel.train.exits import error_path as _error_path
+from hyper_parallel.core.process_groups import barrier
 
 __all__ = ["ERROR_DIR", "error_path", "in_launcher", "launcher_rank", "launcher_world_size", "main", "run_rank"]
 
@@ -86,7 +87,7 @@ def run_rank(cfg: TrainConfig) -> list[dict[str, Any]]:
         # them. Without this the process group went down in the interpreter's exit, and
         # one CI run (pp 2 with --async-checkpoint) saw a rank abort there in native code
         # ("terminate called without an active exception") after a complete run.
-        p.barrier().wait()
+        barrier()
         p.destroy_process_group()
         return rows
     except BaseException:

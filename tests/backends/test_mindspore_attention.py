@@ -14,6 +14,7 @@ import pytest
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.contract.attention import AttentionMask
 from tests.platform_contract._attention_reference import allowed_pairs, reference
+from hyper_parallel.core.tensor_ops import dtype_name
 
 pytestmark = pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM") != "mindspore-cpu",
                                 reason="MindSpore CPU kernel test; set HYPER_PARALLEL_PLATFORM=mindspore-cpu")
@@ -60,10 +61,10 @@ def run_kernels(arrays: tuple[np.ndarray, ...], dtype: str, mask: AttentionMask,
     else:
         out, lse = kernels.attention(p, q, k, v, scale=scale, mask=mask, **kw)
         dq, dk, dv = kernels.attention_backward(p, dout, q, k, v, out, lse, scale=scale, mask=mask, **kw)
-    assert p.dtype_name(out.dtype) == dtype and tuple(out.shape) == tuple(arrays[0].shape)
-    assert p.dtype_name(lse.dtype) == ("float64" if dtype == "float64" else "float32")
+    assert dtype_name(out.dtype) == dtype and tuple(out.shape) == tuple(arrays[0].shape)
+    assert dtype_name(lse.dtype) == ("float64" if dtype == "float64" else "float32")
     for grad, like in ((dq, q), (dk, k), (dv, v)):
-        assert p.dtype_name(grad.dtype) == dtype and tuple(grad.shape) == tuple(like.shape)
+        assert dtype_name(grad.dtype) == dtype and tuple(grad.shape) == tuple(like.shape)
     got = {name: p.to_numpy(x).astype(np.float64) for name, x in
            (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv))}
     seen = tuple(p.to_numpy(x).astype(np.float64) for x in (q, k, v, dout))

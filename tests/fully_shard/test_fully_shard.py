@@ -22,6 +22,7 @@ from hyper_parallel.core.fully_shard.weight_parallel import find_blocks, weight_
 from hyper_parallel.platform import get_platform
 from tests.dtensor._reference import chunk
 from tests.fully_shard._models import Trainer, build, weights
+from hyper_parallel.core.process_groups import barrier
 
 TOL = dict(rtol=2e-4, atol=2e-5)
 STEPS = 10
@@ -294,7 +295,7 @@ def check_state_dict_save(path: str) -> None:
         # sharded -> files -> sharded, the same world
         where = os.path.join(path, f"mesh{len(shape)}")
         save_sharded_state_dict(model, where)
-        p.barrier().wait()
+        barrier()
         other = _fresh(p, mesh)
         load_sharded_state_dict(other, where)
         _assert_full(p, other, expected, f"{shape}: sharded checkpoint loaded")

@@ -23,6 +23,7 @@ from hyper_parallel.core.fully_shard.state_dict import full_state_dict, load_ful
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from hyper_parallel.platform import get_platform
 from tests.tensor_parallel._models import build, weights
+from hyper_parallel.core.process_groups import barrier
 
 pytestmark = pytest.mark.skipif(not os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
                                 reason="mindspore.save_checkpoint is MindSpore's")
@@ -66,7 +67,7 @@ def check(path: str, layout: str) -> None:
     full = full_state_dict(cell)  # collective; rank 0 holds the arrays
     if p.rank() == 0:
         ms.save_checkpoint(full, os.path.join(path, "full.ckpt"))
-    p.barrier().wait()  # the file is written before the others read it
+    barrier()  # the file is written before the others read it
     loaded = {k: v.asnumpy() for k, v in ms.load_checkpoint(os.path.join(path, "full.ckpt")).items()}
     for name, value in values.items():
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)

@@ -14,6 +14,7 @@ import pytest
 from hyper_parallel.core.expert_parallel import MoE
 from hyper_parallel.core.pipeline_parallel import CommComputeOverlap, HookCoordinator
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.process_groups import split_group
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 DIM, HIDDEN, TOKENS = 4, 5, 6
@@ -46,7 +47,7 @@ def _layer(p, moe: MoE, router, w1, w2, experts):
 def check_moe_parity() -> None:
     p = get_platform()
     n, r = p.world_size(), p.rank()
-    alone = p.split_group([[i] for i in range(n)])  # the one-rank reference layer
+    alone = split_group([[i] for i in range(n)])  # the one-rank reference layer
     rng = np.random.default_rng(9)
     for num_experts, top_k in ((n, 1), (2 * n, 2), (2 * n, 3)):
         x = rng.standard_normal((n * TOKENS, DIM)).astype(np.float32)  # every rank's tokens
@@ -148,8 +149,8 @@ def two_pipelines(p, seed: int):
     """4 ranks: pipelines ``[0, 1]`` and ``[2, 3]``, expert-parallel groups across them;
     returns ``(pp group, ep group, pipeline rank, x, y)`` with each pipeline's own
     ``[8, DIM]`` batch and target."""
-    pp = p.split_group([[0, 1], [2, 3]])
-    ep = p.split_group([[0, 2], [1, 3]])
+    pp = split_group([[0, 1], [2, 3]])
+    ep = split_group([[0, 2], [1, 3]])
     rng = np.random.default_rng(seed + p.rank(ep))
     x = p.from_numpy(rng.standard_normal((8, DIM)).astype(np.float32))
     y = p.from_numpy(rng.standard_normal((8, DIM)).astype(np.float32))

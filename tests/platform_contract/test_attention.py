@@ -19,6 +19,7 @@ import pytest
 
 from hyper_parallel.platform import AttentionMask, get_platform
 from tests.platform_contract._attention_reference import allowed_pairs, reference
+from hyper_parallel.core.tensor_ops import dtype_name
 
 B, H, D = 2, 4, 8
 
@@ -77,8 +78,8 @@ def check_kernels(dtype: str) -> int | str:
             want = reference(q, k, v, dout, allowed, scale)
             out, lse = p.attention(tq, tk, tv, scale=scale, mask=mask)
             lse_dtype = "float32" if half else dtype
-            assert p.dtype_name(out.dtype) == dtype and tuple(out.shape) == (B, sq, H, D), label
-            assert p.dtype_name(lse.dtype) == lse_dtype and tuple(lse.shape) == (B, H, sq), label
+            assert dtype_name(out.dtype) == dtype and tuple(out.shape) == (B, sq, H, D), label
+            assert dtype_name(lse.dtype) == lse_dtype and tuple(lse.shape) == (B, H, sq), label
             tol = _dtype_tol(p, dtype)
             got_lse = p.to_numpy(lse)
             dead = np.isneginf(want[1])
@@ -89,7 +90,7 @@ def check_kernels(dtype: str) -> int | str:
                                        err_msg=f"out: {label}")
             grads = p.attention_backward(tdo, tq, tk, tv, out, lse, scale=scale, mask=mask)
             for what, got, ref, like in zip(("dq", "dk", "dv"), grads, want[2:], (q, k, v)):
-                assert p.dtype_name(got.dtype) == dtype, f"{what} dtype: {label}"
+                assert dtype_name(got.dtype) == dtype, f"{what} dtype: {label}"
                 got = p.to_numpy(got)
                 assert got.shape == like.shape and np.isfinite(got).all(), f"{what}: {label}"
                 np.testing.assert_allclose(got, ref, rtol=tol["grad"], atol=tol["grad"], err_msg=f"{what}: {label}")
@@ -114,14 +115,14 @@ def check_bfloat16() -> None:
     want = reference(*(p.to_numpy(t) for t in (q, k, v, dout)), allowed_pairs(12, 12, AttentionMask("top_left")),
                      D ** -0.5)
     out, lse = p.attention(q, k, v, mask=AttentionMask("top_left"))
-    assert p.dtype_name(out.dtype) == "bfloat16" and p.dtype_name(lse.dtype) == "float32"
+    assert dtype_name(out.dtype) == "bfloat16" and dtype_name(lse.dtype) == "float32"
     # bfloat16 output: 8 mantissa bits, ~4e-3 relative per rounding of O(1) values; the
     # float32 lse is rounded only through its bfloat16 inputs' products: 1e-2.
     np.testing.assert_allclose(p.to_numpy(out), want[0], rtol=3e-2, atol=3e-2)
     np.testing.assert_allclose(p.to_numpy(lse), want[1], rtol=1e-2, atol=1e-2)
     grads = p.attention_backward(dout, q, k, v, out, lse, mask=AttentionMask("top_left"))
     for got, ref in zip(grads, want[2:]):
-        assert p.dtype_name(got.dtype) == "bfloat16"
+        assert dtype_name(got.dtype) == "bfloat16"
         # Gradients of magnitude ~3 through a bfloat16 output and dout: ~1e-2 absolute, 5e-2 bound.
         np.testing.assert_allclose(p.to_numpy(got), ref, rtol=5e-2, atol=5e-2)
 

@@ -13,6 +13,7 @@ from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import CustomFunction
 from tests.platform_contract._data import close, rank_data
 from tests.platform_contract._models import build_keyword_scale, build_mlp, mlp_numpy, mlp_weights
+from hyper_parallel.core.tensor_ops import clone
 
 
 class _ScaleAndShift(CustomFunction):
@@ -188,7 +189,7 @@ class _Identity(CustomFunction):
 
     @staticmethod
     def forward(ctx, x, source):
-        return get_platform().clone(source)
+        return clone(source)
 
     @staticmethod
     def backward(ctx, grad):

@@ -12,6 +12,7 @@ import pytest
 
 from hyper_parallel.platform import P2POp, get_platform
 from tests.platform_contract._data import rank_data
+from hyper_parallel.core.process_groups import split_group
 
 
 def _cases(p):
@@ -37,7 +38,7 @@ def _cases(p):
         "bad p2p op": (lambda: P2POp("send", x, 0), ["P2POp.op='send'", "'isend' or 'irecv'"]),
         "group rank outside": (lambda: p.create_group([0, n]), [f"[0, {n}]", f"[0, {n})"]),
         "group repeats rank": (lambda: p.create_group([0, 0]), ["repeats"]),
-        "partition misses rank": (lambda: p.split_group([[0]] if n > 1 else [[]]), ["partition"]),
+        "partition misses rank": (lambda: split_group([[0]] if n > 1 else [[]]), ["partition"]),
         "differentiable all_reduce max": (lambda: p.differentiable_all_reduce(x, "max"), ["'max'", "no gradient"]),
         "dim out of range": (lambda: p.differentiable_all_gather(x, 2), ["dim=2", "2-D"]),
         "gather 0-d": (lambda: p.all_gather_into_tensor(p.zeros((), f32)), ["0-dimensional"]),

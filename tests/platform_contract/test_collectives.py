@@ -11,6 +11,7 @@ import pytest
 
 from hyper_parallel.platform import P2POp, ReduceOp, get_platform
 from tests.platform_contract._data import all_rank_data, close, rank_data
+from hyper_parallel.core.process_groups import barrier, split_group
 
 WORLDS = [1, 2, 4]
 
@@ -163,17 +164,16 @@ def test_batch_isend_irecv(run_on_ranks, world_size: int) -> None:
     run_on_ranks(check_batch_isend_irecv, world_size=world_size)
 
 
-def check_barrier(async_op: bool) -> int:
+def check_barrier() -> int:
     p = get_platform()
-    work = p.barrier(async_op=async_op)
-    assert work.wait() is None
+    assert barrier() is None
     return p.rank()
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
-@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
-def test_barrier(run_on_ranks, world_size: int, async_op: bool) -> None:
-    assert run_on_ranks(check_barrier, async_op, world_size=world_size) == list(range(world_size))
+def test_barrier(run_on_ranks, world_size: int) -> None:
+    """core's barrier (an all-reduce read back) returns on every rank of the world."""
+    assert run_on_ranks(check_barrier, world_size=world_size) == list(range(world_size))
 
 
 def check_groups() -> dict:
@@ -183,7 +183,7 @@ def check_groups() -> dict:
     assert p.world_size() == 4 and p.group_ranks() == [0, 1, 2, 3]
     sub = p.create_group([2, 1])
     assert p.create_group([1, 2]) is sub, "create_group must cache by sorted rank tuple"
-    split = p.split_group([[0, 3], [1, 2]])
+    split = split_group([[0, 3], [1, 2]])
     expected_part = [0, 3] if r in (0, 3) else [1, 2]
     assert p.group_ranks(split) == expected_part
     assert p.rank(split) == expected_part.index(r) and p.world_size(split) == 2
@@ -206,7 +206,7 @@ def check_groups() -> dict:
         peer = 1 - p.rank(sub)
         works = p.batch_isend_irecv([P2POp("isend", x, peer, sub), P2POp("irecv", p.zeros((2, 3), x.dtype), peer, sub)])
         np.testing.assert_array_equal(p.to_numpy(works[1].wait()), xs[3 - r])
-        p.barrier(group=sub).wait()
+        barrier(sub)
         result["sub"] = True
     total = p.all_reduce(p.from_numpy(np.array([float(r)], np.float32)), group=split).wait()
     result["split_sum"] = float(p.to_numpy(total)[0])

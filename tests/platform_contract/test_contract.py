@@ -23,10 +23,12 @@ def test_every_member_is_abstract_typed_and_documented() -> None:
     # Every member counts, abstract and derived (issue 34: 67 + 8 = 75 with a string-keyed
     # ``local_op`` table; 61 + 8 = 69 after it and the members core never called went;
     # 70 with ``module_types``, the job's decoder defined once; still 70 with ``adamw``, the
-    # framework's optimizer, and ``mesh_device_types`` a function of BACKENDS). The target is 65: compose
-    # existing members or extend one with a keyword argument rather than raising the bound.
+    # framework's optimizer, and ``mesh_device_types`` a function of BACKENDS; 65 with ``stack``,
+    # ``clone``, ``dtype_name`` in core/tensor_ops and ``split_group``, ``barrier`` in
+    # core/process_groups, each composed from the members once). Compose existing members or
+    # extend one with a keyword argument rather than raising the bound.
     total = len(members) + len(derived)
-    assert total <= 70, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
+    assert total <= 65, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
     assert not set(members) & set(derived)
     for name in derived:
         assert inspect.getdoc(getattr(Platform, name)), f"derived member {name} has no docstring"

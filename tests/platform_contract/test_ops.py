@@ -11,12 +11,13 @@ import pytest
 from hyper_parallel.platform import Capability, get_platform
 from hyper_parallel.platform.base import DTYPE_NAMES, TENSOR_METHODS
 from tests.platform_contract._data import close, rank_data
+from hyper_parallel.core.tensor_ops import clone, dtype_name, stack
 
 
 def check_dtypes() -> None:
     p = get_platform()
     for name in DTYPE_NAMES:
-        assert p.dtype_name(p.dtype(name)) == name
+        assert dtype_name(p.dtype(name)) == name
     try:
         p.dtype("complex32")
     except ValueError as err:
@@ -24,7 +25,7 @@ def check_dtypes() -> None:
     else:
         raise AssertionError("unknown dtype name accepted")
     bf = p.to_dtype(p.from_numpy(np.array([1.5, -2.0], np.float32)), p.dtype("bfloat16"))
-    assert p.dtype_name(bf.dtype) == "bfloat16"
+    assert dtype_name(bf.dtype) == "bfloat16"
     out = p.to_numpy(bf)
     assert out.dtype == np.float32 and out.tolist() == [1.5, -2.0]
 
@@ -35,17 +36,17 @@ def check_factories_and_shape_ops() -> None:
     np.testing.assert_array_equal(p.to_numpy(p.zeros((2, 3), f32)), np.zeros((2, 3), np.float32))
     for dtype in ("float32", "bfloat16", "int64"):  # fill=False: shape and dtype only, values unspecified
         buffer = p.zeros((2, 3), p.dtype(dtype), fill=False)
-        assert tuple(buffer.shape) == (2, 3) and p.dtype_name(buffer.dtype) == dtype, (dtype, buffer.shape)
+        assert tuple(buffer.shape) == (2, 3) and dtype_name(buffer.dtype) == dtype, (dtype, buffer.shape)
     np.testing.assert_array_equal(p.to_numpy(p.full((2,), 7.0, f32)), [7.0, 7.0])
     np.testing.assert_array_equal(p.to_numpy(p.arange(2, 6, i64)), [2, 3, 4, 5])
     a = rank_data(0, (7, 5))
     t = p.from_numpy(a)
     assert p.is_tensor(t) and not p.is_tensor(a)
     np.testing.assert_array_equal(p.to_numpy(p.cat([t, t], 1)), np.concatenate([a, a], 1))
-    np.testing.assert_array_equal(p.to_numpy(p.stack([t, t], 0)), np.stack([a, a]))
-    np.testing.assert_array_equal(p.to_numpy(p.stack([t, t * 2.0], -1)), np.stack([a, a * 2.0], -1))
+    np.testing.assert_array_equal(p.to_numpy(stack([t, t], 0)), np.stack([a, a]))
+    np.testing.assert_array_equal(p.to_numpy(stack([t, t * 2.0], -1)), np.stack([a, a * 2.0], -1))
     try:
-        p.stack([t, p.narrow(t, 0, 0, 3)])
+        stack([t, p.narrow(t, 0, 0, 3)])
     except ValueError as err:
         assert "shapes differ" in str(err), str(err)
     else:
@@ -89,7 +90,7 @@ def check_tensor_methods() -> list[str]:
     t, u = p.from_numpy(a), p.from_numpy(b)
     checks = {
         "shape": lambda: tuple(t.shape) == a.shape,
-        "dtype": lambda: p.dtype_name(t.dtype) == "float32",
+        "dtype": lambda: dtype_name(t.dtype) == "float32",
         "ndim": lambda: t.ndim == 3,
         "dim": lambda: t.dim() == 3,
         "numel": lambda: t.numel() == 24,
@@ -109,7 +110,7 @@ def check_tensor_methods() -> list[str]:
         # MindSpore's CPU exp is a faster approximation: up to 2.7e-6 relative (~23 ulp).
         "exp": lambda: np.allclose(p.to_numpy(t.exp()), np.exp(a), rtol=1e-5, atol=0),
         "log": lambda: np.allclose(p.to_numpy((t * t + 1.0).log()), np.log(a * a + 1), rtol=1e-6),
-        "float": lambda: p.dtype_name(p.to_dtype(t, p.dtype("float16")).float().dtype) == "float32",
+        "float": lambda: dtype_name(p.to_dtype(t, p.dtype("float16")).float().dtype) == "float32",
         "__getitem__": lambda: np.array_equal(p.to_numpy(t[1, :, 1:3]), a[1, :, 1:3]),
         "__setitem__": lambda: _adds_into_part(p, a, b),
         "__add__": lambda: np.allclose(p.to_numpy(t + u), a + b),
@@ -145,7 +146,7 @@ def check_detach_clone() -> None:
     a, g = rank_data(0, (3, 4)), rank_data(1, (3, 4))
 
     def fn(x):
-        copy = p.clone(x)
+        copy = clone(x)
         frozen = p.detach(x)
         np.testing.assert_array_equal(p.to_numpy(copy), a)
         np.testing.assert_array_equal(p.to_numpy(frozen), a)
@@ -190,7 +191,7 @@ def check_streams_device() -> dict:
         host = p.to_device(x, "cpu", pin_memory=pin)
         back = p.to_device(host, p.device_type)
         assert p.to_numpy(host).tolist() == p.to_numpy(back).tolist() == p.to_numpy(x).tolist()
-        assert p.dtype_name(back.dtype) == "float32" and tuple(back.shape) == (2, 3)
+        assert dtype_name(back.dtype) == "float32" and tuple(back.shape) == (2, 3)
     try:
         p.to_device(x, "tpu")
     except ValueError as err:

@@ -14,6 +14,7 @@ import numpy as np
 
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.checkpoint_format import digest, fsync_path
+from hyper_parallel.core.process_groups import barrier
 
 if TYPE_CHECKING:
     from hyper_parallel.train.checkpoint import Piece
@@ -37,7 +38,7 @@ def _index_name(rank: int) -> str:
 
 def _barrier(p: Platform, world: int) -> None:
     if world > 1:
-        p.barrier().wait()
+        barrier()
 
 
 def _box_record(box: Any, value: np.ndarray) -> dict[str, Any]:

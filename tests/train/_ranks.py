@@ -16,6 +16,7 @@ from hyper_parallel.train.config import PRESETS, Layout, ModelConfig, TrainConfi
 from hyper_parallel.train.loop import setup, train
 from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.model import parameter_shapes, stage_layers
+from hyper_parallel.core.process_groups import barrier
 
 
 #: A small real corpus (the standard library's json package, ~60 KB): reading the whole
@@ -171,21 +172,21 @@ def check_resume(out: str) -> None:
     assert sorted(x.name for x in ckpt.iterdir()) == ["step_00000002", "step_00000004"], list(ckpt.iterdir())
 
     # interrupted after step 2's checkpoint: step 4's never happened
-    p.barrier().wait() if n > 1 else None
+    barrier() if n > 1 else None
     if r == 0:
         shutil.rmtree(ckpt / "step_00000004")
-    p.barrier().wait() if n > 1 else None
+    barrier() if n > 1 else None
     resumed = losses(train(cfg.replace(resume=True)))
     np.testing.assert_array_equal(resumed, full[2:], err_msg="resumed from step 2")
 
     # step 4's checkpoint exists again; cut one shard off mid-write, and leave a crashed save behind
-    p.barrier().wait() if n > 1 else None
+    barrier() if n > 1 else None
     if r == 0:
         shard = ckpt / "step_00000004" / f"rank_{n - 1:05d}.safetensors"
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         (ckpt / ".step_00000009.tmp").mkdir()
         (ckpt / ".step_00000009.tmp" / "rank_00000.safetensors").write_bytes(b"partial")
-    p.barrier().wait() if n > 1 else None
+    barrier() if n > 1 else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fallback = losses(train(cfg.replace(resume=True)))
@@ -256,10 +257,10 @@ def check_pipeline_parity(out: str, layouts: list[dict], resume: bool = False) -
         if resume and not runs:
             resumed = losses(train(cfg.replace(resume=True, steps=3), write_outputs=False))
             assert resumed.size == 0, resumed  # step 3's checkpoint is the newest: nothing left to run
-            p.barrier().wait()
+            barrier()
             if p.rank() == 0:
                 shutil.rmtree(cfg.checkpoint_path / "step_00000003")
-            p.barrier().wait()
+            barrier()
             resumed = losses(train(cfg.replace(resume=True), write_outputs=False))
             np.testing.assert_array_equal(resumed, got[2:], err_msg="resumed from step 2")
         runs.append((cfg, got, val))

@@ -17,6 +17,7 @@ from hyper_parallel.train.checkpoint_format import digest
 from hyper_parallel.train.config import PRESETS, Layout, ModelConfig
 from hyper_parallel.train.loop import layout_record, load_checkpoint, restore, save_checkpoint, setup, train
 from tests.train._ranks import PIPELINE_MODEL, losses, tiny_config
+from hyper_parallel.core.process_groups import barrier
 
 #: ``tiny`` with uneven shards: the SwiGLU input projections (66 rows) are 17, 17, 17, 15 rows
 #: over dp-shard 4 and 17, 16 of each tensor-parallel half over dp-shard 2, so pieces of
@@ -160,7 +161,7 @@ def check_format_2_resume(out: str) -> list[float]:
     # the state of step 2, loaded from the new checkpoint and written in the old format
     legacy = Path(f"{out}/legacy")
     (cfg.checkpoint_path / "step_00000004").rename(cfg.checkpoint_path / "moved") if r == 0 else None
-    p.barrier().wait()
+    barrier()
     run = setup(cfg)
     hashed: list[str] = []
 
@@ -185,7 +186,7 @@ def check_format_2_resume(out: str) -> list[float]:
         folder = Path(f"{out}/resume{i}/checkpoints")
         if r == 0:
             shutil.copytree(legacy, folder)
-        p.barrier().wait()
+        barrier()
         rows = train(cfg.replace(out=f"{out}/resume{i}", layout=layout, resume=True, checkpoint_dir=str(folder)))
         curves.append(losses(rows))
         newest = checkpoint.latest_manifest(folder)

@@ -31,6 +31,7 @@ from hyper_parallel.train.loop import setup, train
 from hyper_parallel.train.model import parameter_shapes
 from tests.train._ranks import PIPELINE_MODEL, check_pipeline_parity, tiny_config
 from tests.train.test_pipeline_activation_checkpointing import check_checkpointed_pipelines
+from hyper_parallel.core.process_groups import barrier
 
 #: the 4-rank compositions (``tiny``: 2 blocks, one per stage; ``PIPELINE_MODEL`` for ZB-V's 4 stages)
 LAYOUTS_4 = [{"pp": 2, "tp": 2, "microbatches": 4, "pp_schedule": "zbh1"},
@@ -61,7 +62,7 @@ def check_gradients_match_1f1b(out: str, degrees: dict) -> None:
         assert run.pipe is not None
         np.savez(f"{out}/{schedule}-{rank}.npz", **{name: p.to_numpy(grad)
                                                     for name, grad in zip(run.names, run.pipe.gradients(), strict=True)})
-    p.barrier().wait()
+    barrier()
     inner = n // degrees["pp"]  # the mesh's pp axis is outermost: rank % inner is the other axes' coordinate
 
     def load(schedule: str) -> dict[tuple[int, str], np.ndarray]:

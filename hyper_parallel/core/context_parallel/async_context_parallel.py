@@ -34,7 +34,7 @@ from hyper_parallel.core.context_parallel.context_parallel import ContextParalle
 from hyper_parallel.core.context_parallel.ulysses import replicate_heads, seq_to_heads
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.platform import Work, get_platform
-from hyper_parallel.platform.tensor_layout import split_leading
+from hyper_parallel.platform.contract.layout import split_leading
 
 PROJECTIONS = ("q", "k", "v")
 

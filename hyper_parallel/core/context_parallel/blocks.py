@@ -5,7 +5,7 @@ forward and backward, and the autograd function of local (communication-free) at
 Every mode of context parallelism computes, on each rank, attention of its query runs
 against some key tensor, as the calls of ``masks.plan_block``. The forward runs
 ``platform.attention`` per call and merges the calls of a run by log-sum-exp
-([Note: log-sum-exp merge] in ``platform.attention_pieces``); it keeps only the merged
+([Note: log-sum-exp merge] in ``platform.contract.attention_merge``); it keeps only the merged
 output and log-sum-exp. The backward runs ``platform.attention_backward`` per call with
 the *merged* output and log-sum-exp of the call's rows, which makes each call's
 ``dq``/``dk``/``dv`` its exact share of the gradient ([Note: attention kernels] in
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.core.context_parallel.masks import BlockCall, RunPlan
-from hyper_parallel.platform.attention_pieces import LSE_FLOOR, merge, stat_dtype
+from hyper_parallel.platform.contract.attention_merge import LSE_FLOOR, merge, stat_dtype
 from hyper_parallel.platform.contract.common import CustomFunction
 
 #: A partial result: output ``[batch, q_len, heads, head_dim]`` and log-sum-exp

@@ -9,7 +9,7 @@ block of rank ``(g - s) mod n``: before attending to it, it starts sending that 
 rank ``g + 1`` and receiving the next from rank ``g - 1`` (one ``batch_isend_irecv``),
 so the transfer overlaps the block's attention, and waits only after. Partial outputs
 are merged by log-sum-exp in ``max(float32, dtype)`` ([Note: log-sum-exp merge] in
-``platform.attention_pieces``). Which
+``platform.contract.attention_merge``). Which
 pairs a block may attend to comes from global positions ([Note: segments] in ``masks``),
 so causal offsets, the head-tail layout and packed documents need nothing ring-specific;
 blocks entirely in a query's future are skipped, not masked.
@@ -68,8 +68,9 @@ from hyper_parallel.core.context_parallel.blocks import (
 from hyper_parallel.core.context_parallel.context import Plan
 from hyper_parallel.core.context_parallel.masks import RunPlan, plan_block, segments
 from hyper_parallel.platform import P2POp
-from hyper_parallel.platform.attention_pieces import stat_dtype
+from hyper_parallel.platform.contract.attention_merge import stat_dtype
 from hyper_parallel.platform.contract.common import CustomFunction, Work
+from hyper_parallel.core.tensor_ops import stack
 
 @dataclass(frozen=True)
 class RingSpec:
@@ -128,7 +129,7 @@ class _Blocks:
         self.works: list[Work] | None = None
         plan = spec.plan
         if plan.kv_exchange == "allgather" and plan.kv_size > 1:
-            self.gathered = p.all_gather_into_tensor(p.stack([k, v], 0), group=plan.kv_group, async_op=True)
+            self.gathered = p.all_gather_into_tensor(stack([k, v], 0), group=plan.kv_group, async_op=True)
 
     def current(self, step: int) -> list[Any]:
         """The block of ``step``; in ring mode, starts receiving the next one."""

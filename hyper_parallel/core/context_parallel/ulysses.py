@@ -12,6 +12,7 @@ gradients of the replicas are summed by autograd.
 from __future__ import annotations
 
 from typing import Any
+from hyper_parallel.core.tensor_ops import stack
 
 
 def check_heads(heads: int, kv_heads: int, n: int, where: str) -> None:
@@ -34,7 +35,7 @@ def replicate_heads(p: Any, x: Any, head_dim: int, n: int) -> Any:
     if heads >= n:
         return x
     reps = n // heads
-    stacked = p.stack([x] * reps, head_dim + 1)
+    stacked = stack([x] * reps, head_dim + 1)
     shape = list(x.shape)
     return stacked.reshape(*(shape[:head_dim] + [heads * reps] + shape[head_dim + 1:]))
 

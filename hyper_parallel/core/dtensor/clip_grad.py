@@ -23,6 +23,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Replicate
 from hyper_parallel.core.dtensor.redistribute import redistribute_raw
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.tensor_ops import dtype_name, stack
 
 
 def _local_piece(param: DTensor, grad: Any) -> Any:
@@ -61,7 +62,7 @@ def global_grad_norm(parameters: Sequence[Any], grads: Sequence[Any], norm_type:
     # float32 or better, as torch's clip_grad_norm_ accumulates; decided from the
     # parameters' dtypes, which every rank sees alike (a dtype from the local gradients
     # could differ between ranks, and so the all-reduce's)
-    wide = "float64" if any(isinstance(q, DTensor) and p.dtype_name(q.dtype) == "float64" for q in params) \
+    wide = "float64" if any(isinstance(q, DTensor) and dtype_name(q.dtype) == "float64" for q in params) \
         else "float32"
     dtype = p.dtype(wide)
     terms = []
@@ -84,7 +85,7 @@ def global_grad_norm(parameters: Sequence[Any], grads: Sequence[Any], norm_type:
     if not terms:
         total = p.zeros((), dtype)
     else:
-        stacked = p.stack(terms)
+        stacked = stack(terms)
         total = stacked.amax((0,)) if infinite else stacked.sum()
     if p.world_size() > 1:
         total = p.all_reduce(total, "max" if infinite else "sum").wait()

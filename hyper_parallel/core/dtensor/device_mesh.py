@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.platform import get_platform, mesh_device_types
+from hyper_parallel.core.process_groups import split_group
 
 
 def _axis_lines(mesh: np.ndarray, axes: Sequence[int]) -> list[list[int]]:
@@ -53,7 +54,7 @@ class DeviceMesh:
         self._init(device_type, ranks, mesh_dim_names)
         self._root: DeviceMesh = self
         self._root_axes: tuple[int, ...] = tuple(range(ranks.ndim))  # this mesh's axes as root axes
-        self._groups: tuple[Any, ...] = tuple(p.split_group(_axis_lines(ranks, [a])) for a in range(ranks.ndim))
+        self._groups: tuple[Any, ...] = tuple(split_group(_axis_lines(ranks, [a])) for a in range(ranks.ndim))
         # the mesh this one was unflattened from (itself if none): ``_flatten(name)`` of any
         # mesh derived from it registers the flattened mesh there, under ``name``
         self._origin: DeviceMesh = self
@@ -186,7 +187,7 @@ class DeviceMesh:
             return self
         root = self._root
         lines = _axis_lines(root._mesh, list(self._root_axes))
-        group = get_platform().split_group(lines)
+        group = split_group(lines)
         flat = DeviceMesh.__new__(DeviceMesh)
         flat_name = name if name is not None else "_".join(self._names) if self._names else None
         flat._init(self._device_type, self._mesh.reshape(-1), None if flat_name is None else (flat_name,))

@@ -37,6 +37,7 @@ from hyper_parallel.core.dtensor.op_rules import OP_RULES, Strategy, output_shap
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor.redistribute import gradient_placements, redistribute_raw
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.tensor_ops import dtype_name
 
 # A context variable, not a global flag: each thread (the pipeline's two-thread overlap)
 # and each asyncio task sees its own depth.
@@ -162,7 +163,7 @@ def _check_inputs(op: str, tensors: Sequence[Any], inplace: int | None = None) -
 
 
 def _is_floating(local: Any) -> bool:
-    return get_platform().dtype_name(local.dtype).startswith(("float", "bfloat"))
+    return dtype_name(local.dtype).startswith(("float", "bfloat"))
 
 
 @dataclass(frozen=True)
@@ -292,7 +293,7 @@ def _check_dtype(op: str, out: Any) -> None:
         TypeError: naming the op and the dtype.
     """
     try:
-        get_platform().dtype_name(out.dtype)
+        dtype_name(out.dtype)
     except ValueError as err:
         raise TypeError(f"{op}: its result on DTensors would have dtype {out.dtype}, which DTensors do not "
                         f"support ({err}); compute it on the local or whole tensors") from None

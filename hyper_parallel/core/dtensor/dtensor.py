@@ -39,6 +39,7 @@ from hyper_parallel.core.dtensor.redistribute import (
 )
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import CustomFunction
+from hyper_parallel.core.tensor_ops import clone
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -333,5 +334,5 @@ def distribute_tensor(tensor: Any, device_mesh: DeviceMesh, placements: Sequence
     with p.no_grad():
         # a copy of its own, not a view of ``tensor``: the result is a new leaf that
         # optimizers update in place (MindSpore's Assign refuses a view)
-        piece = p.clone(redistribute_local(local, replicated, placements))
+        piece = clone(redistribute_local(local, replicated, placements))
         return make_dtensor(piece, DTensorSpec(device_mesh, placements, shape))

@@ -38,6 +38,7 @@ from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_offset
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.core.dtensor.redistribute import redistribute_raw
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.tensor_ops import dtype_name
 
 def _aligned(target: Sequence[Placement], src: Sequence[int], dst: Sequence[int]) -> tuple[Placement, ...]:
     """``target`` (the placements of a tensor of shape ``src``) for a tensor of shape
@@ -136,7 +137,7 @@ def _upcast(local: Any) -> tuple[Any, Any]:
     logits are computed in float32, as the fused kernels accumulate)."""
     p = get_platform()
     dtype = local.dtype
-    if p.dtype_name(dtype) in ("float16", "bfloat16"):
+    if dtype_name(dtype) in ("float16", "bfloat16"):
         return p.to_dtype(local, p.dtype("float32")), dtype
     return local, dtype
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.platform import get_platform
-from hyper_parallel.platform.tensor_layout import from_front, merge_leading, split_leading, to_front
+from hyper_parallel.platform.contract.layout import from_front, merge_leading, split_leading, to_front
+from hyper_parallel.core.tensor_ops import dtype_name
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 
@@ -152,7 +153,7 @@ class Partial(Placement):
         p = get_platform()
         if self.reduce_op != "sum" or num == 1:
             return local
-        if p.dtype_name(local.dtype).startswith(("float", "bfloat")):
+        if dtype_name(local.dtype).startswith(("float", "bfloat")):
             return local / num
         return local if index == 0 else p.zeros(tuple(local.shape), local.dtype)
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.tensor_ops import dtype_name, stack
 
 #: expert_fn(local expert index, tokens [n, dim]) -> [n, dim_out]
 ExpertFn = Callable[[int, Any], Any]
@@ -112,8 +113,8 @@ class MoE:
         weights = shifted.exp()
         probs = weights / weights.sum(-1).unsqueeze(-1)
         chosen = np.argsort(-p.to_numpy(probs), axis=1, kind="stable")[:, :self.top_k]  # [tokens, top_k]
-        eye = np.eye(self.num_experts, dtype=p.dtype_name(probs.dtype))
-        gates = p.stack([(probs * p.from_numpy(eye[chosen[:, j]])).sum(-1) for j in range(self.top_k)], 1)
+        eye = np.eye(self.num_experts, dtype=dtype_name(probs.dtype))
+        gates = stack([(probs * p.from_numpy(eye[chosen[:, j]])).sum(-1) for j in range(self.top_k)], 1)
         flat = chosen.reshape(-1)
         order = np.argsort(flat, kind="stable").astype(np.int64)
         inverse = np.empty_like(order)

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel.platform import get_platform
+from hyper_parallel.core.tensor_ops import dtype_name
 
 
 class GatherBufferPool:
@@ -51,7 +52,7 @@ class GatherBufferPool:
         event to wait for before writing it (``None`` for a new buffer)."""
         p = get_platform()
         self.acquisitions += 1
-        free = self._free.get((tuple(shape), p.dtype_name(dtype)))
+        free = self._free.get((tuple(shape), dtype_name(dtype)))
         if free:
             return free.pop()
         buffer = p.zeros(tuple(shape), dtype)
@@ -62,7 +63,7 @@ class GatherBufferPool:
         """Give ``buffer`` back: its last readers were issued on the current stream."""
         p = get_platform()
         event = p.record_event()
-        self._free.setdefault((tuple(int(d) for d in buffer.shape), p.dtype_name(buffer.dtype)), []).append(
+        self._free.setdefault((tuple(int(d) for d in buffer.shape), dtype_name(buffer.dtype)), []).append(
             (buffer, event))
 
     def free_count(self) -> int:

@@ -55,6 +55,7 @@ from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy
 from hyper_parallel.core.tensor_parallel.style import LOCAL_FORWARD
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import CustomFunction, ReduceOp
+from hyper_parallel.core.tensor_ops import clone
 
 
 class HSDPParam:
@@ -121,7 +122,7 @@ class HSDPParam:
             start, length = chunk_bounds(self.shape[self.dim], self.shard_size, self.shard_rank)
             if self.replicated:
                 start, length = 0, self.shape[self.dim]
-            local = self.to_home(p.clone(p.narrow(p.detach(param), self.dim, start, length)))
+            local = self.to_home(clone(p.narrow(p.detach(param), self.dim, start, length)))
             # the registered parameter: a DTensor whose local tensor is the unpadded chunk
             self.sharded: Any = p.make_parameter(
                 DTensor.from_local(local, self.spec.mesh, self.spec.placements, shape=self.spec.shape),
@@ -213,7 +214,7 @@ class HSDPParam:
             front = p.detach(full).transpose(0, self.dim) if self.dim else p.detach(full)
             front = p.pad(front, 0, 0, self.chunk * self.shard_size - self.shape[self.dim])
             block = self.shard_rank // k
-            self.block = p.clone(p.narrow(front, 0, block * k * self.chunk, k * self.chunk).contiguous())
+            self.block = clone(p.narrow(front, 0, block * k * self.chunk, k * self.chunk).contiguous())
 
     def start_gather(self, dtype: Any, stream: Any) -> None:
         """Issue the **all-gather** of the padded shards over the shard axis (async) on
@@ -231,7 +232,7 @@ class HSDPParam:
                 local = p.detach(self.local_tensor())
                 if self.offload is not None:
                     local = p.to_device(local, p.device_type)
-                self.pending = _Ready(p.clone(p.to_dtype(local, dtype)))
+                self.pending = _Ready(clone(p.to_dtype(local, dtype)))
                 return
             if self.block is not None:
                 front, group, out, free = self.block, self.inter_group, None, None
@@ -378,7 +379,7 @@ class WaitReduce(CustomFunction):
     @staticmethod
     def forward(ctx: Any, sharded: Any, hsdp_param: HSDPParam) -> Any:
         ctx.hsdp_param = hsdp_param
-        return get_platform().clone(sharded)
+        return clone(sharded)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -409,7 +410,7 @@ class GatherParam(CustomFunction):
         # tensor made here. MindSpore saves a copy of a custom function's output that
         # is an outside tensor, and a copy is not matched to its source; the unit drops
         # ``unsharded`` right after, so only one full copy lives.
-        return get_platform().clone(hsdp_param.unsharded)
+        return clone(hsdp_param.unsharded)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:

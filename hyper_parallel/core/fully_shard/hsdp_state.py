@@ -111,7 +111,9 @@ from hyper_parallel.core.fully_shard.policies import MixedPrecisionPolicy
 from hyper_parallel.core.module_attrs import FULLY_SHARDED_ATTR
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import ReduceOp
-from hyper_parallel.platform.selective_checkpoint import unmatched
+from hyper_parallel.platform.contract.autograd import unmatched
+from hyper_parallel.core.process_groups import split_group
+from hyper_parallel.core.tensor_ops import dtype_name
 
 
 #: The attribute of a fully sharded module that holds its ``HSDPState``.
@@ -172,7 +174,7 @@ class HSDPState:
             shard_axes = root_axes if len(root_axes) != mesh.ndim else root_axes[-1:]
             lines = _axis_lines(mesh._root.mesh, shard_axes)
             k = self.block_size
-            inter = p.split_group([line[i::k] for line in lines for i in range(k)])
+            inter = split_group([line[i::k] for line in lines for i in range(k)])
             for hp in params:
                 hp.inter_group = inter
         self.mp_policy: MixedPrecisionPolicy = mp_policy
@@ -196,7 +198,7 @@ class HSDPState:
         reduce = mp_policy.reduce_dtype or mp_policy.param_dtype
         self._reduce_dtype: Any = None if reduce is None else p.dtype(reduce)
         self._output_dtype: Any = None if mp_policy.output_dtype is None else p.dtype(mp_policy.output_dtype)
-        # unmatched: [Note: selective checkpointing] in platform/selective_checkpoint
+        # unmatched (platform/contract/autograd): [Note: selective checkpointing] in platform/selective_checkpoint
         self._handles: list[Any] = [
             p.register_forward_pre_hook(module, unmatched(self._pre_forward)),
             p.register_forward_hook(module, unmatched(self._post_forward)),
@@ -232,10 +234,9 @@ class HSDPState:
         if self.groups is not None:
             return
         by_dtype: dict[str, list[HSDPParam]] = {}
-        p = get_platform()
         for hp in self.params:
             if not hp.whole_here and hp.pool is None:  # [Note: a shard axis of one rank] in hsdp_param
-                by_dtype.setdefault(p.dtype_name(hp.sharded.dtype), []).append(hp)
+                by_dtype.setdefault(dtype_name(hp.sharded.dtype), []).append(hp)
         self.groups = [ParamGroup(members, self) for members in by_dtype.values()]
 
     def _unshard(self, async_op: bool) -> None:
@@ -515,7 +516,7 @@ class HSDPState:
 
     def _cast(self, value: Any, dtype: Any) -> Any:
         p = get_platform()
-        if p.is_tensor(value) and p.dtype_name(value.dtype) in ("float16", "bfloat16", "float32", "float64"):
+        if p.is_tensor(value) and dtype_name(value.dtype) in ("float16", "bfloat16", "float32", "float64"):
             return p.to_dtype(value, dtype)
         return value
 

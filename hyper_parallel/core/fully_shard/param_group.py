@@ -63,6 +63,7 @@ from typing import Any
 from hyper_parallel.core.fully_shard.buffer_pool import GatherBufferPool
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import ReduceOp
+from hyper_parallel.core.tensor_ops import clone
 
 
 class _FlatGather:
@@ -181,7 +182,7 @@ class ParamGroup:
             for hp in flat.members:
                 i = self.params.index(hp)
                 off, n = self.offsets[i], self.numels[i]
-                full = p.clone(out[:, off:off + n]).reshape(self._front_shape(hp, self.shard_size * hp.chunk))
+                full = clone(out[:, off:off + n]).reshape(self._front_shape(hp, self.shard_size * hp.chunk))
                 full = p.narrow(full, 0, 0, hp.shape[hp.dim])
                 hp.unsharded = self._front(p, full, hp.dim).contiguous()
                 hp.pending = None

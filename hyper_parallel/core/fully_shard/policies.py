@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hyper_parallel.platform import get_platform
+from hyper_parallel.core.tensor_ops import dtype_name
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
@@ -46,7 +46,7 @@ class MixedPrecisionPolicy:
                 # a framework dtype (torch.bfloat16, mindspore.float32), as FSDP2 and
                 # MindFormers pass them: kept as its name, the form every backend reads
                 try:
-                    name = get_platform().dtype_name(value)
+                    name = dtype_name(value)
                 except ValueError as err:
                     raise ValueError(f"MixedPrecisionPolicy: {field}={value!r} is not a floating dtype; use one of "
                                      f"{_FLOAT_DTYPES}, the framework's dtype of one, or None") from err

@@ -3,8 +3,9 @@ lowering to point-to-point communication, a validator, a time/memory simulator, 
 runtime that executes the action lists (GPipe, 1F1B, interleaved 1F1B)."""
 
 from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
-from hyper_parallel.core.pipeline_parallel.runtime import (PipelineSchedule, Schedule1F1B, ScheduleGPipe,
-                                                           ScheduleInterleaved1F1B)
+from hyper_parallel.core.pipeline_parallel.named_schedules import (Schedule1F1B, ScheduleGPipe,
+                                                                   ScheduleInterleaved1F1B)
+from hyper_parallel.core.pipeline_parallel.runtime import PipelineSchedule
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 
 __all__ = ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B",
@@ -12,12 +13,12 @@ __all__ = ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
 
 from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap  # noqa: E402
 from hyper_parallel.core.pipeline_parallel.hook_coordinator import HookCoordinator, HookRole  # noqa: E402
-from hyper_parallel.core.pipeline_parallel.scheduler import MetaStepType, PipelineContext  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.custom_step import MetaStepType, PipelineContext  # noqa: E402
 
 __all__ += ["CommComputeOverlap", "HookCoordinator", "HookRole", "MetaStepType", "PipelineContext"]
 
-from hyper_parallel.core.pipeline_parallel.runtime import (ScheduleDualPipeV,  # noqa: E402
-                                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from hyper_parallel.core.pipeline_parallel.named_schedules import (ScheduleDualPipeV,  # noqa: E402
+                                                                   ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 __all__ += ["ScheduleDualPipeV", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
 

@@ -25,6 +25,7 @@ from hyper_parallel.core.pipeline_parallel.boundary import (LAYOUT_LEN, MAX_DIMS
                                                             encode_layout, layout_of)
 from hyper_parallel.platform import P2POp, Platform, Work
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
+from hyper_parallel.core.tensor_ops import dtype_name
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 MAX_TENSORS = 8  # tensors per message
@@ -63,13 +64,13 @@ def spec_of(platform: Platform, tensors: Sequence[Any], what: str) -> tuple[Tens
         layout = layout_of(tensor, platform.rank(), f"{what}[{i}]") if isinstance(tensor, DTensor) else None
         if layout is not None:
             tensor = tensor.to_local()
-        if not platform.is_tensor(tensor) or platform.dtype_name(tensor.dtype) not in FLOAT_DTYPES:
-            kind = platform.dtype_name(tensor.dtype) if platform.is_tensor(tensor) else type(tensor).__name__
+        if not platform.is_tensor(tensor) or dtype_name(tensor.dtype) not in FLOAT_DTYPES:
+            kind = dtype_name(tensor.dtype) if platform.is_tensor(tensor) else type(tensor).__name__
             raise TypeError(f"{what}[{i}] is {kind}; a stage's outputs must be floating-point tensors (a tensor or a "
                             "tuple of tensors) so that their gradients can flow back")
         if tensor.ndim > MAX_DIMS:
             raise TypeError(f"{what}[{i}] has {tensor.ndim} dims; at most {MAX_DIMS} cross a stage boundary")
-        specs.append(TensorSpec(tuple(int(d) for d in tensor.shape), platform.dtype_name(tensor.dtype), layout))
+        specs.append(TensorSpec(tuple(int(d) for d in tensor.shape), dtype_name(tensor.dtype), layout))
     return tuple(specs)
 
 

@@ -26,9 +26,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from hyper_parallel.core.pipeline_parallel.runtime import (PipelineSchedule, Schedule1F1B, ScheduleDualPipeV,
-                                                           ScheduleGPipe, ScheduleInterleaved1F1B,
-                                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+from hyper_parallel.core.pipeline_parallel.named_schedules import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                                                   ScheduleInterleaved1F1B,
+                                                                   ScheduleInterleavedZeroBubble,
+                                                                   ScheduleZBVZeroBubble)
+from hyper_parallel.core.pipeline_parallel.runtime import PipelineSchedule
 from hyper_parallel.core.pipeline_parallel.schedules.actions import Schedule
 from hyper_parallel.core.pipeline_parallel.schedules.lowering import loop_placement
 from hyper_parallel.core.pipeline_parallel.schedules.zero_bubble import v_placement

@@ -219,7 +219,7 @@ class PipelineStage:
             self.weight_split = LinearWeightSplit(self.platform, self.submodule)
 
     # -- one microbatch inside a running step, for custom step functions ----------------
-    # (upstream hyper-parallel's and torch's per-chunk calls; see core/pipeline_parallel/scheduler)
+    # (upstream hyper-parallel's and torch's per-chunk calls; see core/pipeline_parallel/custom_step)
 
     def _running(self, caller: str) -> Any:
         if self._step is None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -12,6 +15,41 @@ from hyper_parallel.platform.contract.common import CustomFunction
 #: What ``vjp`` returns as its backward: ``backward(grad_outputs, part="all")``, output
 #: gradients in, (input gradients, parameter gradients) out.
 VjpFn = Callable[..., tuple[tuple[Any, ...], tuple[Any, ...]]]
+
+
+#: set while the operations running are bookkeeping that the forward and the
+#: recomputation of ``recompute(keep=)`` do differently
+_UNMATCHED: contextvars.ContextVar[bool] = contextvars.ContextVar("hyper_parallel_sac_unmatched", default=False)
+
+
+@contextlib.contextmanager
+def unmatched_operations() -> Iterator[None]:
+    """Operations run inside are neither kept nor counted by ``recompute(keep=)``: the
+    caller's bookkeeping that the forward and the recomputation do differently
+    (fully_shard's hooks; [Note: selective checkpointing] in ``platform/selective_checkpoint``).
+    Part of the contract of ``recompute``: core marks such operations, every backend's
+    selective checkpointing honours the mark (``in_unmatched_operations``)."""
+    token = _UNMATCHED.set(True)
+    try:
+        yield
+    finally:
+        _UNMATCHED.reset(token)
+
+
+def in_unmatched_operations() -> bool:
+    """True inside ``unmatched_operations()``."""
+    return _UNMATCHED.get()
+
+
+def unmatched(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` (a module hook) run inside ``unmatched_operations()``."""
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with unmatched_operations():
+            return hook(*args, **kwargs)
+
+    return run
 
 
 class AutogradSection(ABC):
@@ -132,7 +170,7 @@ class AutogradSection(ABC):
         recomputes it. Operations are matched by name and order of call, as torch's
         ``create_selective_checkpoint_contexts`` does, in dispatch modes below autograd
         (torch ``TorchDispatchMode``, MindSpore ``mindspore.utils.MsDispatchMode``); what
-        runs inside ``platform.selective_checkpoint.unmatched_operations()`` is neither
+        runs inside ``unmatched_operations()`` (this module) is neither
         kept nor counted ([Note: selective checkpointing] in
         ``platform/selective_checkpoint``). One backward per forward: a second
         recomputation of the region raises.

@@ -109,7 +109,3 @@ class CollectivesSection(ABC):
         Raises:
             ValueError: an op's peer is this rank or outside its group.
         """
-
-    @abstractmethod
-    def barrier(self, group: Any = None, async_op: bool = False) -> Work:
-        """Block until every rank of ``group`` reached the barrier."""

@@ -89,11 +89,6 @@ class OpsSection(ABC):
         result (torch ``Tensor.detach``, MindSpore ``ops.stop_gradient``)."""
 
     @abstractmethod
-    def clone(self, tensor: Any) -> Any:
-        """A copy of ``tensor`` in its own memory; differentiable (the gradient passes
-        through unchanged)."""
-
-    @abstractmethod
     def softmax(self, x: Any, dim: int, *, log: bool = False) -> Any:
         """Softmax of floating ``x`` along ``dim`` (any shape, kept), by the framework's
         kernel; ``log=True``: log-softmax (the framework's fused one, not ``log`` of the

@@ -35,14 +35,6 @@ class TypesSection(ABC):
         """
 
     @abstractmethod
-    def dtype_name(self, dtype: Any) -> str:
-        """The name in ``DTYPE_NAMES`` of a framework dtype.
-
-        Raises:
-            ValueError: the dtype has no name in ``DTYPE_NAMES``.
-        """
-
-    @abstractmethod
     def dtensor_type(self, base: type) -> type:
         """The class DTensors have on this backend, built once per ``base`` and cached.
 

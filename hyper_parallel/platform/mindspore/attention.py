@@ -80,7 +80,7 @@ import numpy as np
 from hyper_parallel.platform.attention_pieces import LSE_FLOOR, plan_pieces, run_backward, run_forward
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
 from hyper_parallel.platform.packed_documents import TndCall, packed_rows, tnd_call
-from hyper_parallel.platform.validation import check_attention_backward, check_attention_inputs
+from hyper_parallel.platform.contract.validation import check_attention_backward, check_attention_inputs
 
 #: Queries per tile on CPU (rows per kv head are ``Q_TILE * group``); see
 #: [Note: MindSpore CPU attention tiles].
@@ -118,7 +118,7 @@ def _shape(x: Any) -> tuple[int, ...]:
 def check_inputs(p: Any, q: Any, k: Any, v: Any, mask: AttentionMask) -> None:
     """Raise unless ``q``/``k``/``v``/``mask`` fit ``Platform.attention``
     (``validation.check_attention_inputs``); before any compute."""
-    names = [p.dtype_name(x.dtype) for x in (q, k, v)]
+    names = [p._dtype_name(x.dtype) for x in (q, k, v)]
     kernel = "FlashAttentionScore" if p.device_type == "ascend" else "the tiled CPU kernel"
     supported = _ASCEND_DTYPES if p.device_type == "ascend" else ("float64", "float32", "bfloat16", "float16")
     check_attention_inputs(q, k, v, mask, names, supported, backend=p.name, kernel=kernel)

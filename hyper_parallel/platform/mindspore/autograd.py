@@ -16,7 +16,7 @@ from hyper_parallel.platform.contract.autograd import AutogradSection, VjpFn
 from hyper_parallel.platform.contract.common import CustomFunction
 from hyper_parallel.platform.mindspore.selective_checkpoint import selective_contexts
 from hyper_parallel.platform.saved_tensor_layers import PASS, LayeredHooks, SavedTensorLayer
-from hyper_parallel.platform.validation import check_vjp_part
+from hyper_parallel.platform.contract.validation import check_vjp_part
 
 
 def native_function(base: type, function: type[CustomFunction]) -> type:

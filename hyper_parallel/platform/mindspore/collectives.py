@@ -35,7 +35,7 @@ import numpy as np
 from hyper_parallel.platform.contract.collectives import CollectivesSection
 from hyper_parallel.platform.contract.common import CompletedWork, HandleWork, P2POp, ReduceOp, Work
 from hyper_parallel.platform.mindspore import p2p
-from hyper_parallel.platform.validation import check_divisible, check_gather_out, check_peer, check_split_sizes
+from hyper_parallel.platform.contract.validation import check_divisible, check_gather_out, check_peer, check_split_sizes
 
 #: The MindSpore name of each reduction; AVG is a sum divided by the group size.
 _NATIVE_OP = {ReduceOp.SUM: "sum", ReduceOp.AVG: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
@@ -188,18 +188,6 @@ class MindSporeCollectives(CollectivesSection):
         handle = self._dist.broadcast(buf, ranks[src], group=name, async_op=async_op)
         return _work(handle, lambda: self._unwire(buf, tensor.dtype))
 
-    def barrier(self, group: Any = None, async_op: bool = False) -> Work:
-        """Ascend: ``mint.distributed.barrier``. CPU: an all-reduce of one int32 that is
-        read back (MindSpore's own barrier calls ``runtime.synchronize``, which logs an
-        error on CPU, and PyNative collectives run asynchronously, so only the read blocks)."""
-        name, _, _ = self._member_group(group, "barrier")
-        if self._device_type == "ascend":
-            handle = self._dist.barrier(group=name, async_op=async_op)
-            return _work(handle, lambda: None)
-        token = self._mint.zeros((1,), dtype=self._ms.int32)
-        handle = self._dist.all_reduce(token, "sum", group=name, async_op=async_op)
-        return _work(handle, lambda: _block_on(token))
-
     # -- point-to-point ------------------------------------------------------------------
 
     def _isend(self, tensor: Any, dst: int, group: Any = None) -> Work:
@@ -263,7 +251,7 @@ class MindSporeCollectives(CollectivesSection):
 
     def _dtype_key(self, dtype: Any) -> str | None:
         try:
-            return self.dtype_name(dtype)  # type: ignore[attr-defined]
+            return self._dtype_name(dtype)  # type: ignore[attr-defined]
         except ValueError:
             return None
 

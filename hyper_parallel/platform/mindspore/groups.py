@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.platform.contract.groups import GroupsSection
-from hyper_parallel.platform.validation import check_group_ranks
+from hyper_parallel.platform.contract.validation import check_group_ranks
 
 #: Environment variables a MindSpore worker is launched with (msrun sets them all).
 LAUNCH_ENV = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM", "MS_NODE_ID")

@@ -21,7 +21,7 @@ from hyper_parallel.platform.contract.attention import FULL, AttentionMask
 from hyper_parallel.platform.contract.common import Activation
 from hyper_parallel.platform.contract.ops import OpsSection
 from hyper_parallel.platform.mindspore import attention as kernels
-from hyper_parallel.platform.validation import normalize_dim, refuse_dtensor
+from hyper_parallel.platform.contract.validation import normalize_dim, refuse_dtensor
 
 
 def _shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -116,13 +116,6 @@ class MindSporeOps(OpsSection):
     def detach(self, tensor: Any) -> Any:
         """``ops.stop_gradient`` (MindSpore tensors have no ``detach``)."""
         return self._ops.stop_gradient(tensor)
-
-    def clone(self, tensor: Any) -> Any:
-        """A one-piece ``mint.cat``: MindSpore 2.10 has no CPU kernel for ``clone`` (a
-        0-dim tensor goes through one dim: Concat refuses it)."""
-        if tensor.ndim == 0:
-            return self._mint.cat([tensor.reshape((1,))]).reshape(())
-        return self._mint.cat([tensor])
 
     def softmax(self, x: Any, dim: int, *, log: bool = False) -> Any:
         """``mint.nn.functional.softmax``; ``ops.log_softmax`` for ``log=True``

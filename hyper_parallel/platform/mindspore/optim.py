@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.platform.validation import local_piece
+from hyper_parallel.platform.contract.validation import local_piece
 
 
 class MindSporeAdamW:

@@ -106,7 +106,7 @@ class MindSporePlatform(
             raise ValueError(f"dtype: {name!r} is not a dtype name; use one of {', '.join(DTYPE_NAMES)}")
         return found
 
-    def dtype_name(self, dtype: Any) -> str:
+    def _dtype_name(self, dtype: Any) -> str:
         for name, candidate in self._dtypes.items():
             if dtype == candidate:
                 return name

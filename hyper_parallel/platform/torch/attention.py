@@ -27,7 +27,7 @@ from hyper_parallel.platform.contract.attention import AttentionMask
 from hyper_parallel.platform.packed_documents import TndCall, packed_rows, tnd_call
 from hyper_parallel.platform.torch import cpu_attention as cpu
 from hyper_parallel.platform.torch import cuda_attention as cuda
-from hyper_parallel.platform.validation import check_attention_inputs
+from hyper_parallel.platform.contract.validation import check_attention_inputs
 
 _CPU_DTYPES = ("float64", "float32", "bfloat16", "float16")
 _CUDA_DTYPES = ("float32", "float16", "bfloat16")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform.contract.common import CompletedWork, HandleWork, P2POp, ReduceOp, Work
-from hyper_parallel.platform.validation import check_divisible, check_gather_out, check_peer, check_split_sizes
+from hyper_parallel.platform.contract.validation import check_divisible, check_gather_out, check_peer, check_split_sizes
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -168,7 +168,3 @@ class TorchCollectives:
             # NCCL/HCCL coalesce a batch into fewer handles; each op then waits on all.
             return [HandleWork(handles, (lambda r=r, keep=b: r)) for r, b in zip(results, bufs)]
         return [HandleWork([h], (lambda r=r, keep=b: r)) for h, r, b in zip(handles, results, bufs)]
-
-    def barrier(self, group: Any = None, async_op: bool = False) -> Work:
-        native = dist.barrier(group=self._group(group), async_op=async_op)
-        return _work(native, None, async_op)

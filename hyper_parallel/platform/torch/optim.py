@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyper_parallel.platform.validation import local_piece
+from hyper_parallel.platform.contract.validation import local_piece
 
 
 class TorchAdamW:

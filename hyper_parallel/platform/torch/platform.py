@@ -27,7 +27,7 @@ from hyper_parallel.platform.torch.collectives import TorchCollectives
 from hyper_parallel.platform.torch.dtensor import build_dtensor_type
 from hyper_parallel.platform.torch.optim import TorchAdamW
 from hyper_parallel.platform.torch.selective_checkpoint import selective_contexts
-from hyper_parallel.platform.validation import (
+from hyper_parallel.platform.contract.validation import (
     refuse_dtensor,
     check_attention_backward,
     check_group_ranks,
@@ -131,7 +131,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             raise ValueError(f"dtype name {name!r} is unknown; use one of {', '.join(DTYPE_NAMES)}")
         return _DTYPES[name]
 
-    def dtype_name(self, dtype: Any) -> str:
+    def _dtype_name(self, dtype: Any) -> str:
         for name, value in _DTYPES.items():
             if value == dtype:
                 return name
@@ -379,9 +379,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def detach(self, tensor: Any) -> Any:
         return tensor.detach()
-
-    def clone(self, tensor: Any) -> Any:
-        return tensor.clone()
 
     def check_attention(self, q: Any, k: Any, v: Any, mask: AttentionMask = FULL) -> None:
         attn.check_inputs(self.name, q, k, v, mask)

@@ -1,7 +1,10 @@
-"""Layout moves shared by the platform's collectives and by core: moving a dim to the
-front before a dim-0 collective, and folding a leading per-rank dim back into a tensor
-dim after it. Only the documented tensor methods are used, so every backend gets the same
-behaviour."""
+"""Contract: the layout moves that the dim-0 collectives imply, stated once for both sides
+of the seam. A collective of the contract works on dim 0 (``all_gather_into_tensor``
+stacks the ranks' pieces there, ``reduce_scatter_tensor`` splits it); core, planning a
+collective of another dim, and the backends' differentiable collectives, which take a
+``dim``, move that dim to the front and fold the per-rank dim back with these four
+functions. They are compositions of ``TENSOR_METHODS`` (``permute``, ``contiguous``,
+``reshape``), so they behave the same on every backend."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Argument checks shared by every backend, run before any communication is issued.
+"""Contract: the argument rules of the members, checked by every backend (and by core's
+helpers over the members) before any communication is issued.
 
 Each check raises with the argument, the value, the rule and the fix, so that every
 rank fails the same way before a collective could leave its peers waiting.
