@@ -156,7 +156,9 @@ sharded_dim_axis = _fused.sharded_dim_axis
 def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """MindSpore's ``FlashAttentionScore`` on DTensors, or ``None`` for the rules:
     ``context_parallel.flash_attention_score``."""
-    out = _flash_attention_score.flash_attention_score(args, kwargs)
-    if out is not None:
-        record_rule("FlashAttentionScore")
+    planned = _flash_attention_score.flash_attention_score(args, kwargs)
+    if planned is None:
+        return None
+    rule, out = planned
+    record_rule(rule)
     return out

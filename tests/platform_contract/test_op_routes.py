@@ -110,3 +110,36 @@ def test_each_op_reaches_one_rule_on_every_backend(run_on_ranks) -> None:
         want = dict(ROUTES)
         want.update({name: routes[framework] for name, routes in FRAMEWORK_ROUTES.items()})
         assert seen == want, {name: (seen.get(name), want.get(name)) for name in want if seen.get(name) != want[name]}
+
+
+def check_attention_route() -> list[str]:
+    """The rules a fused attention on head-sharded q/k/v ``[batch, heads, seq, head_dim]``
+    reached (tensor parallelism's attention): torch's SDPA below autograd, MindSpore's
+    ``FlashAttentionScore`` primitive above it."""
+    from hyper_parallel.core.dtensor import Shard, distribute_tensor, init_device_mesh
+    from hyper_parallel.core.op_entry import recorded_rules
+
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (2,))
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((2, 4, 8, 16)).astype(np.float32) for _ in range(3)]
+    q, k, v = (distribute_tensor(p.from_numpy(a), mesh, [Shard(1)]) for a in arrays)
+    with recorded_rules() as rules:
+        if p.framework == "torch":
+            import torch.nn.functional as F
+
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            import mindspore as ms
+
+            out = ms.ops.flash_attention_score(q, k, v, 4, input_layout="BNSD", scalar_value=0.25, sparse_mode=2,
+                                               attn_mask=None)
+    assert list(out.placements) == [Shard(1)], out.placements
+    return list(rules)
+
+
+def test_head_sharded_attention_reaches_the_attention_rule_on_every_backend(run_on_ranks) -> None:
+    """issue 34 item 2: both frameworks' fused attention on head-sharded DTensors is planned by
+    one rule of core, ``scaled_dot_product_attention`` (each rank attends its own heads)."""
+    for seen in run_on_ranks(check_attention_route, world_size=2):
+        assert seen == ["scaled_dot_product_attention"], seen

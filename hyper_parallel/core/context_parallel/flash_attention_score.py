@@ -30,7 +30,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hyper_parallel.core.context_parallel.context import current_frame
-from hyper_parallel.core.context_parallel.fused_attention import (attention_on_dtensors, attention_on_local_shards,
+from hyper_parallel.core.context_parallel.fused_attention import (ATTENTION_RULE, attention_on_dtensors,
+                                                                  attention_on_local_shards,
                                                                   independent_shards_problem,
                                                                   routes_to_context_parallel)
 
@@ -122,9 +123,12 @@ def _refuse_row_maximum(op: str) -> None:
                                   "itself")
 
 
-def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The primitive's result on DTensors, computed by core, or ``None`` for the caller's
-    generic path (sharding rules, which replicate the inputs and run the primitive).
+def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, tuple[Any, ...]] | None:
+    """``(rule, result)``: the primitive's result on DTensors, computed by core, and the name
+    of what planned it (``"context_parallel"``; ``ATTENTION_RULE`` for 4-D q/k/v sharded by
+    batch and heads, the rule torch's SDPA takes; ``"FlashAttentionScore"`` for the 3-D
+    layouts), or ``None`` for the caller's generic path (sharding rules, which replicate the
+    inputs and run the primitive).
 
     Two cases are computed here:
 
@@ -170,4 +174,5 @@ def flash_attention_score(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[
     attend = attention_on_dtensors if context_parallel else attention_on_local_shards
     out = attend(q, k, v, layout=layout, head_num=head_num, is_causal=causal, scale=float(a.get("scale_value", 1.0)),
                  cu_seqlens=cu_seqlens, op=op)
-    return None, None, None, out
+    rule = "context_parallel" if context_parallel else ATTENTION_RULE if q.ndim == 4 else "FlashAttentionScore"
+    return rule, (None, None, None, out)

@@ -13,8 +13,16 @@ from typing import Any
 from hyper_parallel.core.context_parallel.attention import attend_locally, scaled_dot_product_attention
 from hyper_parallel.core.context_parallel.context import current_frame
 from hyper_parallel.core.context_parallel.sharded_qkv import FUSED_LAYOUTS, frame_locals, like_q
+from hyper_parallel.core.dtensor.dispatch import plan_op
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec
+from hyper_parallel.core.dtensor.placement_types import Placement, Shard
+
+#: The ``OP_RULES`` rule that says which dims of ``[batch, heads, seq, head_dim]`` attention
+#: is independent across (batch and heads). torch's SDPA on DTensors is planned by it
+#: (``fused_dispatch.dispatch_aligned``), and so is a 4-D fused op here (MindSpore's
+#: ``FlashAttentionScore`` in ``BNSD`` / ``BSND``): one rule for both frameworks.
+ATTENTION_RULE = "scaled_dot_product_attention"
 
 
 def _heads(q: Any, k: Any, layout: str, head_num: int, op: str) -> tuple[int, int]:
@@ -120,12 +128,37 @@ def attention_on_dtensors(q: DTensor, k: DTensor, v: DTensor, *, layout: str, he
     return like_q(out, q)
 
 
+def _as_bnsd(spec: DTensorSpec, layout: str) -> DTensorSpec:
+    """``spec`` of a 4-D ``layout`` tensor seen as ``[batch, heads, seq, head_dim]``."""
+    batch, seq, heads = FUSED_LAYOUTS[layout]
+    order = (batch, heads, seq, 3)  # head_dim is last in every 4-D layout
+
+    def moved(pl: Placement) -> Placement:
+        return Shard(order.index(pl.dim % 4)) if isinstance(pl, Shard) else pl
+
+    return DTensorSpec(spec.mesh, tuple(moved(pl) for pl in spec.placements), tuple(spec.shape[d] for d in order))
+
+
+def _rule_problem(q: DTensor, k: DTensor, v: DTensor, layout: str) -> str | None:
+    """Why ``ATTENTION_RULE``'s plan for 4-D q/k/v would move one of them (then the op is not
+    computed on the pieces as they are), or ``None`` when it keeps all three."""
+    specs = [_as_bnsd(t._spec, layout) for t in (q, k, v)]
+    plan = plan_op(ATTENTION_RULE, specs)
+    for name, spec, target in zip("qkv", specs, plan.targets):
+        if tuple(target) != tuple(spec.placements):
+            return (f"the attention rule ({ATTENTION_RULE}) plans {name} as {list(target)} of [batch, heads, seq, "
+                    f"head_dim], not as it is ({list(spec.placements)})")
+    return None
+
+
 def independent_shards_problem(q: Any, k: Any, v: Any, layout: str, head_num: int) -> str | None:
     """Why a fused attention op on ``q``, ``k``, ``v`` cannot be computed by each rank on its
     own pieces (``attention_on_local_shards``), or ``None`` when it can: all three are
     DTensors on one mesh with the same placements, sharding only the batch and head dims of
     ``layout`` (the merged ``H`` of ``BSH`` / ``SBH`` counts as heads), evenly over the heads
-    of q and of k/v, never ``Partial``. No communication."""
+    of q and of k/v, never ``Partial``. No communication. For the 4-D layouts the decision is
+    ``ATTENTION_RULE``'s plan (the rule torch's SDPA on DTensors takes); the merged ``H`` of
+    the 3-D layouts is no dim that rule knows, so those are checked here structurally."""
     if layout not in FUSED_LAYOUTS:
         return f"input layout {layout!r} is not one of {sorted(FUSED_LAYOUTS)}"
     if not all(isinstance(t, DTensor) for t in (q, k, v)):
@@ -149,7 +182,7 @@ def independent_shards_problem(q: Any, k: Any, v: Any, layout: str, head_num: in
         return str(e)
     if q_heads % split or kv_heads % split:
         return f"{q_heads} query / {kv_heads} key-value heads do not divide evenly over {split} ranks"
-    return None
+    return _rule_problem(q, k, v, layout) if q.ndim == 4 else None
 
 
 def attention_on_local_shards(q: DTensor, k: DTensor, v: DTensor, *, layout: str, head_num: int, is_causal: bool,
