@@ -229,3 +229,14 @@ def check_torch_init() -> dict[str, bool]:
 def test_torch_nn_init_on_dtensors(run_on_ranks) -> None:
     results = run_on_ranks(check_torch_init, world_size=2)
     assert all(all(r.values()) for r in results), results
+
+
+def test_chunked_draw_equals_one_call(monkeypatch) -> None:
+    """A run longer than the generator's chunk is drawn in several calls, each entering the
+    stream at its own position: the same values as one call."""
+    state = philox.RngState(3, 4)
+    shape = (4, 9)
+    whole = philox.draw("normal", {"mean": 0.0, "std": 1.0}, state, shape, (0, 0), shape, np.dtype(np.float64))
+    monkeypatch.setattr(philox, "_CHUNK", 5)
+    chunked = philox.draw("normal", {"mean": 0.0, "std": 1.0}, state, shape, (1, 0), (3, 9), np.dtype(np.float64))
+    np.testing.assert_array_equal(chunked, whole[1:])

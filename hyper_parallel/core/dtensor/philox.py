@@ -44,8 +44,9 @@ import numpy as np
 
 #: raw 64-bit words each element of a draw consumes
 WORDS = {"uniform": 1, "normal": 2, "bernoulli": 1, "trunc_normal": 1}
-#: elements drawn per call of the generator (bounds the temporary words: 16 bytes each for a normal)
-_CHUNK = 1 << 22
+#: elements drawn per call of the generator: bounds the temporaries (a normal: 16 bytes of words and
+#: about 40 of float64 values per element, ~56 MiB per call)
+_CHUNK = 1 << 20
 _TWO_PI = 2.0 * math.pi
 _2_53 = 2.0 ** -53
 
