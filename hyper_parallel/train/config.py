@@ -168,7 +168,7 @@ class TrainConfig:
         lr_schedule: after warmup: ``cosine``, ``linear``, ``constant`` or ``wsd``
             (``optim.LR_SCHEDULES``), decaying to ``min_lr``.
         min_lr: the learning rate the schedule ends at (default ``lr / 10``).
-        seed: seeds the initial weights (numpy) and the batch sampling.
+        seed: seeds the initial weights (numpy's Philox, below 2**64) and the batch sampling.
         eval_every: validation loss every this many steps (and at the last step).
         eval_batches: batches averaged into one validation loss.
         checkpoint_every: checkpoint every this many steps and at the last step (0: only
@@ -249,6 +249,9 @@ class TrainConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"--seed={self.seed!r} must be an integer >= 0 (it seeds numpy.random.default_rng); "
                              "use --seed 0 or another non-negative integer")
+        if self.seed >= 2 ** 64:  # the key of the initial weights' Philox stream (train/model.py)
+            raise ValueError(f"--seed={self.seed} must be below 2**64 (it keys the Philox stream the initial weights "
+                             "are drawn from); use a smaller non-negative integer")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"--lr={self.lr!r} must be a positive number")
         if self.lr_schedule not in LR_SCHEDULES:

@@ -34,7 +34,7 @@ from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import VALIDATION_STREAM, Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, MetricsWriter, Progress, plot_losses
-from hyper_parallel.train.model import build_model
+from hyper_parallel.train.model import build_model, initial_pieces
 from hyper_parallel.train.optim import AdamW, local_tensor, lr_at
 from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh, context_parallel_style,
                                               data_parallel_coordinate, parallelize)
@@ -229,7 +229,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
 
             whole = load_hf_model(cfg.hf_config, cfg.seed)
         else:
-            whole = build_model(p, cfg.model, cfg.seed)
+            whole = build_model(p, cfg.model, cfg.seed, values=False)  # written in place below
         pipe = build_pipeline(p, cfg, whole, mesh, cp_mesh)
         model, params = pipe.modules, pipe.parameters()
         # the stages keep the decoder's parameter names (model.build_stage), in pipe.parameters() order
@@ -245,7 +245,8 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
         boxes = local_boxes(model.hf)
     else:
         # the reference runs without activation checkpointing: it must not change the math
-        model = parallelize(build_model(p, cfg.model, cfg.seed), mesh, layout, cp_mesh,
+        # values written in place below, each rank its pieces: [Note: the job's initial weights]
+        model = parallelize(build_model(p, cfg.model, cfg.seed, values=False), mesh, layout, cp_mesh,
                             activation_checkpointing=cfg.activation_checkpointing and not reference)
         names, params = (list(items) for items in zip(*p.named_parameters(model)))
         boxes = local_boxes(model)
@@ -255,6 +256,8 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                 if mesh is not None and dp_size * layout.cp > 1 else None)
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
+    if cfg.hf_config is None:
+        optimizer.load_parameter_values(initial_pieces(cfg.model, cfg.seed, boxes, names))
     grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,
                 cp_mesh, pipe, names, boxes, grad_norm)

@@ -1,7 +1,8 @@
 """The Llama-style decoder of ``hyper-parallel train``, defined once over the platform's
 module classes (``Platform.module_types()``: a ``torch.nn.Module`` on torch, a
 ``mindspore.nn.Cell`` on MindSpore) and its ops, with the same parameter names on both, and
-initialised from one numpy generator so that both frameworks start from bit-identical weights.
+initialised from one counter-based stream computed by numpy, piece by piece, so that both
+frameworks and every layout start from bit-identical weights ([Note: the job's initial weights]).
 
 Architecture (Touvron et al., *LLaMA*, 2023; Ainslie et al., *GQA*, 2023): token embedding
 ``[vocab, dim]``; ``n_layers`` blocks of pre-norm attention and pre-norm SwiGLU MLP
@@ -35,12 +36,15 @@ each rank) needs no change here.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from hyper_parallel.core import tensor_ops
 from hyper_parallel.core.context_parallel import scaled_dot_product_attention
+from hyper_parallel.core.dtensor import philox
+from hyper_parallel.core.fully_shard import Box
 from hyper_parallel.platform import Activation, Platform
 from hyper_parallel.train.config import ModelConfig
 
@@ -66,19 +70,73 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def initial_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """float32 initial values from ``numpy.random.default_rng(seed)``, drawn in
-    ``parameter_shapes`` order: norms 1; other matrices normal with std 0.02, the
-    residual-branch outputs (``wo``, ``w2``) scaled by ``1/sqrt(2 n_layers)`` (GPT-2's
-    scheme, which keeps the residual stream's variance from growing with depth)."""
-    rng = np.random.default_rng(seed)
-    out: dict[str, np.ndarray] = {}
+def _std(cfg: ModelConfig, name: str) -> float:
+    """The initial normal's std of parameter ``name``: 0.02, the residual-branch outputs
+    (``wo``, ``w2``) scaled by ``1/sqrt(2 n_layers)`` (GPT-2's scheme, which keeps the
+    residual stream's variance from growing with depth)."""
+    return 0.02 / np.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+
+
+def _entry_points(cfg: ModelConfig, seed: int) -> dict[str, philox.RngState | None]:
+    """Where each parameter's draw enters the stream of ``seed`` (``None``: a norm, all
+    ones, no draw): the parameters in ``parameter_shapes`` order, each past the previous."""
+    state = philox.RngState(seed)
+    out: dict[str, philox.RngState | None] = {}
     for name, shape in parameter_shapes(cfg).items():
         if name.endswith("norm.weight"):
-            out[name] = np.ones(shape, np.float32)
+            out[name] = None
             continue
-        std = 0.02 / np.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
-        out[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+        out[name] = state
+        state = state.advanced("normal", int(np.prod(shape)))
+    return out
+
+
+def initial_piece(cfg: ModelConfig, seed: int, name: str, starts: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
+    """The initial values of the box ``starts .. starts + lengths`` of parameter ``name``:
+    float32 ``[*lengths]``, computed for that box alone (no other element is drawn).
+
+    [Note: the job's initial weights] Norms are 1; every other matrix is normal with the
+    std of ``_std``, drawn from one counter-based stream (core's ``philox``: [Note: random
+    ops on DTensors]) in which each parameter has its own stretch, in ``parameter_shapes``
+    order. Element ``i`` of a parameter takes its words at ``i``, so any rank's piece
+    (a fully_shard chunk inside a tensor-parallel chunk, uneven ones included) is drawn in
+    place and equals that box of the one-process weights bit for bit, on torch and
+    MindSpore alike (numpy computes them).
+
+    Raises:
+        KeyError: ``name`` is not a parameter of ``cfg``'s decoder.
+        ValueError: ``seed`` outside ``[0, 2**64)``.
+    """
+    entry = _entry_points(cfg, seed)[name]
+    shape = parameter_shapes(cfg)[name]
+    if entry is None:
+        return np.ones(tuple(lengths), np.float32)
+    return philox.draw("normal", {"mean": 0.0, "std": float(_std(cfg, name))}, entry, shape, tuple(starts),
+                       tuple(lengths), np.dtype(np.float32))
+
+
+def initial_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Every parameter's whole float32 initial value ([Note: the job's initial weights])."""
+    return {name: initial_piece(cfg, seed, name, (0,) * len(shape), shape)
+            for name, shape in parameter_shapes(cfg).items()}
+
+
+def initial_pieces(cfg: ModelConfig, seed: int, boxes: dict[str, Box], names: Sequence[str]) -> list[np.ndarray]:
+    """This rank's piece of each parameter of ``names`` (``boxes``: ``local_boxes`` of the
+    parallelized model), float32 of the box's lengths, in ``names`` order: what
+    ``Optimizer.load_parameter_values`` writes in place.
+
+    Raises:
+        ValueError: a box whose global shape is not the parameter's.
+    """
+    shapes = parameter_shapes(cfg)
+    out = []
+    for name in names:
+        box = boxes[name]
+        if tuple(box.shape) != shapes[name]:
+            raise ValueError(f"initial_pieces: parameter {name} has global shape {tuple(box.shape)} on this rank, "
+                             f"but the decoder declares {shapes[name]}")
+        out.append(initial_piece(cfg, seed, name, box.starts, box.lengths))
     return out
 
 
@@ -91,12 +149,16 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def build_model(p: Platform, cfg: ModelConfig, seed: int) -> Any:
+def build_model(p: Platform, cfg: ModelConfig, seed: int, *, values: bool = True) -> Any:
     """The decoder as the framework's module (``p.module_types().Module``: a
-    ``torch.nn.Module`` or a ``mindspore.nn.Cell``), holding ``initial_weights(cfg, seed)``."""
+    ``torch.nn.Module`` or a ``mindspore.nn.Cell``), holding ``initial_weights(cfg, seed)``;
+    with ``values=False`` its parameters keep the values the framework's constructors
+    gave them (the job writes each rank's piece of the initial weights in place once the
+    model is parallelized: ``initial_pieces``), and no whole initial value is computed."""
     model = _classes(p).Decoder(cfg)
-    for name, value in initial_weights(cfg, seed).items():
-        p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
+    if values:
+        for name, value in initial_weights(cfg, seed).items():
+            p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
     names = [name for name, _ in p.named_parameters(model)]
     if names != list(parameter_shapes(cfg)):
         raise RuntimeError(f"build_model: parameter names {names} differ from the declared {list(parameter_shapes(cfg))}")

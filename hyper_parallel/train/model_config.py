@@ -65,4 +65,14 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(dim=32, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=64, max_seq_len=256),
     "small": ModelConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=352, max_seq_len=1024),
     "base": ModelConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1408, max_seq_len=2048),
+    # Llama-style published shapes, for sharded runs. The names are the published sizes,
+    # which count a 32k-50k-token embedding and head; with this job's 256 bytes the counts
+    # are lower (parameter_shapes): 125m: GPT-3 Small's width and depth (Brown et al.,
+    # 2020, table 2.1) with Llama's MLP (hidden = 8/3 dim, rounded up to 256) and 4
+    # key/value heads, 76 M; 350m: GPT-3 Medium's (dim 1024, 24 layers, 16 heads), 271 M;
+    # 1b: TinyLlama-1.1B's (Zhang et al., 2024: dim 2048, 22 layers, 32 heads, 4 key/value
+    # heads, hidden 5632), 970 M.
+    "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, hidden_dim=2048, max_seq_len=2048),
+    "350m": ModelConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, hidden_dim=2816, max_seq_len=2048),
+    "1b": ModelConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, hidden_dim=5632, max_seq_len=2048),
 }

@@ -39,6 +39,22 @@ def losses(rows: list[dict]) -> np.ndarray:
     return np.asarray([row["loss"] for row in rows], np.float64)
 
 
+def grad_norms(rows: list[dict]) -> np.ndarray:
+    """The global gradient norm before clipping of each step (``grad_norm.py``)."""
+    return np.asarray([row["grad_norm"] for row in rows], np.float64)
+
+
+def check_clipping_parity(name: str, got: np.ndarray, ref: np.ndarray, max_norm: float) -> None:
+    """A layout's global gradient norms against the single-process reference's, which must
+    exceed ``max_norm`` at some step (so the parity of the losses includes clipping).
+
+    Tolerance: 2e-5 relative, as the losses': the pieces' squared norms are the reference's
+    sum in another order (replicas counted once, [Note: the global gradient norm of
+    pieces]), over gradients that differ by the layouts' few ulps per step."""
+    assert max(ref) > max_norm, f"the reference's norms {ref.tolist()} never reach --max-norm {max_norm}: no clipping"
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"{name}: global gradient norms vs single process")
+
+
 def check_layout_parity(out: str) -> list[float]:
     """Tensor parallelism over the whole world against the single-process reference on the
     same seed and data: the parameters are this rank's shards, and the loss curves agree.
@@ -62,6 +78,7 @@ def check_layout_parity(out: str) -> list[float]:
                             shapes["layers.0.feed_forward.w2.weight"][1] // n)
     run_rows = train(cfg, write_outputs=False, run=run)
     got = losses(run_rows)
+    got_norms = grad_norms(run_rows)
     assert len(got) == cfg.steps and np.all(np.isfinite(got)), got
     val = [row["val_loss"] for row in run_rows if "val_loss" in row]
     assert len(val) == 2, run_rows
@@ -80,18 +97,22 @@ def check_layout_parity(out: str) -> list[float]:
         assert local["layers.0.attention.wq.weight"] == (wq[0] // 4, wq[1]), local
         assert local["layers.0.feed_forward.w2.weight"] == (w2[0] // 2, w2[1] // 2), local
         assert local["tok_embeddings.weight"] == (chunk_bounds(emb[0], 2, r // 2)[1], emb[1]), local
-        both_got = losses(train(both, write_outputs=False, run=run))
+        both_rows = train(both, write_outputs=False, run=run)
+        both_got = losses(both_rows)
         # tp 2 x cp 2 (Ulysses over the 4 local heads of each TP rank): fully_shard over the
         # flattened (dp_shard, cp) submesh of each TP coordinate averages the gradients over cp
         tp_cp = cfg.replace(out=f"{out}/tp2_cp2", layout=Layout(tp=2, cp=2, cp_mode="ulysses"))
         run = setup(tp_cp)
         local = local_shapes(p, run.model, shapes)
         assert local["layers.0.attention.wq.weight"] == (wq[0] // 4, wq[1]), local
-        tp_cp_got = losses(train(tp_cp, write_outputs=False, run=run))
+        tp_cp_rows = train(tp_cp, write_outputs=False, run=run)
+        tp_cp_got = losses(tp_cp_rows)
     # the reference uses no collectives: rank 0 runs it after every layout's collectives
     if r == 0:
-        ref = losses(train(cfg, reference=True, write_outputs=False))
+        ref_rows = train(cfg, reference=True, write_outputs=False)
+        ref = losses(ref_rows)
         np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"tp {n} vs single process")
+        check_clipping_parity(f"tp {n}", got_norms, grad_norms(ref_rows), cfg.max_norm)
         if n == 4:
             # Tolerance: as for tp and dp-shard alone (2e-5 relative over four steps): the TP
             # partial sums and the dp gradient average are the same sums in other orders.
@@ -99,6 +120,8 @@ def check_layout_parity(out: str) -> list[float]:
             # Tolerance: as above; Ulysses' all-to-alls move values without arithmetic, the
             # cp gradient average is one more sum in another order (measured 1.3e-7 on torch).
             np.testing.assert_allclose(tp_cp_got, ref, rtol=2e-5, atol=0, err_msg="tp 2 x cp 2 vs single process")
+            check_clipping_parity("tp 2 x dp-shard 2", grad_norms(both_rows), grad_norms(ref_rows), cfg.max_norm)
+            check_clipping_parity("tp 2 x cp 2", grad_norms(tp_cp_rows), grad_norms(ref_rows), cfg.max_norm)
     return got.tolist()
 
 
@@ -148,15 +171,18 @@ def check_data_parallel_parity(out: str, layouts: list[dict], uneven: bool = Tru
         for name, shape in shapes.items():
             rows = chunk_bounds(shape[0], layout.dp_shard * layout.cp, shard)[1]
             assert local[name] == (rows, *shape[1:]), (name, local[name], shape)
-        got = losses(train(cfg, write_outputs=False, run=run))
-        runs.append((cfg, got))
+        rows = train(cfg, write_outputs=False, run=run)
+        runs.append((cfg, losses(rows), grad_norms(rows)))
     # The references use no collectives, so rank 0 alone runs them, after every layout's
     # collectives are done (a rank waiting in a collective for rank 0's reference would time out).
     # The reference ignores the layout, so one run serves every layout.
-    ref = losses(train(runs[0][0], reference=True, write_outputs=False)) if p.rank() == 0 else None
-    for cfg, got in runs if p.rank() == 0 else []:
-        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"{cfg.layout.describe()} vs single process")
-    return [got.tolist() for _, got in runs]
+    ref_rows = train(runs[0][0], reference=True, write_outputs=False) if p.rank() == 0 else []
+    for cfg, got, got_norms in runs if p.rank() == 0 else []:
+        np.testing.assert_allclose(got, losses(ref_rows), rtol=2e-5, atol=0,
+                                   err_msg=f"{cfg.layout.describe()} vs single process")
+        check_clipping_parity(f"{cfg.layout.describe()} {cfg.layout.cp_mode}", got_norms, grad_norms(ref_rows),
+                              cfg.max_norm)
+    return [got.tolist() for _, got, _ in runs]
 
 
 def check_resume(out: str) -> None:
@@ -263,26 +289,28 @@ def check_pipeline_parity(out: str, layouts: list[dict], resume: bool = False) -
             barrier()
             resumed = losses(train(cfg.replace(resume=True), write_outputs=False))
             np.testing.assert_array_equal(resumed, got[2:], err_msg="resumed from step 2")
-        runs.append((cfg, got, val))
+        runs.append((cfg, got, val, grad_norms(rows)))
     return compare_pipeline_runs(runs)
 
 
-def compare_pipeline_runs(runs: list[tuple[TrainConfig, np.ndarray, float]]) -> list[list[float]]:
-    """Rank 0 compares each ``(cfg, training losses, final validation loss)`` with the
-    single-process reference's within 2e-5 relative (the tolerance of the callers'
-    docstrings); the reference ignores the layout, so one runs per model. It runs after
-    every layout's collectives (see check_data_parallel_parity). Returns the losses."""
+def compare_pipeline_runs(runs: list[tuple[TrainConfig, np.ndarray, float, np.ndarray]]) -> list[list[float]]:
+    """Rank 0 compares each ``(cfg, training losses, final validation loss, global gradient
+    norms)`` with the single-process reference's within 2e-5 relative (the tolerance of the
+    callers' docstrings; the norms: ``check_clipping_parity``); the reference ignores the
+    layout, so one runs per model. It runs after every layout's collectives (see
+    check_data_parallel_parity). Returns the losses."""
     if get_platform().rank() == 0:
         references = {}
-        for cfg, got, val in runs:
+        for cfg, got, val, got_norms in runs:
             if cfg.model_name not in references:
                 ref_rows = train(cfg, reference=True, write_outputs=False)
-                references[cfg.model_name] = (losses(ref_rows), ref_rows[-1]["val_loss"])
-            ref, ref_val = references[cfg.model_name]
+                references[cfg.model_name] = (losses(ref_rows), ref_rows[-1]["val_loss"], grad_norms(ref_rows))
+            ref, ref_val, ref_norms = references[cfg.model_name]
             name = f"{cfg.layout.describe()} {cfg.layout.pp_schedule} {cfg.layout.cp_mode}"
             np.testing.assert_allclose(got, ref, rtol=2e-5, atol=0, err_msg=f"{name} vs single process")
             np.testing.assert_allclose(val, ref_val, rtol=2e-5, atol=0, err_msg=f"{name} validation loss")
-    return [got.tolist() for _, got, _ in runs]
+            check_clipping_parity(name, got_norms, ref_norms, cfg.max_norm)
+    return [got.tolist() for _, got, _, _ in runs]
 
 
 def reference_losses(cfg_values: dict) -> list[list[float]]:

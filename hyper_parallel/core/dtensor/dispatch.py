@@ -30,7 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hyper_parallel.core import tensor_ops
+from hyper_parallel.core.dtensor import philox
 from hyper_parallel.core.dtensor.dtensor import DTensor, make_dtensor, wrap_local
 from hyper_parallel.core.dtensor.dtensor_spec import DTensorSpec, local_offset, local_shape
 from hyper_parallel.core.dtensor.op_rules import OP_RULES, Strategy, output_shape, strategies, view_keeps_dim
@@ -201,6 +204,7 @@ def plan_op(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | tupl
 
     Raises:
         KeyError: ``op`` has no rule.
+        ValueError: a draw (the ``random`` family) on a ``Partial`` input or on several tensors.
         RuntimeError: an in-place op whose rule cannot keep the written input's
             placements on some mesh axis (``x.add_(y)`` always can: ``y`` is moved to
             ``x``'s layout; an in-place softmax over ``x``'s sharded dim cannot).
@@ -214,6 +218,14 @@ def _plan_cached(op: str, specs: tuple[DTensorSpec, ...], frozen: tuple[Any, ...
     rule = OP_RULES[op]
     params = dict(frozen)
     mesh = specs[0].mesh
+    if rule.family == "random" and len(specs) != 1:
+        raise ValueError(f"{op} on DTensors with {len(specs)} tensor arguments (a mean or a probability per "
+                         "element): only a draw shaped like one tensor with number arguments is drawn from "
+                         "hyper_parallel's stream; draw a standard one with hyper_parallel.core.dtensor.random "
+                         "(normal_, uniform_, bernoulli_) and combine it with the tensors")
+    if rule.family == "random" and any(pl.is_partial() for pl in specs[0].placements):
+        raise ValueError(f"{op} on a DTensor with placements {list(specs[0].placements)}: a Partial tensor holds "
+                         "terms of a sum, which a draw is not; redistribute it to Replicate or Shard first")
     shapes = [spec.shape for spec in specs]
     if rule.family == "view":
         first = specs[0].placements
@@ -284,6 +296,73 @@ def _vocabulary_parallel(op: str, plan: OpPlan, weight: DTensorSpec,
     return lambda ids, table: tensor_ops.masked_embedding(ids, table, start)
 
 
+#: a random rule's name -> (the stream's kind of draw, the params it needs)
+_RANDOM_PARAMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "normal": ("normal", ("mean", "std")),
+    "uniform": ("uniform", ("low", "high")),
+    "bernoulli": ("bernoulli", ("p",)),
+    "trunc_normal": ("trunc_normal", ("mean", "std", "a", "b")),
+}
+#: numpy dtypes the draws are made in (bfloat16: float32, then cast by the platform)
+_DRAW_DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "bfloat16": np.float32}
+
+
+def _random_local(op: str, plan: OpPlan, spec: DTensorSpec, params: Any, inplace: int | None,
+                  local_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A draw (the ``random`` family of ``OP_RULES``) runs core's stream instead of the
+    framework's generator (``draw_local`` on this rank's piece of the output); other ops
+    keep ``local_fn``."""
+    if OP_RULES[op].family != "random":
+        return local_fn
+    out_spec = plan.out_spec
+    offsets, lengths = out_spec.local_offsets(), plan.out_local_shape
+    return lambda local: draw_local(op, params, local, out_spec.shape, offsets, lengths, inplace=inplace is not None)
+
+
+def draw_local(op: str, params: Any, local: Any, shape: Sequence[int], offsets: Sequence[int],
+               lengths: Sequence[int], *, inplace: bool) -> Any:
+    """The piece ``offsets .. offsets + lengths`` of the values one device would draw for a
+    whole tensor of ``shape`` ([Note: random ops on DTensors] in ``philox.py``), in
+    ``local``'s dtype: written into ``local`` (``inplace``; returns it) or returned as a new
+    tensor. The stream advances past the whole tensor on every rank, whatever its piece
+    (an empty one included).
+
+    Args:
+        op: a rule of the ``random`` family (``normal``, ``uniform``, ``bernoulli``,
+            ``trunc_normal``); ``params``: its arguments (a dict, or frozen pairs).
+        local: this rank's local tensor of shape ``lengths``, floating point.
+
+    Raises:
+        RuntimeError: the backend handed the op without its arguments (naming the explicit
+            function that takes them), or no seed is set.
+        TypeError: a dtype that is not floating point.
+        ValueError: an in-place draw into a 0-dim tensor.
+    """
+    kind, needed = _RANDOM_PARAMS[op]
+    given = dict(params) if params else {}
+    missing = [name for name in needed if name not in given]
+    if missing:
+        raise RuntimeError(f"{op} on a DTensor: the backend handed the op without its arguments {missing}, so "
+                           "its values cannot be drawn from hyper_parallel's stream; call "
+                           f"hyper_parallel.core.dtensor.random.{op}_(tensor, ...) instead")
+    p = get_platform()
+    name = p.dtype_name(local.dtype)
+    if name not in _DRAW_DTYPES:
+        raise TypeError(f"{op} on a tensor of dtype {name}: draws are floating point; cast it first")
+    if inplace and len(lengths) == 0:
+        raise ValueError(f"in-place {op} on a 0-dim tensor: draw into a 1-element tensor instead")
+    state = philox.take(op, kind, _numel(shape))
+    values = p.from_numpy(philox.draw(kind, {k: float(given[k]) for k in needed}, state, shape, offsets, lengths,
+                                      np.dtype(_DRAW_DTYPES[name])))
+    if name == "bfloat16":
+        values = p.to_dtype(values, local.dtype)
+    if not inplace:
+        return values
+    if 0 not in lengths:
+        local[tuple(slice(None) for _ in lengths)] = values
+    return local
+
+
 def _check_dtype(op: str, out: Any) -> None:
     """Refuse a local result whose dtype the platform has no name for (complex ones: a
     torch conjugate view keeps its bit on the local tensor, not on the DTensor, and the
@@ -352,6 +431,7 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
         return _fallback(op, dtensors, local_fn, differentiable=True)
     plan = plan_op(op, [t.spec for t in dtensors], params, inplace)
     local_fn = _vocabulary_parallel(op, plan, dtensors[-1].spec, local_fn)
+    local_fn = _random_local(op, plan, dtensors[0].spec, params, inplace, local_fn)
     mesh = dtensors[0].device_mesh
     out_placements = plan.out_spec.placements
     locals_ = []
@@ -433,6 +513,7 @@ def dispatch_local(op: str, dtensors: Sequence[DTensor], local_fn: Callable[...,
         return _fallback(op, dtensors, local_fn, differentiable=False)
     plan = plan_op(op, specs, params, inplace)
     local_fn = _vocabulary_parallel(op, plan, specs[-1], local_fn)
+    local_fn = _random_local(op, plan, specs[0], params, inplace, local_fn)
     locals_ = [t._local if target == spec.placements else redistribute_raw(t._local, spec, target)
                for t, spec, target in zip(dtensors, specs, plan.targets)]
     return _run(op, local_fn, locals_, plan, dtensors, inplace, with_local_shape, make_dtensor)
@@ -443,7 +524,7 @@ def local_plan(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | t
     """The plan of ``op`` on inputs of ``specs`` when ``dispatch_local`` would run the
     framework op as it is on the local tensors as they are: a rule exists, no input is
     redistributed, no other local op takes its place (a vocabulary-parallel embedding).
-    ``None`` otherwise. A backend that caches it by the inputs' specs and params may then
+    ``None`` otherwise (a draw too). A backend that caches it by the inputs' specs and params may then
     run the op itself and wrap the result in ``plan.out_spec`` (checking its shape with
     ``check_result``): what ``dispatch_local`` does for such a call, without its per-call
     planning. No communication."""
@@ -454,6 +535,8 @@ def local_plan(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | t
         return None
     if op == "embedding" and Shard(0) in plan.targets[-1]:
         return None
+    if OP_RULES[op].family == "random":
+        return None  # the framework's draw never runs: [Note: random ops on DTensors]
     return plan
 
 

@@ -33,6 +33,7 @@ Families (``n``: the size of the mesh axis; dims are dims of the global tensors)
 | ``like`` | a new tensor of the input's shape that does not read its values (``ones_like``, ``fill``): ``Shard(d) -> Shard(d)``; ``Partial -> Replicate`` (no communication) |
 | ``attention`` | ``q [b, hq, sq, d]``, ``k``/``v [b, hkv, skv, d]`` (BNSD): ``Shard(0)`` on all -> ``Shard(0)``; ``Shard(1)`` on all -> ``Shard(1)`` when the axis divides both head counts (query head groups stay with their key/value head); sequences whole (that is context parallelism's job) |
 | ``embedding_backward`` | ``grad [*ids, dim]``, ``ids``: ``(Shard(-1), R) -> Shard(1)``; ``(Shard(d), Shard(d)) -> Partial``; ``(Partial, R) -> Partial`` |
+| ``random`` | a draw shaped like the input (``normal``, ``uniform``, ``bernoulli``, ``trunc_normal``): ``Shard(d) -> Shard(d)``; no ``Partial`` (a draw is no term of a sum); each rank's piece comes from core's stream, never the framework's generator ([Note: random ops on DTensors] in ``philox.py``) |
 
 ``along_dim`` takes any number of inputs of the same rank (``cat``, a softmax's backward)
 and an output ``shape`` when it differs from the first input's (``cat``, ``slice``); with
@@ -94,11 +95,13 @@ OP_RULES: MappingProxyType[str, OpRule] = MappingProxyType({
     # new tensors shaped like the input, whose values they do not read
     **{name: OpRule("like") for name in ("ones_like", "empty_like", "full_like", "fill")},
     "zeros_like": OpRule("like", partial="all"),  # zeros are a valid Partial("sum") too (zero_ of a Partial)
+    # draws: the local op is core's (dispatch.py's _random_local), see [Note: random ops on DTensors]
+    **{name: OpRule("random") for name in ("normal", "uniform", "bernoulli", "trunc_normal")},
     **{name: OpRule("pointwise") for name in (
         "pow", "exp", "log", "sqrt", "rsqrt", "square", "silu", "gelu", "relu", "sigmoid", "tanh", "float", "abs", "sign",
         "sin", "cos", "reciprocal", "clamp", "addcmul", "addcdiv", "maximum", "minimum", "where", "masked_fill",
         "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "isnan", "isinf",
-        "isfinite", "silu_backward", "sigmoid_backward",
+        "isfinite", "silu_backward", "sigmoid_backward", "erfinv",
         "tanh_backward", "gelu_backward", "threshold_backward")},
     "matmul": OpRule("matmul"),
     "bmm": OpRule("matmul"),
@@ -207,7 +210,7 @@ def output_shape(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[s
         return tuple(s for d, s in enumerate(shapes[0]) if d not in reduced)
     if family == "along_dim":
         return tuple(params.get("shape", shapes[0]))
-    if family == "like":
+    if family in ("like", "random"):
         return shapes[0]
     if family == "stack":
         dim = params["dim"] % (len(shapes[0]) + 1)
@@ -341,6 +344,9 @@ def strategies(rule: OpRule, shapes: Sequence[tuple[int, ...]], params: dict[str
             if rule.partial == "all":
                 add([partial], partial)
             add([partial], R)
+    elif family == "random":
+        for d in range(len(shapes[0])):
+            add([Shard(d)], Shard(d))
     elif family == "attention":
         if shapes[0][0] > 1:
             add([Shard(0)] * n_in, Shard(0))

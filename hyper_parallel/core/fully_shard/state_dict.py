@@ -247,6 +247,31 @@ def load_sharded_state_dict(module: Any, path: str) -> None:
         _assign_local(p, module, fqn, param, managed.get(id(param)), local)
 
 
+def materialize(module: Any, values: Callable[[str, Box], np.ndarray]) -> None:
+    """Give every parameter of ``module`` this rank's piece, and storage for that piece
+    alone: ``values(fqn, box)`` (float32 of ``box.lengths``) for the box ``local_boxes``
+    names. The end of a delayed initialisation: a model built on the meta device (torch
+    ``torch.device("meta")``, MindSpore ``mindspore.DeviceCtx("meta")``) and parallelized
+    there (fully_shard, tensor parallelism) holds DTensor parameters with meta local
+    tensors; each becomes a new parameter of the same spec holding its piece, and
+    fully_shard's units use the new ones (the path ``load_sharded_state_dict`` takes).
+    No whole tensor of a sharded parameter is made; a parameter nothing shards is made
+    whole. Build the optimizer after. No communication.
+
+    Raises:
+        ValueError: a value whose shape is not its box's lengths (naming the parameter).
+    """
+    p = get_platform()
+    managed = _managed(module)
+    for fqn, param in list(p.named_parameters(module)):
+        starts, lengths = _box(param)
+        local = values(fqn, Box(_global_shape(param), tuple(starts), tuple(lengths)))
+        if tuple(local.shape) != tuple(lengths):
+            raise ValueError(f"materialize: the value of {fqn} has shape {tuple(local.shape)}, but this rank's piece "
+                             f"of it is {tuple(lengths)} (starts {tuple(starts)} of {_global_shape(param)})")
+        _assign_local(p, module, fqn, param, managed.get(id(param)), local)
+
+
 def _key(fqn: str) -> str:
     return fqn.replace(".", "/")
 
