@@ -42,6 +42,7 @@ def bench_rank(impl: str, preset: str, tp: int) -> dict:
     import torch
 
     import hyper_parallel as hp
+    from hyper_parallel.core.process_groups import barrier
     from hyper_parallel.train.config import Layout
     from hyper_parallel.train.model import build_model, initial_piece
     from hyper_parallel.train.model_config import PRESETS
@@ -50,7 +51,7 @@ def bench_rank(impl: str, preset: str, tp: int) -> dict:
     n = p.world_size()
     cfg = PRESETS[preset]
     base = p.memory_stats().allocated
-    p.barrier().wait()
+    barrier()
     start = time.perf_counter()
     if impl == "hyper_parallel":
         from hyper_parallel.core.fully_shard import materialize
@@ -79,7 +80,7 @@ def bench_rank(impl: str, preset: str, tp: int) -> dict:
                     param.fill_(1.0)
                 else:
                     torch.nn.init.normal_(param, std=0.02)
-    p.barrier().wait()
+    barrier()
     seconds = time.perf_counter() - start
     local = sum(int(t.to_local().numel() if hasattr(t, "to_local") else t.numel()) for t in model.parameters())
     return {"seconds": seconds, "peak_bytes": p.memory_stats().peak - base, "share_bytes": 4 * local}

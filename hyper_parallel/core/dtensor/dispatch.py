@@ -346,7 +346,7 @@ def draw_local(op: str, params: Any, local: Any, shape: Sequence[int], offsets: 
                            "its values cannot be drawn from hyper_parallel's stream; call "
                            f"hyper_parallel.core.dtensor.random.{op}_(tensor, ...) instead")
     p = get_platform()
-    name = p.dtype_name(local.dtype)
+    name = dtype_name(local.dtype)
     if name not in _DRAW_DTYPES:
         raise TypeError(f"{op} on a tensor of dtype {name}: draws are floating point; cast it first")
     if inplace and len(lengths) == 0:
