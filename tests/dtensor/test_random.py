@@ -222,10 +222,6 @@ def check_torch_init() -> dict[str, bool]:
 
 @pytest.mark.skipif(not os.environ.get("HYPER_PARALLEL_PLATFORM", "torch").startswith("torch"),
                     reason="torch.nn.init is torch's")
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="torch's interception hands aten.normal_/uniform_/bernoulli_ to core without their numbers "
-                          "until platform/torch/dtensor.py's _translate passes them (issue 39: the change is given in "
-                          "its report); core then refuses by name, naming hyper_parallel.core.dtensor.random")
 def test_torch_nn_init_on_dtensors(run_on_ranks) -> None:
     results = run_on_ranks(check_torch_init, world_size=2)
     assert all(all(r.values()) for r in results), results

@@ -75,6 +75,12 @@ _POINTWISE = frozenset({
     "lerp",
 })
 #: pointwise aten ops under another rule name
+#: aten's in-place draws core makes from its own stream ([Note: random ops on DTensors] in
+#: core/dtensor/random.py): per op and overload, (param, aten argument name, default) in
+#: aten's positional order after the tensor. bernoulli.default is absent: its p is a tensor.
+_DRAWS = {("normal", "default"): (("mean", "mean", 0.0), ("std", "std", 1.0)),
+          ("uniform", "default"): (("low", "from", 0.0), ("high", "to", 1.0)),
+          ("bernoulli", "float"): (("p", "p", 0.5),)}
 _RENAMED = {"_to_copy": "to_copy", "rsub": "sub", "clamp_min": "clamp", "clamp_max": "clamp", "zero": "zeros_like",
             "mm": "matmul", "bmm": "bmm", "addmm": "addmm", "_softmax": "softmax", "_log_softmax": "log_softmax",
             "_softmax_backward_data": "softmax_backward", "_log_softmax_backward_data": "log_softmax_backward",
@@ -173,6 +179,9 @@ def _translate(name: str, overload: str, args: tuple[Any, ...], kwargs: dict[str
         return "cat", {"dim": dim, "shape": tuple(shape)}
     if name == "embedding":
         return "embedding", {}
+    if (name, overload) in _DRAWS:
+        return name, {key: float(kwargs.get(aten_name, args[i + 1] if len(args) > i + 1 else default))
+                      for i, (key, aten_name, default) in enumerate(_DRAWS[name, overload])}
     return name, {}
 
 
