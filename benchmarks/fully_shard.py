@@ -34,8 +34,8 @@ shard held whole (2 M: forward and the backward's reload) and a multiply by one 
 gradient (``ReduceOp.AVG`` over one rank: M). All but the ``GatherParam`` copy are gone;
 that one stays because MindSpore saves a copy of a custom function's output made outside
 it, which the saved-tensor release cannot match ([Note: gathered parameters and autograd]
-in ``hsdp_state``). Python in the hooks is small beside these (cProfile: see the results'
-markdown).
+in ``hsdp_state``). Python overhead per parameter is not the difference: cProfile counts
+about 24,000 Python calls per step for ours at world 2, 32,000 for FSDP2's.
 """
 
 from __future__ import annotations
