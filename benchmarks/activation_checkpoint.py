@@ -33,6 +33,7 @@ gloo ranks on CPU (torch-cpu). Writes JSON and a markdown table.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -136,19 +137,20 @@ def bench_rank(impl: str, mode: str, model_name: str, batch: int, seq: int, iter
     # Only without sharding: fully_shard's own saved-tensor hooks (around the root's whole
     # forward) are innermost there and would hide every save from the counting hooks.
     saved = saved_bytes() if n == 1 else None
-    seconds = []
+    seconds, cpu_seconds = [], []
     for step in range(warmup + iters):
         if n > 1:
             barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss = model(*args)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         if step >= warmup:
             seconds.append(elapsed)
-    return {"seconds": seconds, "peak_bytes": p.memory_stats().peak - base, "saved_bytes": saved,
+            cpu_seconds.append(cpu)
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_bytes": p.memory_stats().peak - base, "saved_bytes": saved,
             "loss": float(loss.detach())}
 
 
@@ -160,8 +162,9 @@ def run(impl: str, mode: str, world: int, args: argparse.Namespace) -> dict:
     per_rank = run_on_ranks(rank_fn, world, impl, mode, args.model, args.batch, args.seq, args.iters,
                             args.warmup, platform="torch-cpu", timeout_s=1800)
     slowest = [max(rank["seconds"][i] for rank in per_rank) for i in range(args.iters)]
+    busiest = [max(rank["cpu_seconds"][i] for rank in per_rank) for i in range(args.iters)]
     return {"impl": impl, "mode": mode, "world_size": world,
-            "step_ms": statistics.median(slowest) * 1e3,
+            "step_ms": statistics.median(slowest) * 1e3, "cpu_ms": statistics.median(busiest) * 1e3,
             "peak_mib": max(rank["peak_bytes"] for rank in per_rank) / 2**20,
             "saved_mib": None if per_rank[0]["saved_bytes"] is None else per_rank[0]["saved_bytes"] / 2**20}
 
@@ -177,6 +180,7 @@ def comparison(rows: list[dict]) -> list[dict]:
             if ours and theirs:
                 out.append({"world_size": world, "mode": mode,
                             "step_ratio": ours["step_ms"] / theirs["step_ms"],
+                            "cpu_step_ratio": ours["cpu_ms"] / theirs["cpu_ms"],
                             "peak_ratio": ours["peak_mib"] / max(theirs["peak_mib"], 1e-9)})
                 if ours["saved_mib"] is not None:
                     out[-1]["saved_ratio"] = ours["saved_mib"] / max(theirs["saved_mib"], 1e-9)
@@ -192,10 +196,13 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
              "before the model was built. Saved: activations autograd keeps for the backward (parameters "
              "excluded; world 1 only, see the script). ratio = hyper_parallel / torch (below 1: faster / smaller). "
              "World 1 without checkpointing runs the same code on both sides: its ratios show the noise of the "
-             "machine. Selective: matrix products and attention kept, the rest recomputed.", "",
-             "| world | checkpointing | hp step ms | torch step ms | ratio | hp peak MiB | torch peak MiB | ratio "
-             "| hp saved MiB | torch saved MiB | ratio |",
-             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "machine. Selective: matrix products and attention kept, the rest recomputed. CPU: the process CPU "
+             "time of a step (all its threads), median over iterations of the busiest rank, less sensitive than "
+             "the step time to other processes on a shared host; the two implementations alternate which runs "
+             f"first. Load average before the runs: {args.load}.", "",
+             "| world | checkpointing | hp step ms | torch step ms | ratio | hp CPU ms | torch CPU ms | ratio "
+             "| hp peak MiB | torch peak MiB | ratio | hp saved MiB | torch saved MiB | ratio |",
+             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for world in args.worlds:
         for mode in MODES:
             ours, theirs = by[("hyper_parallel", mode, world)], by[("torch", mode, world)]
@@ -204,7 +211,8 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
                      f"{ours['saved_mib'] / max(theirs['saved_mib'], 1e-9):.2f} |")
             lines.append(
                 f"| {world} | {mode} | {ours['step_ms']:.1f} | {theirs['step_ms']:.1f} | "
-                f"{ours['step_ms'] / theirs['step_ms']:.2f} | {ours['peak_mib']:.1f} | {theirs['peak_mib']:.1f} | "
+                f"{ours['step_ms'] / theirs['step_ms']:.2f} | {ours['cpu_ms']:.1f} | {theirs['cpu_ms']:.1f} | "
+                f"{ours['cpu_ms'] / theirs['cpu_ms']:.2f} | {ours['peak_mib']:.1f} | {theirs['peak_mib']:.1f} | "
                 f"{ours['peak_mib'] / max(theirs['peak_mib'], 1e-9):.2f} {saved}")
     return "\n".join(lines) + "\n"
 
@@ -219,10 +227,12 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "activation_checkpoint")
     args = parser.parse_args()
-    rows = [run(impl, mode, world, args) for world in args.worlds for mode in MODES
-            for impl in ("hyper_parallel", "torch")]
+    args.load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # before the runs
+    impls = ("hyper_parallel", "torch")
+    rows = [run(impl, mode, world, args) for world in args.worlds for i, mode in enumerate(MODES)
+            for impl in (impls if i % 2 == 0 else impls[::-1])]  # alternating which runs first
     meta = {"model": args.model, "batch": args.batch, "seq": args.seq, "iters": args.iters, "warmup": args.warmup,
-            "backend": "torch-cpu (gloo)", **host_meta()}
+            "backend": "torch-cpu (gloo)", "load_average": args.load, **host_meta()}
     write_results(args.out, meta, rows, markdown(rows, args), comparison=comparison(rows))
     return 0
 

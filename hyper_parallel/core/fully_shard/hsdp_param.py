@@ -39,7 +39,11 @@ With one rank on the shard axis (plain fully_shard at world 1, or an HSDP mesh o
 ``(R, 1)``) each rank holds its parameters whole: a gather is a local copy in the compute
 dtype (as a replicated parameter's), with no all-gather and no flat buffers, and the
 gradient needs no reduce-scatter (only the replicate axis's all-reduce, if any), as FSDP2
-issues no collective at world 1. Such parameters join no ``ParamGroup``.
+issues no collective at world 1. Such parameters join no ``ParamGroup``. The "gathered"
+tensor is the shard itself when neither a cast nor an offload copies it: ``GatherParam``
+then hands the module a copy (autograd must not take the shard as its output) and the
+backward's reload reads the shard (unchanged until the optimizer steps). A divisor of one
+(``ReduceOp.AVG`` over one rank) is not applied.
 """
 
 from __future__ import annotations
@@ -229,10 +233,13 @@ class HSDPParam:
         p = get_platform()
         with p.no_grad():
             if self.whole_here:
+                # No copy: the shard itself, or the copy the move to the device or the
+                # cast makes (GatherParam copies what the module reads: [Note: a shard axis
+                # of one rank]).
                 local = p.detach(self.local_tensor())
                 if self.offload is not None:
                     local = p.to_device(local, p.device_type)
-                self.pending = _Ready(clone(p.to_dtype(local, dtype)))
+                self.pending = _Ready(p.to_dtype(local, dtype))
                 return
             if self.block is not None:
                 front, group, out, free = self.block, self.inter_group, None, None
@@ -330,7 +337,7 @@ class HSDPParam:
             self.pending_reduce = None
             if self.replicate_group is not None:
                 g = p.all_reduce(g, group=self.replicate_group).wait()
-            if self.reduce_op is ReduceOp.AVG:
+            if self.reduce_op is ReduceOp.AVG and self.shard_size * self.replicate_size > 1:
                 g = g * (1.0 / (self.shard_size * self.replicate_size))
             if not self.whole_here:
                 g = p.narrow(g, 0, 0, self.local_length())  # the padding rows' sums are dropped
@@ -370,7 +377,7 @@ class _Ready:
 
 class WaitReduce(CustomFunction):
     """``src = WaitReduce(sharded, hsdp_param)``: the sharded parameter as ``GatherParam``'s
-    input (a copy of the shard: MindSpore copies an output that is an input anyway).
+    input (``sharded`` itself; its values are not read).
     Backward: waits for the parameter's reduce-scatter that ``GatherParam.backward``
     issued and returns the sharded gradient; when none is in flight (gradient sync
     off) the incoming gradient passes through. Where this node is created decides
@@ -379,7 +386,9 @@ class WaitReduce(CustomFunction):
     @staticmethod
     def forward(ctx: Any, sharded: Any, hsdp_param: HSDPParam) -> Any:
         ctx.hsdp_param = hsdp_param
-        return clone(sharded)
+        # No copy: GatherParam never reads its input's values. torch hands out an input
+        # returned as is as a view of it; MindSpore copies it.
+        return sharded
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
@@ -404,8 +413,8 @@ class GatherParam(CustomFunction):
     def forward(ctx: Any, sharded: Any, hsdp_param: HSDPParam, state: Any) -> Any:
         ctx.hsdp_param = hsdp_param
         ctx.state = state
-        if not state.reshard_after_forward:
-            return hsdp_param.unsharded
+        if not state.reshard_after_forward and hsdp_param.unsharded is not hsdp_param.local_tensor():
+            return hsdp_param.unsharded  # a gathered copy of its own (the shard itself is copied below)
         # [Note: gathered parameters and autograd] (hsdp_state): the output must be a
         # tensor made here. MindSpore saves a copy of a custom function's output that
         # is an outside tensor, and a copy is not matched to its source; the unit drops

@@ -504,7 +504,8 @@ class HSDPState:
                 hp.finish_reduce()  # a gradient never collected (see _pre_forward): dropped
             hp.reduced = None
             hp.start_reduce(grad, reduce_dtype, self.context.streams()[1])
-            result = hp.to_home(p.zeros(hp.local_shape(), hp.sharded.dtype))
+            # A placeholder that WaitReduce replaces with the reduced gradient unread, so unfilled.
+            result = hp.to_home(p.zeros(hp.local_shape(), hp.sharded.dtype, fill=False))
         # This parameter's gradient is final: its gathered copies are no longer needed.
         hp.drop_unsharded()
         self._unsubstitute(hp)

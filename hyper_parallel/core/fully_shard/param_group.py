@@ -207,7 +207,10 @@ class ParamGroup:
             g = grad
             if hp.sequence_parallel_group is not None:
                 g = p.all_reduce(p.to_dtype(g, reduce_dtype), group=hp.sequence_parallel_group).wait()
-            g = p.pad(self._front(p, g, hp.dim), 0, 0, hp.chunk * self.shard_size - hp.shape[hp.dim])
+            g = self._front(p, g, hp.dim)
+            padding = hp.chunk * self.shard_size - hp.shape[hp.dim]
+            if padding:  # otherwise the reshape below is a view and the write the one copy
+                g = p.pad(g, 0, 0, padding)
             off, n = self.offsets[i], self.numels[i]
             flat.buffer[:, off:off + n] = g.reshape(self.shard_size, n)  # the write casts
         flat.arrived.add(i)
@@ -245,7 +248,7 @@ class ParamGroup:
                 first = self.params[0]
                 if first.replicate_group is not None:
                     g = p.all_reduce(g, group=first.replicate_group).wait()
-                if first.reduce_op is ReduceOp.AVG:
+                if first.reduce_op is ReduceOp.AVG:  # shard_size > 1 in a group
                     g = g * (1.0 / (first.shard_size * first.replicate_size))
                 flat.result = g
             i = self.params.index(hp)
