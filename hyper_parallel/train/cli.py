@@ -384,7 +384,7 @@ def run_train(cfg: TrainConfig) -> int:
         first = rows[0]
         steps = complete_steps(cfg.checkpoint_path)
         newest = f" (newest: step_{steps[-1]:08d})" if steps else ""
-        print(f"done: step {last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}"
+        print(f"done: step {last['step']} ({last.get('dtype', 'fp32')}), loss {first['loss']:.3f} -> {last['loss']:.3f}"
               + (f", validation {last['val_loss']:.3f}" if "val_loss" in last else "")
               + f"; metrics {cfg.run_dir / METRICS_FILE}, plot {cfg.run_dir / 'loss.png'}, "
               f"checkpoints {cfg.checkpoint_path}{newest}")

@@ -393,7 +393,7 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
             row: dict[str, Any] = {"step": step, "loss": loss, "grad_norm": grad_norm,
                                    "lr": lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule, cfg.min_lr),
                                    "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                                   "peak_memory_bytes": _peak_memory(run)}
+                                   "peak_memory_bytes": _peak_memory(run), "dtype": run.dtype}
             if run.scaler.enabled:  # the scale the next step's backward is seeded with
                 row["loss_scale"] = run.scaler.scale
             if step % cfg.eval_every == 0 or step == cfg.steps:

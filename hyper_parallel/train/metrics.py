@@ -3,12 +3,14 @@
 One line of ``metrics.jsonl`` per optimizer step::
 
     {"step": 12, "loss": 3.91, "grad_norm": 0.83, "lr": 0.0024, "tokens_per_s": 5123.4,
-     "step_time_s": 0.2, "peak_memory_bytes": [r0, r1, ...], "val_loss": 3.95}   # val_loss every K steps
+     "step_time_s": 0.2, "peak_memory_bytes": [r0, r1, ...], "dtype": "fp32",
+     "val_loss": 3.95}   # val_loss every K steps; "loss_scale": 65536.0 with --dtype fp16
 
 ``loss`` and ``val_loss`` are mean next-byte cross-entropies in nats; ``grad_norm`` is the
 global L2 norm of the gradients before clipping (``grad_norm.py``); ``tokens_per_s``
 counts the tokens of the whole (global) batch; ``peak_memory_bytes`` holds each rank's
-``platform.memory_stats().peak`` (device memory, or peak RSS on CPU).
+``platform.memory_stats().peak`` (device memory, or peak RSS on CPU); ``dtype`` is the
+compute dtype the run resolved (``--dtype`` or the device's default, ``precision``).
 """
 
 from __future__ import annotations

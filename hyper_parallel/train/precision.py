@@ -15,7 +15,8 @@ summed over the data-parallel ranks in float32.
   the root's own parameters (embedding, final norm, output head) are read as ``D`` copies
   during the root's forward, each block's parameters during the forward of the layer that
   holds them (so a block's recomputation under activation checkpointing, which runs those
-  layers' hooks again, reads ``D`` too), and each block's floating inputs are cast to ``D``,
+  layers' hooks again, reads ``D`` too; a recomputation stopped early, which skips the
+  post-hooks, removes its copies when it ends), and each block's floating inputs are cast to ``D``,
   as fully_shard's ``cast_forward_inputs``. The copies are put in the module's instance
   ``__dict__``, as fully_shard presents its gathered parameters ([Note: parameter
   substitution] in ``core/fully_shard/hsdp_state``); the parameters stay registered. Under
@@ -44,6 +45,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase, on_recompute_exit
 from hyper_parallel.core.fully_shard import HSDPModule, MixedPrecisionPolicy
 from hyper_parallel.core.tensor_ops import dtype_name
 from hyper_parallel.platform import Platform
@@ -111,18 +113,28 @@ def apply_mixed_precision(p: Platform, model: Any, policy: MixedPrecisionPolicy)
         floating = p.is_tensor(value) and dtype_name(value.dtype) in ("float16", "bfloat16", "float32", "float64")
         return p.to_dtype(value, dtype) if floating else value
 
+    mine: dict[tuple[int, str], Any] = {}  # (id(owner), name) -> the copy put there
+
+    def withdraw(owners: list[tuple[Any, str, Any]]) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            for owner, name, _ in owners:
+                copy = mine.pop((id(owner), name), None)
+                if copy is not None and vars(owner).get(name) is copy:
+                    del vars(owner)[name]
+        return hook
+
     def present(owners: list[tuple[Any, str, Any]]) -> Any:
         def hook(module: Any, args: Any) -> None:
             for owner, name, param in owners:
                 # a tensor a hook registered before put there is cast instead (tensor
                 # parallelism's local piece of the parameter: its forward computes on it)
-                vars(owner)[name] = p.to_dtype(vars(owner).get(name, param), dtype)
-        return hook
-
-    def withdraw(owners: list[tuple[Any, str, Any]]) -> Any:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            for owner, name, _ in owners:
-                vars(owner).pop(name, None)
+                there = vars(owner).get(name)
+                source = param if there is None or there is mine.get((id(owner), name)) else there
+                vars(owner)[name] = mine[(id(owner), name)] = p.to_dtype(source, dtype)
+            if checkpoint_phase() is CheckpointPhase.RECOMPUTE:
+                # a recomputation stopped early skips the post-hook: a copy left behind
+                # would be read by the next step's forward
+                on_recompute_exit(lambda: withdraw(owners)(module, args, None))
         return hook
 
     def hook_unit(module: Any, owners: list[tuple[Any, str, Any]]) -> None:

@@ -133,3 +133,18 @@ def grad_accum_parity(out: str, layouts: list[dict]) -> list[list[float]]:
                            write_outputs=False))
         np.testing.assert_allclose(one, ref, rtol=2e-5, atol=0, err_msg="--grad-accum 2 on one process")
     return curves
+
+
+def checkpointed_dtype(out: str, dtype: str, degrees: dict) -> list[float]:
+    """``degrees`` in ``dtype`` with and without activation checkpointing: the same losses
+    exactly (the recomputation repeats the forward's casts and operations on the same
+    values; the hooks of [Note: the job's mixed precision] run again inside it)."""
+    p = get_platform()
+    layout = Layout(**degrees)
+    curves = []
+    for checkpointing in (False, True):
+        cfg = tiny_config(f"{out}/{dtype}_ac{int(checkpointing)}", nproc=p.world_size(), layout=layout, steps=3,
+                          eval_every=3, dtype=dtype, activation_checkpointing=checkpointing)
+        curves.append(losses(train(cfg, write_outputs=False)).tolist())
+    np.testing.assert_array_equal(curves[1], curves[0], err_msg=f"{degrees} in {dtype} with checkpointing")
+    return curves[1]

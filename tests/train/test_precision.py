@@ -23,7 +23,7 @@ from hyper_parallel.train.cli import build_parser, config_from_args
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.precision import (DEFAULT_ACCELERATOR, DEFAULT_CPU, LossScaler, mixed_precision_policy,
                                             resolve_dtype)
-from tests.train._precision_ranks import dtype_parity, loss_scaling
+from tests.train._precision_ranks import checkpointed_dtype, dtype_parity, loss_scaling
 from tests.train._ranks import TEST_DATA
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +128,21 @@ def test_command_line_run_in_low_precision(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4] and rows[-1]["loss"] < rows[0]["loss"]
-    assert all(("loss_scale" in row) == (dtype == "fp16") for row in rows)
+    assert all(("loss_scale" in row) == (dtype == "fp16") and row["dtype"] == dtype for row in rows)
+    assert f"done: step 4 ({dtype})" in done.stdout
     parity = json.loads((out / "parity.json").read_text())
     assert parity["steps_compared"] == 4 and parity["max_rel_diff"] < LOW_PRECISION_RTOL[dtype], parity
     assert json.loads((out / "config.json").read_text())["dtype"] == dtype
+
+
+def test_activation_checkpointing_in_low_precision(run_on_ranks, tmp_path: Path) -> None:
+    """--activation-checkpointing in the dtype equals the same run without it, exactly: one
+    process and tp 2 (the hooks of apply_mixed_precision rerun in the recomputation, and a
+    recomputation stopped early leaves no copy behind for the next step), dp-shard 2
+    (fully_shard's policy)."""
+    dtype = _dtypes()[0]
+    run_on_ranks(checkpointed_dtype, str(tmp_path / "one"), dtype, {}, world_size=1, timeout_s=300)
+    for degrees in ({"tp": 2}, {"dp_shard": 2}):
+        results = run_on_ranks(checkpointed_dtype, str(tmp_path / str(degrees)), dtype, degrees, world_size=2,
+                               timeout_s=400)
+        np.testing.assert_array_equal(results[1], results[0])
