@@ -146,3 +146,20 @@ def test_activation_checkpointing_in_low_precision(run_on_ranks, tmp_path: Path)
         results = run_on_ranks(checkpointed_dtype, str(tmp_path / str(degrees)), dtype, degrees, world_size=2,
                                timeout_s=400)
         np.testing.assert_array_equal(results[1], results[0])
+
+
+def test_resume_in_another_dtype(tmp_path: Path) -> None:
+    """Checkpoints hold the float32 master weights and moments whatever the dtype, so a
+    float32 run resumes in the backend's low-precision dtype (and its rows say so)."""
+    platform, dtype = selected_platform(), _dtypes()[0]
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    common = ["train", "--platform", platform, "--nproc", "2", "--dp-shard", "2", "--model", "tiny", "--seq-len", "32",
+              "--batch-size", "4", "--out", str(out), "--no-progress", "--data", *TEST_DATA]
+    for extra in (["--steps", "2"], ["--steps", "4", "--resume", "--dtype", dtype]):
+        done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *common, *extra], env=env,
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "continuing from checkpoint" in done.stderr and f"done: step 4 ({dtype})" in done.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["dtype"]) for row in rows] == [(1, "fp32"), (2, "fp32"), (3, dtype), (4, dtype)]
