@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hyper_parallel.core.tensor_ops import dtype_name
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.config import Layout
 from hyper_parallel.train.loop import _train_step, setup, train
@@ -46,11 +47,11 @@ def dtype_parity(out: str, dtype: str, layouts: list[dict]) -> list[list[float]]
         assert run.dtype == dtype
         seen: set[str] = set()  # the dtype a block's projection computes in
         p.register_forward_hook(run.model.layers[0].attention.wq,
-                                lambda module, args, out: seen.add(p.dtype_name(out.dtype)))
+                                lambda module, args, out: seen.add(dtype_name(out.dtype)))
         got = losses(train(cfg, write_outputs=False, run=run))
         assert seen == {DTYPES[dtype]}, (degrees, seen)
         # the master weights and the optimizer's moments are float32 (the gradients were too)
-        assert {p.dtype_name(local_tensor(param).dtype) for param in run.params} == {"float32"}
+        assert {dtype_name(local_tensor(param).dtype) for param in run.params} == {"float32"}
         state = run.optimizer.state_arrays()
         assert {a.dtype for k, a in state.items() if k != "step"} == {np.dtype(np.float32)}, state.keys()
         curves.append(got.tolist())
