@@ -36,8 +36,9 @@ from hyper_parallel.train import preflight, run_folder
 from hyper_parallel.train.checkpoint import KEEP, complete_steps
 from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
-from hyper_parallel.train.metrics import METRICS_FILE, read_metrics
+from hyper_parallel.train.metrics import LOGGERS, METRICS_FILE, read_metrics
 from hyper_parallel.train.optim import LR_SCHEDULES, WSD_DECAY_FRACTION
+from hyper_parallel.train.precision import DTYPES
 
 #: The layout of a run without layout flags, on ``--nproc`` ranks: sharded data
 #: parallelism (fully_shard over every rank, ``dp_shard = nproc``).
@@ -163,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the learning rate the schedule ends at (default: --lr / 10)")
     tr.add_argument("--weight-decay", type=float, default=0.1,
                     help="AdamW's decoupled weight decay, on every parameter (0: none)")
+    tr.add_argument("--dtype", default=None, choices=tuple(DTYPES),
+                    help="compute dtype (float32 parameters and AdamW state, gradients reduced in float32; fp16 "
+                         "with dynamic loss scaling); default: fp32 on CPU, and with --pp or --hf-config; bf16 on "
+                         "CUDA/NPU otherwise. A dtype the framework's CPU kernels do not take is refused")
+    tr.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                    help="microbatches per optimizer step (each --batch-size / N sequences), their gradients summed; "
+                         "fully_shard reduces only the last one's")
     tr.add_argument("--max-norm", type=float, default=1.0,
                     help="clip the gradients to this global L2 norm, over every rank's piece (0: no clipping)")
     tr.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")
@@ -196,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--async-checkpoint", action="store_true",
                      help="write checkpoints in the background while training continues (the state is copied to "
                           "host memory at the step; the next checkpoint, and the end of the run, wait for it)")
+    out.add_argument("--log", nargs="+", default=[], choices=tuple(LOGGERS), metavar="LOGGER",
+                     help="also log the metrics to: tensorboard (<out>/tensorboard, the tensorboard package) and/or "
+                          "wandb (offline, <out>/wandb; `wandb sync` uploads it); metrics.jsonl is always written")
     out.add_argument("--check-parity", action="store_true",
                      help="also run a single-process reference and report the largest relative loss difference")
     out.add_argument("--timeout", type=float, default=1800.0, help="seconds before the whole run is killed")
@@ -341,7 +352,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        keep_checkpoints=args.keep_checkpoints, async_checkpoint=args.async_checkpoint,
                        out=out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
                        progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing,
-                       hf_config=args.hf_config)
+                       hf_config=args.hf_config, dtype=args.dtype, grad_accum=args.grad_accum, log=tuple(args.log))
 
 
 def parity_report(run: list[dict], reference: list[dict]) -> dict:
@@ -373,14 +384,14 @@ def run_train(cfg: TrainConfig) -> int:
         first = rows[0]
         steps = complete_steps(cfg.checkpoint_path)
         newest = f" (newest: step_{steps[-1]:08d})" if steps else ""
-        print(f"done: step {last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}"
+        print(f"done: step {last['step']} ({last.get('dtype', 'fp32')}), loss {first['loss']:.3f} -> {last['loss']:.3f}"
               + (f", validation {last['val_loss']:.3f}" if "val_loss" in last else "")
               + f"; metrics {cfg.run_dir / METRICS_FILE}, plot {cfg.run_dir / 'loss.png'}, "
               f"checkpoints {cfg.checkpoint_path}{newest}")
     if cfg.check_parity:
         ref_dir = cfg.run_dir / "reference"
         reference = cfg.replace(nproc=1, layout=Layout(), out=str(ref_dir), checkpoint_dir=str(ref_dir / "checkpoints"),
-                                resume=False, check_parity=False, checkpoint_every=0)
+                                resume=False, check_parity=False, checkpoint_every=0, log=())
         print("--check-parity: running the single-process reference")
         launch(reference)
         report = parity_report(rows, read_metrics(ref_dir / METRICS_FILE))
@@ -480,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--check-parity starts its own single-process reference and is not available inside "
                              "torchrun/msrun; run `hyper-parallel train --check-parity ...` from a shell")
         preflight.check_platform(cfg)
+        preflight.check_dtype(cfg)
         cfg = prepare_run_folder(cfg, args, in_launcher())
         preflight.check_output_folders(cfg)
         # inside a launcher each rank verifies the checkpoint as it loads it (loop.train);

@@ -18,6 +18,7 @@ from hyper_parallel.platform import requested_platform
 from hyper_parallel.train.hf_config import model_config, read_hf_config
 from hyper_parallel.train.model_config import PRESETS, ModelConfig
 from hyper_parallel.train.optim import LR_SCHEDULES
+from hyper_parallel.train.precision import resolve_dtype
 
 #: ``--cp-mode`` values (context parallelism: Ulysses all-to-all, ring attention,
 #: all-gathered key/value, and the 2-D Ulysses x ring hybrid).
@@ -191,6 +192,16 @@ class TrainConfig:
         hf_config: a Hugging Face ``config.json`` or model folder: train that model
             (``train/hf_model.py``) instead of the job's decoder; ``model`` then holds its
             sizes (``hf_config.model_config``).
+        dtype: the compute dtype, ``fp32``, ``bf16`` or ``fp16`` (``precision.DTYPES``; the
+            parameters and AdamW's state stay float32, gradients are reduced in float32,
+            fp16 scales the loss: [Note: the job's mixed precision] in ``precision``);
+            ``None``: ``fp32`` on a CPU backend, ``bf16`` on an accelerator
+            (``precision.resolve_dtype``, on each rank).
+        grad_accum: microbatches of ``batch_size / grad_accum`` sequences per optimizer
+            step, their gradients summed; fully_shard reduces only the last one's
+            (``set_requires_gradient_sync``).
+        log: where metrics go besides ``metrics.jsonl``: ``tensorboard`` and/or ``wandb``
+            (offline) (``metrics.LOGGERS``).
     """
 
     platform: str = field(default_factory=requested_platform)
@@ -223,10 +234,14 @@ class TrainConfig:
     progress: bool = True
     activation_checkpointing: bool = False
     hf_config: str | None = None
+    dtype: str | None = None
+    grad_accum: int = 1
+    log: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.hf_config is not None:
             self._check_hf()
+        self._check_precision_and_knobs()
         if self.platform.split("-")[0] not in ("torch", "mindspore"):
             raise ValueError(f"--platform={self.platform!r} must be torch or mindspore (or a backend name such as "
                              "torch-cuda, mindspore-ascend)")
@@ -331,9 +346,46 @@ class TrainConfig:
                 f"--batch-size={self.batch_size} must be divisible by the data-parallel degree ({lay.dp}) x "
                 f"--microbatches ({lay.microbatches}) = {lay.dp * lay.microbatches}: each data-parallel rank takes "
                 "an equal share of every batch")
+        if self.batch_size % (lay.dp * self.grad_accum):
+            raise ValueError(
+                f"--batch-size={self.batch_size} must be divisible by the data-parallel degree ({lay.dp}) x "
+                f"--grad-accum ({self.grad_accum}) = {lay.dp * self.grad_accum}: each data-parallel rank splits its "
+                "share of every batch into --grad-accum equal microbatches")
         if self.seq_len > mod.max_seq_len:
             raise ValueError(f"--seq-len={self.seq_len} exceeds the rotary tables of --model {self.model_name} "
                              f"(max_seq_len {mod.max_seq_len})")
+
+    def _check_precision_and_knobs(self) -> None:
+        """``--dtype``, ``--grad-accum`` and ``--log`` (the batch divisibility is checked
+        with the layout's)."""
+        from hyper_parallel.train.metrics import LOGGERS, missing_logger_package
+
+        if self.dtype is not None:
+            resolve_dtype(self.dtype, "cpu")  # the value (ValueError naming --dtype)
+        if self.dtype not in (None, "fp32"):
+            if self.layout.pp > 1:
+                # a stage boundary carries the positions as floats (model._stage_forward),
+                # which fully_shard's input cast would round above 256 in bfloat16
+                raise ValueError(f"--dtype {self.dtype} cannot be combined with --pp={self.layout.pp} yet: the "
+                                 "pipeline's stage boundaries are float32 only; use --dtype fp32 with --pp, or "
+                                 "--dtype bf16/fp16 without --pp")
+            if self.hf_config is not None:
+                raise ValueError(f"--dtype {self.dtype} applies to the job's decoder; --hf-config trains in "
+                                 "float32: use --dtype fp32 (or leave --dtype out on CPU)")
+        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise ValueError(f"--grad-accum={self.grad_accum!r} must be a positive integer (1: no accumulation)")
+        if self.grad_accum > 1 and self.layout.pp > 1:
+            raise ValueError(f"--grad-accum={self.grad_accum} cannot be combined with --pp={self.layout.pp}: a "
+                             "pipeline accumulates over its microbatches already; use --microbatches "
+                             f"{self.layout.microbatches * self.grad_accum} instead")
+        for name in self.log:
+            if name not in LOGGERS:
+                raise ValueError(f"--log={name!r} is not a logger; use one of {', '.join(LOGGERS)} (metrics.jsonl "
+                                 "is always written)")
+            missing = missing_logger_package(name)
+            if missing is not None:
+                raise ValueError(f"--log {name} needs the {missing} package, which is not installed here: pip "
+                                 f"install {missing} (or pip install -e '.[logging]'), or drop --log {name}")
 
     def _check_hf(self) -> None:
         """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes
@@ -415,4 +467,5 @@ class TrainConfig:
         values["model"] = ModelConfig(**values["model"])  # type: ignore[arg-type]
         values["layout"] = Layout(**values["layout"])  # type: ignore[arg-type]
         values["data"] = tuple(values.get("data", ()))  # type: ignore[arg-type]
+        values["log"] = tuple(values.get("log", ()))  # type: ignore[arg-type]
         return cls(**values)  # type: ignore[arg-type]

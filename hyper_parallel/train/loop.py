@@ -27,13 +27,13 @@ import numpy as np
 
 from hyper_parallel.core.context_parallel import context_parallel_shard
 from hyper_parallel.core.dtensor import DeviceMesh
-from hyper_parallel.core.fully_shard import Box, local_boxes
+from hyper_parallel.core.fully_shard import Box, HSDPModule, local_boxes
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train import checkpoint
 from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
 from hyper_parallel.train.config import Layout, TrainConfig
-from hyper_parallel.train.data import VALIDATION_STREAM, Corpus, rank_batch
-from hyper_parallel.train.metrics import PLOT_FILE, MetricsWriter, Progress, plot_losses
+from hyper_parallel.train.data import VALIDATION_STREAM, Batch, Corpus, rank_batch
+from hyper_parallel.train.metrics import PLOT_FILE, ExtraLoggers, MetricsWriter, Progress, plot_losses
 from hyper_parallel.train.model import build_model, initial_pieces
 from hyper_parallel.train.optim import AdamW, local_tensor, lr_at
 from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh, context_parallel_style,
@@ -41,6 +41,7 @@ from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh,
 from hyper_parallel.train.grad_norm import GlobalGradNorm, clip_coefficient
 from hyper_parallel.train.pipeline import Pipeline, build_pipeline, forward_loss
 from hyper_parallel.train.pipeline import train_step as pipeline_train_step
+from hyper_parallel.train.precision import LossScaler, mixed_precision_policy, resolve_dtype
 from hyper_parallel.train.preflight import no_checkpoint_message
 from hyper_parallel.train.records import data_record, layout_record, model_record
 
@@ -68,6 +69,9 @@ class _Run:
     names: list[str] = field(default_factory=list)  # the decoder's name of each entry of params
     boxes: dict[str, Box] = field(default_factory=dict)  # name -> this rank's box (local_boxes)
     grad_norm: GlobalGradNorm | None = None  # the global gradient norm of params (see grad_norm.py)
+    dtype: str = "fp32"  # --dtype, resolved (precision.resolve_dtype)
+    scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))  # fp16: [Note: dynamic loss scaling]
+    sync_units: list[Any] = field(default_factory=list)  # the fully_shard units (--grad-accum turns their sync off)
 
 
 def _scalar(p: Platform, value: float) -> Any:
@@ -120,23 +124,68 @@ def _batch_tensors(run: _Run, batch: Any) -> list[Any]:
                                   load_balance=context_parallel_style(run.layout).load_balance)
 
 
+def _microbatches(batch: Batch, n: int) -> list[Batch]:
+    """``batch`` (this rank's share) as ``n`` equal microbatches of consecutive sequences
+    (``TrainConfig`` checks that ``n`` divides it)."""
+    size = batch.tokens.shape[0] // n
+    return [Batch(batch.tokens[i * size:(i + 1) * size], batch.targets[i * size:(i + 1) * size],
+                  batch.positions[i * size:(i + 1) * size]) for i in range(n)]
+
+
+def _accumulate(run: _Run, batch: Batch) -> tuple[float, list[Any]]:
+    """Forward and backward of ``--grad-accum`` microbatches of ``batch``: this rank's mean
+    loss and the gradients of the mean loss times the loss scale, summed over the
+    microbatches (each backward is seeded with ``scale / n``; torch also sums them into
+    ``.grad``). Every fully_shard unit reduces only in the last backward: the ones
+    before accumulate their full gradients locally, unreduced (FSDP2's
+    ``set_requires_gradient_sync(False)``), so a step issues one reduce-scatter per unit
+    whatever ``n``."""
+    p, n = run.p, run.cfg.grad_accum
+    seed = _scalar(p, run.scaler.scale / n)
+    loss_sum, total = 0.0, None
+    for i, micro in enumerate(_microbatches(batch, n) if n > 1 else [batch]):
+        if n > 1:
+            for unit in run.sync_units:
+                unit.set_requires_gradient_sync(i == n - 1, recurse=False)
+        loss, backward = p.vjp(run.model, _batch_tensors(run, micro), run.params)
+        _, grads = backward([seed])
+        loss_sum += float(p.to_numpy(loss))
+        total = list(grads) if total is None else [a + b for a, b in zip(total, grads)]
+    assert total is not None
+    return loss_sum / n, total
+
+
+def _skip_step(run: _Run, grads: list[Any]) -> None:
+    """Drop this step's gradients without an update (a float16 overflow): torch keeps them
+    in ``.grad`` (``Optimizer.gradients``), which the next backward would add to, so they
+    are set to zero in place (an assignment: zero times inf is nan); MindSpore keeps none."""
+    with run.p.no_grad():
+        for g in run.optimizer.gradients(grads):
+            g[...] = 0
+
+
 def _train_step(run: _Run, step: int) -> tuple[float, float]:
-    """One step; returns the mean loss and the global gradient norm before clipping."""
+    """One step; returns the mean loss and the global gradient norm before clipping (inf
+    when a float16 step overflowed and was skipped: [Note: dynamic loss scaling])."""
     cfg, p = run.cfg, run.p
     batch = rank_batch(run.corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
     lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule, cfg.min_lr)
+    scale = run.scaler.scale
     if run.pipe is not None:  # see [Note: pipeline gradients and loss]
         local = pipeline_train_step(run.pipe, _batch_tensors(run, batch))
         grads = run.pipe.gradients()
     else:
-        loss, backward = p.vjp(run.model, _batch_tensors(run, batch), run.params)
-        _, grads = backward([_scalar(p, 1.0)])
+        local_loss, grads = _accumulate(run, batch)
     assert run.grad_norm is not None
-    norm = run.grad_norm(run.optimizer.gradients(grads))
-    run.optimizer.step(grads, lr, clip_coefficient(norm, cfg.max_norm))
+    norm = run.grad_norm(run.optimizer.gradients(grads)) / scale
+    if run.scaler.update(norm * scale):
+        # unscaled and clipped in one factor (exactly 1 / 1 without scaling or clipping)
+        run.optimizer.step(grads, lr, clip_coefficient(norm, cfg.max_norm) / scale)
+    else:
+        _skip_step(run, grads)
     if run.pipe is not None:
         return _mean_over_last_stage(run, local), norm
-    return _mean_over_dp(run, float(p.to_numpy(loss))), norm
+    return _mean_over_dp(run, local_loss), norm
 
 
 def _validation_loss(run: _Run) -> float:
@@ -220,6 +269,9 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     mesh = build_mesh(p, layout)
     rank, world = (0, 1) if mesh is None else (p.rank(), p.world_size())
     pipe = None
+    # --dtype (the default by device; float32 where mixed precision is not wired: TrainConfig)
+    dtype = resolve_dtype(cfg.dtype, p.device_type) if layout.pp == 1 and cfg.hf_config is None else "fp32"
+    mp_policy = mixed_precision_policy(dtype)
     # the attention hooks and the loader's sequence shards use this one mesh
     cp_mesh = context_parallel_mesh(mesh, layout)
     if layout.pp > 1:
@@ -247,7 +299,8 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
         # the reference runs without activation checkpointing: it must not change the math
         # values written in place below, each rank its pieces: [Note: the job's initial weights]
         model = parallelize(build_model(p, cfg.model, cfg.seed, values=False), mesh, layout, cp_mesh,
-                            activation_checkpointing=cfg.activation_checkpointing and not reference)
+                            activation_checkpointing=cfg.activation_checkpointing and not reference,
+                            mp_policy=mp_policy)
         names, params = (list(items) for items in zip(*p.named_parameters(model)))
         boxes = local_boxes(model)
     dp_rank, dp_size = data_parallel_coordinate(mesh)
@@ -259,8 +312,10 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     if cfg.hf_config is None:
         optimizer.load_parameter_values(initial_pieces(cfg.model, cfg.seed, boxes, names))
     grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
+    sync_units = [module for _, module in p.named_modules(model) if isinstance(module, HSDPModule)] \
+        if pipe is None else []
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,
-                cp_mesh, pipe, names, boxes, grad_norm)
+                cp_mesh, pipe, names, boxes, grad_norm, dtype, LossScaler(enabled=dtype == "fp16"), sync_units)
 
 
 def _announce(run: _Run, loaded: checkpoint.Loaded) -> None:
@@ -323,8 +378,9 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
         run.cfg = run.cfg.replace(run_id=run_id)
     leader = run.rank == 0 and write_outputs
     writer = MetricsWriter(cfg.run_dir, start) if leader else None
+    extra = ExtraLoggers(cfg.log, cfg.run_dir, cfg.to_dict(), cfg.run_dir.name) if leader and cfg.log else None
     progress = Progress(cfg.steps, start, leader and cfg.progress,
-                        f"{p.name} {run.layout.describe()} {cfg.model_name}")
+                        f"{p.name} {run.layout.describe()} {cfg.model_name} {run.dtype}")
     rows: list[dict[str, Any]] = []
     # [Note: asynchronous save] in checkpoint_async: barriers on this thread, files in the background
     saver = AsyncCheckpointer(p, run.world, run.rank) if cfg.async_checkpoint and write_outputs else None
@@ -337,12 +393,16 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
             row: dict[str, Any] = {"step": step, "loss": loss, "grad_norm": grad_norm,
                                    "lr": lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule, cfg.min_lr),
                                    "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                                   "peak_memory_bytes": _peak_memory(run)}
+                                   "peak_memory_bytes": _peak_memory(run), "dtype": run.dtype}
+            if run.scaler.enabled:  # the scale the next step's backward is seeded with
+                row["loss_scale"] = run.scaler.scale
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 row["val_loss"] = _validation_loss(run)
             rows.append(row)
             if writer is not None:
                 writer.write(row)
+            if extra is not None:
+                extra.write(row)
             progress.update(row)
             if write_outputs and cfg.checkpoint_due(step):
                 save_checkpoint(run, ckpt_root, step, saver)
@@ -352,6 +412,8 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
         progress.close()
         if writer is not None:
             writer.close()
+        if extra is not None:
+            extra.close()
     if leader and rows:
         from hyper_parallel.train.metrics import read_metrics
 

@@ -256,7 +256,12 @@ class _Classes:
                 self.weight = p.make_parameter(p.full((cfg.dim,), 1.0, float32))
 
             def forward(self, x: Any) -> Any:
-                return x * ((x * x).mean(-1, True) + self.eps).rsqrt() * self.weight
+                # normalized in float32 whatever x's dtype (--dtype bf16/fp16: 1/rms of a
+                # float16 x overflows in the backward), then back to x's dtype (Llama's
+                # RMSNorm); for a float32 x both casts are no-ops: the float32 arithmetic
+                x32 = x.float()
+                normed = p.to_dtype(x32 * ((x32 * x32).mean(-1, True) + self.eps).rsqrt(), x.dtype)
+                return normed * self.weight
 
         class Embedding(Module):
             """Rows of ``weight`` ``[vocab, dim]`` for int ids (the platform's embedding op)."""

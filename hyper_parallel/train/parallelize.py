@@ -29,10 +29,11 @@ from typing import Any
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
 from hyper_parallel.core.context_parallel import ContextParallel
 from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
-from hyper_parallel.core.fully_shard import fully_shard
+from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from hyper_parallel.platform import Platform
+from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train.config import Layout
+from hyper_parallel.train.precision import apply_mixed_precision
 
 #: Megatron tensor parallelism of the decoder: q/k/v and the SwiGLU input projections split
 #: by output features (whole heads per rank), the output projections by input features,
@@ -145,30 +146,37 @@ def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh) -> None:
+def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """FSDP2 order: each decoder block is a unit (its parameters all-gathered around its
     forward and backward, gradients reduce-scattered), then the root takes the rest
     (embedding, final norm, output head; a tied head shares the root unit with the
     embedding). Every rank holds the same initial weights (``build_model`` seeds them), as
     fully_shard requires. Collectives: none here; the all-gathers / reduce-scatters run in
-    each step."""
+    each step. ``mp_policy``: ``--dtype``'s (``precision.mixed_precision_policy``; ``None``:
+    float32 throughout)."""
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     # a pipeline stage keys its blocks by their index in the decoder (model.build_stage)
     blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
     for block in blocks:
-        fully_shard(block, mesh=fsdp_mesh)
-    fully_shard(model, mesh=fsdp_mesh)
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
 
 
 def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: DeviceMesh | None = None,
-                activation_checkpointing: bool = False) -> Any:
+                activation_checkpointing: bool = False, mp_policy: MixedPrecisionPolicy | None = None) -> Any:
     """Apply the layout chain (see the module doc) to ``model`` in place and return it.
     Build the optimizer (and take ``named_parameters``) after: fully_shard replaces the
     parameters by their shards. ``cp_mesh``: ``context_parallel_mesh(mesh, layout)`` when
     the caller built it already (it must shard the data over the same mesh); else built here.
-    ``activation_checkpointing``: step 3, also on a single rank (``mesh`` ``None``)."""
+    ``activation_checkpointing``: step 3, also on a single rank (``mesh`` ``None``).
+    ``mp_policy``: ``--dtype``'s mixed precision (``None``: float32), given to fully_shard,
+    or hooked by ``precision.apply_mixed_precision`` where there is none (last, as
+    fully_shard: [Note: the job's mixed precision])."""
     if mesh is None:
         if activation_checkpointing:
             apply_activation_checkpointing(model)
+        if mp_policy is not None:
+            apply_mixed_precision(get_platform(), model, mp_policy)
         return model
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
@@ -177,7 +185,9 @@ def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: De
     if activation_checkpointing:  # after TP and CP: their hooks sit inside the blocks and run again
         apply_activation_checkpointing(model)
     if layout.dp * layout.cp > 1:
-        apply_fully_shard(model, fully_shard_mesh(mesh, layout))
+        apply_fully_shard(model, fully_shard_mesh(mesh, layout), mp_policy)
+    elif mp_policy is not None:
+        apply_mixed_precision(get_platform(), model, mp_policy)
     return model
 
 

@@ -29,6 +29,52 @@ def check_platform(cfg: TrainConfig) -> None:
                          "here, or run on a machine with that backend installed")
 
 
+#: The probe of ``check_dtype``: one forward and backward of a two-layer decoder of width
+#: 32 under ``--dtype``'s mixed precision, in a fresh process of the run's backend.
+_DTYPE_PROBE = """
+import sys
+import numpy as np
+import hyper_parallel as hp
+from hyper_parallel.train.model import build_model
+from hyper_parallel.train.model_config import ModelConfig
+from hyper_parallel.train.precision import apply_mixed_precision, mixed_precision_policy
+p = hp.init(sys.argv[1])
+model = build_model(p, ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=8), 0)
+apply_mixed_precision(p, model, mixed_precision_policy(sys.argv[2]))
+ids = p.from_numpy(np.arange(8, dtype=np.int64).reshape(1, 8))
+loss, backward = p.vjp(model, [ids, ids, ids], [param for _, param in p.named_parameters(model)])
+backward([p.full((), 1.0, p.dtype("float32"))])
+"""
+
+
+def check_dtype(cfg: TrainConfig) -> None:
+    """``ValueError`` if the backend's kernels do not take ``--dtype`` (a float16 or
+    bfloat16 decoder forward and backward, run once in a separate process of the backend,
+    seconds; MindSpore's CPU kernels have no bfloat16 gather, for one). Nothing to check
+    for ``fp32`` or no ``--dtype``: the default is one the backend runs."""
+    import subprocess
+    import sys
+
+    from hyper_parallel.train.precision import DTYPES
+
+    if cfg.dtype in (None, "fp32"):
+        return
+    try:
+        done = subprocess.run([sys.executable, "-c", _DTYPE_PROBE, cfg.platform, cfg.dtype], capture_output=True,
+                              text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"--dtype {cfg.dtype}: a one-step probe of {cfg.platform} in {DTYPES[cfg.dtype]} did not "
+                         "finish in 300 s; use --dtype fp32") from None
+    if done.returncode != 0:
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip() and not line.startswith(" ")]
+        kernel = [line for line in lines if "Unsupported" in line or "not implemented" in line.lower()]
+        reason = (kernel or lines or ["no error message"])[-1]
+        others = " or ".join(name for name in DTYPES if name != cfg.dtype)
+        raise ValueError(f"--dtype {cfg.dtype} cannot run on --platform {cfg.platform}: its kernels do not take "
+                         f"{DTYPES[cfg.dtype]} ({reason[:300]}); use --dtype {others} here (fp32 runs everywhere), "
+                         f"or --dtype {cfg.dtype} on a backend whose kernels take it (an accelerator)")
+
+
 def _check_writable(flag: str, folder: Path) -> None:
     """Create ``folder`` (with its parents) and write and remove a probe file in it."""
     try:
