@@ -167,7 +167,7 @@ def _skip_step(run: _Run, grads: list[Any]) -> None:
 def _train_step(run: _Run, step: int) -> tuple[float, float]:
     """One step; returns the mean loss and the global gradient norm before clipping (inf
     when a float16 step overflowed and was skipped: [Note: dynamic loss scaling])."""
-    cfg, p = run.cfg, run.p
+    cfg = run.cfg
     batch = rank_batch(run.corpus.train, cfg.seed, step, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
     lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule, cfg.min_lr)
     scale = run.scaler.scale
