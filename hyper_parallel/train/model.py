@@ -159,6 +159,12 @@ def build_model(p: Platform, cfg: ModelConfig, seed: int, *, values: bool = True
     if values:
         for name, value in initial_weights(cfg, seed).items():
             p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
+    elif p.device_type != "cpu":
+        # the constructors made them in host memory: onto this platform's device, where
+        # each rank's pieces are then written in place (seen on torch-cuda: an H200 run
+        # failed in the first matmul with the weights left on the CPU)
+        for name, param in list(p.named_parameters(model)):
+            p.set_parameter(model, name, p.make_parameter(p.to_device(p.detach(param), p.device_type)))
     names = [name for name, _ in p.named_parameters(model)]
     if names != list(parameter_shapes(cfg)):
         raise RuntimeError(f"build_model: parameter names {names} differ from the declared {list(parameter_shapes(cfg))}")

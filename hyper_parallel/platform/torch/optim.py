@@ -43,8 +43,9 @@ class TorchAdamW:
             if not state:
                 continue
             steps.add(int(state["step"]))
-            out[f"exp_avg.{i}"] = local_piece(state["exp_avg"]).detach().numpy().copy()
-            out[f"exp_avg_sq.{i}"] = local_piece(state["exp_avg_sq"]).detach().numpy().copy()
+            # .cpu(): on an accelerator the state lives on the device (a no-op on CPU)
+            out[f"exp_avg.{i}"] = local_piece(state["exp_avg"]).detach().cpu().numpy().copy()
+            out[f"exp_avg_sq.{i}"] = local_piece(state["exp_avg_sq"]).detach().cpu().numpy().copy()
         out["step"] = np.asarray(steps.pop() if steps else 0, np.int64)
         return out
 
@@ -58,6 +59,7 @@ class TorchAdamW:
         for i, param in enumerate(self._params):
             if f"exp_avg.{i}" not in arrays:
                 continue
+            device = local_piece(param).device  # the moments live beside their parameter
             self._opt.state[param] = {"step": torch.tensor(float(step)),
-                                      "exp_avg": torch.from_numpy(arrays[f"exp_avg.{i}"].copy()),
-                                      "exp_avg_sq": torch.from_numpy(arrays[f"exp_avg_sq.{i}"].copy())}
+                                      "exp_avg": torch.from_numpy(arrays[f"exp_avg.{i}"].copy()).to(device),
+                                      "exp_avg_sq": torch.from_numpy(arrays[f"exp_avg_sq.{i}"].copy()).to(device)}
