@@ -3,17 +3,15 @@
 ``fully_shard.materialize`` from ``model.initial_piece``: every piece equals its box of the
 one-process weights bit for bit, and the loss equals the one-process model's.
 
-The framework's meta scope is entered here by the test itself (``torch.device("meta")``,
-``mindspore.DeviceCtx("meta")``): ``train/`` reaches the framework only through Platform
-members and none opens such a scope yet, so the job itself still builds whole (issue 39).
+The framework's meta scope is the platform's (``module_types().meta_device``: torch
+``torch.device("meta")``, MindSpore ``mindspore.DeviceCtx("meta")``); the job itself still
+builds whole (issue 39: ``--init-device meta`` is not wired yet).
 The torch backend's ``zeros`` / ``full`` name their device, so the norms and the embedding
 are made whole here anyway (small; materialize replaces them); the linear layers are meta.
 MindSpore's factories follow ``DeviceCtx``, so there the rotary tables (constants, not
 parameters) are meta too and are set again after."""
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -25,18 +23,6 @@ from hyper_parallel.train.model import build_model, initial_piece, initial_weigh
 from hyper_parallel.train.parallelize import build_mesh, context_parallel_mesh, parallelize
 from hyper_parallel.train.model_config import PRESETS
 from hyper_parallel.train.optim import local_tensor
-
-ON_MINDSPORE = os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore")
-
-
-def _meta_scope():
-    if ON_MINDSPORE:
-        import mindspore as ms
-
-        return ms.DeviceCtx("meta")
-    import torch
-
-    return torch.device("meta")
 
 
 def check_meta_build(layouts: list[dict]) -> list[float]:
@@ -53,7 +39,7 @@ def check_meta_build(layouts: list[dict]) -> list[float]:
     for degrees in layouts:
         layout = Layout(**degrees)
         mesh = build_mesh(p, layout)
-        with _meta_scope():
+        with p.module_types().meta_device():
             model = build_model(p, cfg, seed, values=False)
             model = parallelize(model, mesh, layout, context_parallel_mesh(mesh, layout))
         materialize(model, lambda fqn, box: initial_piece(cfg, seed, fqn, box.starts, box.lengths))

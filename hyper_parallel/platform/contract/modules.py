@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +39,20 @@ class ModuleTypes:
         ModuleDict: ``ModuleDict({name: module})``: indexed by name, ``keys()``,
             ``values()``, ``items()`` in insertion order (torch ``nn.ModuleDict``,
             MindSpore ``nn.CellDict``).
+        meta_device: ``meta_device()`` is a context manager inside which the framework's
+            module constructors make parameters with a shape and dtype and no storage (a
+            model too large for one rank is built there, parallelized, then given each
+            rank's pieces: ``fully_shard.materialize``). torch ``torch.device("meta")``,
+            MindSpore ``mindspore.DeviceCtx("meta")``. The platform's own factories
+            (``zeros``, ``full``, ...) may still allocate inside it (torch's name their
+            device): what they make is small (norms, tables) and replaced by the pieces.
     """
 
     Module: type
     Linear: type
     ModuleList: type
     ModuleDict: type
+    meta_device: Callable[[], AbstractContextManager[Any]]
 
 
 class ModulesSection(ABC):

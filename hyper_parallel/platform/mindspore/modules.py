@@ -32,7 +32,8 @@ def _module_types(ms: Any) -> ModuleTypes:
         def forward(self, *args: Any, **kwargs: Any) -> Any:
             raise NotImplementedError(f"{type(self).__name__} defines no forward(); a Module subclass defines it")
 
-    return ModuleTypes(Module=Module, Linear=ms.mint.nn.Linear, ModuleList=ms.nn.CellList, ModuleDict=ms.nn.CellDict)
+    return ModuleTypes(Module=Module, Linear=ms.mint.nn.Linear, ModuleList=ms.nn.CellList, ModuleDict=ms.nn.CellDict,
+                       meta_device=lambda: ms.DeviceCtx("meta"))
 
 
 class MindSporeModules(ModulesSection):
@@ -42,7 +43,7 @@ class MindSporeModules(ModulesSection):
 
     def module_types(self) -> ModuleTypes:
         """``Module`` (a Cell whose ``construct`` calls ``forward``), ``mint.nn.Linear``,
-        ``nn.CellList``, ``nn.CellDict``."""
+        ``nn.CellList``, ``nn.CellDict``; the meta scope ``mindspore.DeviceCtx("meta")``."""
         return _module_types(self._ms)
 
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,

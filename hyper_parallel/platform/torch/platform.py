@@ -70,6 +70,12 @@ def _resolve_device(device: str | None) -> str:
     return device
 
 
+
+def _meta_device() -> torch.device:
+    """``torch.device("meta")``, a context manager: modules constructed inside it get meta
+    parameters (``ModuleTypes.meta_device``)."""
+    return torch.device("meta")
+
 class _SavedToken:
     """What ``release_saved_tensors`` stores for a released tensor: the source index, the
     view geometry (shape, stride, storage offset) and, for a DTensor whose piece is the
@@ -293,9 +299,11 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     # -- module hooks and tree ---------------------------------------------------------
     def module_types(self) -> ModuleTypes:
-        """``nn.Module``, ``nn.Linear``, ``nn.ModuleList``, ``nn.ModuleDict``."""
+        """``nn.Module``, ``nn.Linear``, ``nn.ModuleList``, ``nn.ModuleDict``; the meta scope
+        ``torch.device("meta")``."""
         nn = torch.nn
-        return ModuleTypes(Module=nn.Module, Linear=nn.Linear, ModuleList=nn.ModuleList, ModuleDict=nn.ModuleDict)
+        return ModuleTypes(Module=nn.Module, Linear=nn.Linear, ModuleList=nn.ModuleList, ModuleDict=nn.ModuleDict,
+                           meta_device=_meta_device)
 
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
                                   with_kwargs: bool = False) -> RemovableHandle:
