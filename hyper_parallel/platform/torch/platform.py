@@ -137,12 +137,6 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
             raise ValueError(f"dtype name {name!r} is unknown; use one of {', '.join(DTYPE_NAMES)}")
         return _DTYPES[name]
 
-    def _dtype_name(self, dtype: Any) -> str:
-        for name, value in _DTYPES.items():
-            if value == dtype:
-                return name
-        raise ValueError(f"dtype {dtype!r} has no hyper_parallel name; supported: {', '.join(DTYPE_NAMES)}")
-
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
