@@ -3,14 +3,12 @@
 rank's share of the parameters, and the time; hyper_parallel beside torch's own path, in
 the same run (torch-cpu, gloo).
 
-- hyper_parallel: the job's decoder (``--preset``, default ``1b``) built under
-  ``torch.device("meta")``, parallelized as the job does (``train.parallelize``: fully_shard
-  per block and the root; tensor parallelism first with ``--tp``), then
-  ``fully_shard.materialize`` with the job's initial pieces (``model.initial_piece``: each
-  rank draws its boxes alone from core's counter-based stream). The torch backend's
-  ``zeros``/``full`` name their device, so the embedding and the norms are made whole
-  (0.5 M and 2 K values for ``1b``): counted in the peak. This is the chain the job runs
-  once a Platform member opens the meta scope for ``train/`` (issue 39).
+- hyper_parallel: the job's own build under ``--init-device meta`` (``train/loop.py``
+  ``setup``): the decoder (``--preset``, default ``1b``) built inside the platform's meta
+  scope, parallelized as the job does (``train.parallelize``: fully_shard per block and
+  the root; tensor parallelism first with ``--tp``), then ``model.materialize_model``: each
+  rank draws its boxes of the initial weights alone from core's counter-based stream
+  (``model.initial_piece``) and holds nothing else (the embedding and the norms included).
 - torch: the same decoder under ``torch.device("meta")``, torch's FSDP2
   (``torch.distributed.fsdp.fully_shard``) per block and the root, ``to_empty(device="cpu")``,
   then ``torch.nn.init.normal_(p, std=0.02)`` on each parameter (torch's DTensor random
@@ -44,7 +42,7 @@ def bench_rank(impl: str, preset: str, tp: int) -> dict:
     import hyper_parallel as hp
     from hyper_parallel.core.process_groups import barrier
     from hyper_parallel.train.config import Layout
-    from hyper_parallel.train.model import build_model, initial_piece
+    from hyper_parallel.train.model import build_model, materialize_model
     from hyper_parallel.train.model_config import PRESETS
 
     p = hp.get_platform()
@@ -54,15 +52,15 @@ def bench_rank(impl: str, preset: str, tp: int) -> dict:
     barrier()
     start = time.perf_counter()
     if impl == "hyper_parallel":
-        from hyper_parallel.core.fully_shard import materialize
         from hyper_parallel.train.parallelize import build_mesh, parallelize
 
+        # what the job's setup does under --init-device meta (train/loop.py)
         layout = Layout(tp=tp, dp_shard=n // tp)
         mesh = build_mesh(p, layout)
-        with torch.device("meta"):
-            model = build_model(p, cfg, 0, values=False)
+        with p.module_types().meta_device():
+            model = build_model(p, cfg, 0, values=False, meta=True)
             model = parallelize(model, mesh, layout, None)
-        materialize(model, lambda fqn, box: initial_piece(cfg, 0, fqn, box.starts, box.lengths))
+        materialize_model(p, cfg, 0, [model])
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

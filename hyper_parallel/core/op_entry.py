@@ -56,10 +56,11 @@ from hyper_parallel.core.dtensor.dispatch import (
     skip_depth,
 )
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.op_rules import OP_RULES
 
 __all__ = [
     "check_result", "dispatch_aligned", "dispatch_explicit", "dispatch_op", "dispatch_skipped", "dispatch_split",
-    "flash_attention_score", "freeze_params", "full_local", "local_plan", "mixed_operand_message",
+    "flash_attention_score", "freeze_params", "full_local", "has_rule", "local_plan", "mixed_operand_message",
     "nll_loss_backward", "nll_loss_forward", "record_rule", "recorded_rules", "recording", "replicated",
     "replicated_operands", "sharded_dim_axis", "skip_depth", "softmax_sharded",
 ]
@@ -96,6 +97,11 @@ def record_rule(op: str) -> None:
 
 #: ``local`` (a tensor every rank of ``mesh`` makes whole) as a ``Replicate`` DTensor
 replicated = DTensor.replicated
+
+
+def has_rule(op: str) -> bool:
+    """Whether ``op`` has a sharding rule (else ``dispatch_op`` takes the fallback)."""
+    return op in OP_RULES
 
 
 def dispatch_op(op: str, dtensors: Sequence[DTensor], local_fn: Callable[..., Any], params: Any = None, *,

@@ -34,7 +34,7 @@ from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
 from hyper_parallel.train import preflight, run_folder
 from hyper_parallel.train.checkpoint import KEEP, complete_steps
-from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, PRESETS, Layout, ModelConfig,
+from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, INIT_DEVICES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
 from hyper_parallel.train.metrics import LOGGERS, METRICS_FILE, read_metrics
 from hyper_parallel.train.optim import LR_SCHEDULES, WSD_DECAY_FRACTION
@@ -166,11 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="AdamW's decoupled weight decay, on every parameter (0: none)")
     tr.add_argument("--dtype", default=None, choices=tuple(DTYPES),
                     help="compute dtype (float32 parameters and AdamW state, gradients reduced in float32; fp16 "
-                         "with dynamic loss scaling); default: fp32 on CPU, and with --pp or --hf-config; bf16 on "
+                         "with dynamic loss scaling); default: fp32 on CPU, and with --hf-config; bf16 on "
                          "CUDA/NPU otherwise. A dtype the framework's CPU kernels do not take is refused")
     tr.add_argument("--grad-accum", type=int, default=1, metavar="N",
                     help="microbatches per optimizer step (each --batch-size / N sequences), their gradients summed; "
                          "fully_shard reduces only the last one's")
+    tr.add_argument("--init-device", default=None, choices=INIT_DEVICES,
+                    help="build the model on the meta device, then each rank computes only its pieces of the "
+                         "initial weights (no rank ever holds a whole sharded parameter), or whole on the host and "
+                         "cut; default: meta, host with --hf-config. Both give the same weights, bit for bit")
     tr.add_argument("--max-norm", type=float, default=1.0,
                     help="clip the gradients to this global L2 norm, over every rank's piece (0: no clipping)")
     tr.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")
@@ -352,7 +356,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        keep_checkpoints=args.keep_checkpoints, async_checkpoint=args.async_checkpoint,
                        out=out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
                        progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing,
-                       hf_config=args.hf_config, dtype=args.dtype, grad_accum=args.grad_accum, log=tuple(args.log))
+                       hf_config=args.hf_config, dtype=args.dtype, grad_accum=args.grad_accum, log=tuple(args.log),
+                       init_device=args.init_device)
 
 
 def parity_report(run: list[dict], reference: list[dict]) -> dict:

@@ -33,6 +33,10 @@ CP_KV_EXCHANGES = ("ring", "allgather")
 #: stages per rank of each).
 PP_SCHEDULES = tuple(SCHEDULES)
 
+#: ``--init-device`` values: build the model on the framework's meta device and give each
+#: rank its pieces only, or whole on the host and cut (``TrainConfig.init_device``).
+INIT_DEVICES = ("meta", "host")
+
 #: The schedules with the zero-bubble I/W split of the backward (``weight_grad.py``).
 ZERO_BUBBLE_SCHEDULES = tuple(name for name, entry in SCHEDULES.items() if entry.splits_backward)
 
@@ -202,6 +206,14 @@ class TrainConfig:
             (``set_requires_gradient_sync``).
         log: where metrics go besides ``metrics.jsonl``: ``tensorboard`` and/or ``wandb``
             (offline) (``metrics.LOGGERS``).
+        init_device: where the model is built before it is parallelized (``INIT_DEVICES``):
+            ``meta``: on the framework's meta device, then each rank computes and holds
+            only its pieces (``fully_shard.materialize``; [Note: the job's initial
+            weights] in ``model``); ``host``: whole on each rank, cut, then each rank's
+            pieces written in place (the old path: a rank briefly holds the whole model).
+            ``None``: ``meta`` for the job's decoder, ``host`` with ``--hf-config``
+            (a Hugging Face model's initial values are its own random draws, which no
+            rank can compute piece by piece).
     """
 
     platform: str = field(default_factory=requested_platform)
@@ -237,6 +249,7 @@ class TrainConfig:
     dtype: str | None = None
     grad_accum: int = 1
     log: tuple[str, ...] = ()
+    init_device: str | None = None
 
     def __post_init__(self) -> None:
         if self.hf_config is not None:
@@ -363,12 +376,6 @@ class TrainConfig:
         if self.dtype is not None:
             resolve_dtype(self.dtype, "cpu")  # the value (ValueError naming --dtype)
         if self.dtype not in (None, "fp32"):
-            if self.layout.pp > 1:
-                # a stage boundary carries the positions as floats (model._stage_forward),
-                # which fully_shard's input cast would round above 256 in bfloat16
-                raise ValueError(f"--dtype {self.dtype} cannot be combined with --pp={self.layout.pp} yet: the "
-                                 "pipeline's stage boundaries are float32 only; use --dtype fp32 with --pp, or "
-                                 "--dtype bf16/fp16 without --pp")
             if self.hf_config is not None:
                 raise ValueError(f"--dtype {self.dtype} applies to the job's decoder; --hf-config trains in "
                                  "float32: use --dtype fp32 (or leave --dtype out on CPU)")
@@ -378,6 +385,13 @@ class TrainConfig:
             raise ValueError(f"--grad-accum={self.grad_accum} cannot be combined with --pp={self.layout.pp}: a "
                              "pipeline accumulates over its microbatches already; use --microbatches "
                              f"{self.layout.microbatches * self.grad_accum} instead")
+        if self.init_device not in (None, *INIT_DEVICES):
+            raise ValueError(f"--init-device={self.init_device!r} is not a build device; use one of "
+                             f"{', '.join(INIT_DEVICES)}")
+        if self.init_device == "meta" and self.hf_config is not None:
+            raise ValueError("--init-device meta builds the job's decoder; a --hf-config model draws its initial "
+                             "values whole (Hugging Face's own init), so it builds on the host: leave --init-device "
+                             "out or use --init-device host")
         for name in self.log:
             if name not in LOGGERS:
                 raise ValueError(f"--log={name!r} is not a logger; use one of {', '.join(LOGGERS)} (metrics.jsonl "
@@ -457,6 +471,11 @@ class TrainConfig:
 
     def replace(self, **changes: object) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def build_on_meta(self) -> bool:
+        """Whether the model is built on the meta device (``init_device`` resolved)."""
+        return (self.init_device or ("host" if self.hf_config is not None else "meta")) == "meta"
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

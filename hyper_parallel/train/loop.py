@@ -15,6 +15,8 @@ data position: batches depend only on ``(seed, step)`` (``data``).
 
 from __future__ import annotations
 
+import contextlib
+
 import secrets
 import sys
 import time
@@ -34,7 +36,7 @@ from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import VALIDATION_STREAM, Batch, Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, ExtraLoggers, MetricsWriter, Progress, plot_losses
-from hyper_parallel.train.model import build_model, initial_pieces
+from hyper_parallel.train.model import build_model, initial_pieces, materialize_model
 from hyper_parallel.train.optim import AdamW, local_tensor, lr_at
 from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh, context_parallel_style,
                                               data_parallel_coordinate, parallelize)
@@ -172,7 +174,7 @@ def _train_step(run: _Run, step: int) -> tuple[float, float]:
     lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.lr_schedule, cfg.min_lr)
     scale = run.scaler.scale
     if run.pipe is not None:  # see [Note: pipeline gradients and loss]
-        local = pipeline_train_step(run.pipe, _batch_tensors(run, batch))
+        local = pipeline_train_step(run.pipe, _batch_tensors(run, batch), scale)
         grads = run.pipe.gradients()
     else:
         local_loss, grads = _accumulate(run, batch)
@@ -269,20 +271,28 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     mesh = build_mesh(p, layout)
     rank, world = (0, 1) if mesh is None else (p.rank(), p.world_size())
     pipe = None
-    # --dtype (the default by device; float32 where mixed precision is not wired: TrainConfig)
-    dtype = resolve_dtype(cfg.dtype, p.device_type) if layout.pp == 1 and cfg.hf_config is None else "fp32"
+    # --dtype (the default by device; float32 with --hf-config: TrainConfig)
+    dtype = resolve_dtype(cfg.dtype, p.device_type) if cfg.hf_config is None else "fp32"
     mp_policy = mixed_precision_policy(dtype)
     # the attention hooks and the loader's sequence shards use this one mesh
     cp_mesh = context_parallel_mesh(mesh, layout)
+    # --init-device meta: built and parallelized on the meta device, then each rank computes
+    # its pieces alone (materialize_model); host: whole, cut, pieces written in place below
+    meta = cfg.build_on_meta
+    scope = p.module_types().meta_device() if meta else contextlib.nullcontext()
     if layout.pp > 1:
         assert mesh is not None
         if cfg.hf_config is not None:
             from hyper_parallel.train.hf_model import load_hf_model
 
             whole = load_hf_model(cfg.hf_config, cfg.seed)
+            pipe = build_pipeline(p, cfg, whole, mesh, cp_mesh)
         else:
-            whole = build_model(p, cfg.model, cfg.seed, values=False)  # written in place below
-        pipe = build_pipeline(p, cfg, whole, mesh, cp_mesh)
+            with scope:
+                whole = build_model(p, cfg.model, cfg.seed, values=False, meta=meta)
+                pipe = build_pipeline(p, cfg, whole, mesh, cp_mesh, mp_policy)
+            if meta:
+                materialize_model(p, cfg.model, cfg.seed, pipe.modules)
         model, params = pipe.modules, pipe.parameters()
         # the stages keep the decoder's parameter names (model.build_stage), in pipe.parameters() order
         names = [name for module in pipe.modules for name, _ in p.named_parameters(module)]
@@ -297,10 +307,12 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
         boxes = local_boxes(model.hf)
     else:
         # the reference runs without activation checkpointing: it must not change the math
-        # values written in place below, each rank its pieces: [Note: the job's initial weights]
-        model = parallelize(build_model(p, cfg.model, cfg.seed, values=False), mesh, layout, cp_mesh,
-                            activation_checkpointing=cfg.activation_checkpointing and not reference,
-                            mp_policy=mp_policy)
+        with scope:
+            model = parallelize(build_model(p, cfg.model, cfg.seed, values=False, meta=meta), mesh, layout,
+                                cp_mesh, activation_checkpointing=cfg.activation_checkpointing and not reference,
+                                mp_policy=mp_policy)
+        if meta:
+            materialize_model(p, cfg.model, cfg.seed, [model])
         names, params = (list(items) for items in zip(*p.named_parameters(model)))
         boxes = local_boxes(model)
     dp_rank, dp_size = data_parallel_coordinate(mesh)
@@ -309,7 +321,8 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                 if mesh is not None and dp_size * layout.cp > 1 else None)
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
-    if cfg.hf_config is None:
+    if cfg.hf_config is None and not meta:
+        # each rank its pieces, in place: [Note: the job's initial weights]
         optimizer.load_parameter_values(initial_pieces(cfg.model, cfg.seed, boxes, names))
     grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
     sync_units = [module for _, module in p.named_modules(model) if isinstance(module, HSDPModule)] \

@@ -44,7 +44,7 @@ import numpy as np
 from hyper_parallel.core import tensor_ops
 from hyper_parallel.core.context_parallel import scaled_dot_product_attention
 from hyper_parallel.core.dtensor import philox
-from hyper_parallel.core.fully_shard import Box
+from hyper_parallel.core.fully_shard import Box, materialize
 from hyper_parallel.platform import Activation, Platform
 from hyper_parallel.train.config import ModelConfig
 
@@ -149,17 +149,20 @@ def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def build_model(p: Platform, cfg: ModelConfig, seed: int, *, values: bool = True) -> Any:
+def build_model(p: Platform, cfg: ModelConfig, seed: int, *, values: bool = True, meta: bool = False) -> Any:
     """The decoder as the framework's module (``p.module_types().Module``: a
     ``torch.nn.Module`` or a ``mindspore.nn.Cell``), holding ``initial_weights(cfg, seed)``;
     with ``values=False`` its parameters keep the values the framework's constructors
     gave them (the job writes each rank's piece of the initial weights in place once the
-    model is parallelized: ``initial_pieces``), and no whole initial value is computed."""
+    model is parallelized: ``initial_pieces``), and no whole initial value is computed.
+    ``meta=True``: called inside ``p.module_types().meta_device()``, the parameters are
+    the meta device's, holding no storage (``materialize_model`` gives them values once
+    parallelized); implies ``values=False``."""
     model = _classes(p).Decoder(cfg)
-    if values:
+    if values and not meta:
         for name, value in initial_weights(cfg, seed).items():
             p.set_parameter(model, name, p.make_parameter(p.from_numpy(value)))
-    elif p.device_type != "cpu":
+    elif p.device_type != "cpu" and not meta:
         # the constructors made them in host memory: onto this platform's device, where
         # each rank's pieces are then written in place (seen on torch-cuda: an H200 run
         # failed in the first matmul with the weights left on the CPU)
@@ -169,6 +172,23 @@ def build_model(p: Platform, cfg: ModelConfig, seed: int, *, values: bool = True
     if names != list(parameter_shapes(cfg)):
         raise RuntimeError(f"build_model: parameter names {names} differ from the declared {list(parameter_shapes(cfg))}")
     return model
+
+
+def materialize_model(p: Platform, cfg: ModelConfig, seed: int, modules: Sequence[Any]) -> None:
+    """The end of the job's meta-device build (``--init-device meta``): every parameter of
+    ``modules`` (a ``build_model(meta=True)`` decoder or its pipeline stages, parallelized on
+    the meta device) becomes a new parameter holding this rank's piece alone, computed by
+    ``initial_piece`` for its box ([Note: the job's initial weights]: bit for bit the box of
+    the one-process weights), through ``fully_shard.materialize``; no rank computes or holds
+    a whole sharded parameter. The rotary tables are set again: constants, which
+    MindSpore's factories made meta under the scope too. No communication. Build the
+    optimizer after (the parameters are new objects)."""
+    classes = _classes(p)
+    for module in modules:
+        materialize(module, lambda fqn, box: initial_piece(cfg, seed, fqn, box.starts, box.lengths))
+        for _, sub in p.named_modules(module):
+            if isinstance(sub, (classes.Decoder, classes.Stage)):
+                classes.set_rope_tables(sub, cfg)
 
 
 def _apply_rope(p: Platform, x: Any, cos: Any, sin: Any) -> Any:
@@ -376,6 +396,7 @@ class _Classes:
                 return _stage_forward(p, self, inputs)
 
         self.Decoder, self.Stage, self.ModuleDict = Decoder, Stage, types.ModuleDict
+        self.set_rope_tables = set_rope_tables
 
 
 @functools.cache

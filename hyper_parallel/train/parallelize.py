@@ -24,6 +24,8 @@ fully_shard, and each microbatch's backward recomputes the stage's blocks.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
@@ -146,20 +148,25 @@ def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None, *,
+                      cast_root_inputs: bool = True) -> None:
     """FSDP2 order: each decoder block is a unit (its parameters all-gathered around its
     forward and backward, gradients reduce-scattered), then the root takes the rest
     (embedding, final norm, output head; a tied head shares the root unit with the
     embedding). Every rank holds the same initial weights (``build_model`` seeds them), as
     fully_shard requires. Collectives: none here; the all-gathers / reduce-scatters run in
     each step. ``mp_policy``: ``--dtype``'s (``precision.mixed_precision_policy``; ``None``:
-    float32 throughout)."""
+    float32 throughout). ``cast_root_inputs=False``: the root unit leaves its inputs as they
+    come (a pipeline stage's: the positions cross a stage boundary as float32, exact there,
+    and a bfloat16 cast would round them above 256; its residual stream arrives in the
+    compute dtype already), the blocks still cast theirs."""
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     # a pipeline stage keys its blocks by their index in the decoder (model.build_stage)
     blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
     for block in blocks:
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy if cast_root_inputs else
+                dataclasses.replace(policy, cast_forward_inputs=False))
 
 
 def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: DeviceMesh | None = None,

@@ -84,11 +84,13 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor import DeviceMesh
+from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
 from hyper_parallel.core.pipeline_parallel import SCHEDULES, PipelineSchedule, PipelineStage
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
 from hyper_parallel.train.optim import local_tensor
+from hyper_parallel.train.precision import apply_mixed_precision
 from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel, apply_fully_shard,
                                               apply_tensor_parallel, fully_shard_mesh)
 
@@ -107,6 +109,10 @@ class Pipeline:
     rank: int                   # this rank's pipeline coordinate (group rank)
     size: int                   # pipeline degree
     placement: str = "loop"     # the schedule's: "loop" (stage s on rank s % size) or "v" (zbv, dualpipev)
+    # what the last stage's loss_fn multiplies each microbatch's loss by, so the schedule
+    # seeds the backward with it (--dtype fp16: [Note: dynamic loss scaling]); train_step
+    # sets it for its step and reports the unscaled mean
+    loss_scale: float = 1.0
 
     @property
     def has_first(self) -> bool:
@@ -128,7 +134,7 @@ class Pipeline:
 
 
 def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
-                   cp_mesh: DeviceMesh | None = None) -> Pipeline:
+                   cp_mesh: DeviceMesh | None = None, mp_policy: MixedPrecisionPolicy | None = None) -> Pipeline:
     """Cut ``model`` into ``cfg.layout.num_stages`` stages (``model.stage_layers``), keep this
     rank's (the schedule's placement, ``SCHEDULES[--pp-schedule]``: loop, stage ``s`` on pipeline
     rank ``s % pp``; V with ``zbv`` and ``dualpipev``, stages ``r`` and ``2 pp - 1 - r`` on rank
@@ -137,7 +143,9 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     context parallelism on its blocks' attention over ``cp_mesh``, each block checkpointed
     with ``cfg.activation_checkpointing``, fully_shard over the data-parallel (x cp)
     submesh; see ``[Note: pipeline stages and the other axes]``) and
-    build the ``--pp-schedule`` over them. ``cp_mesh``: ``context_parallel_mesh(mesh,
+    build the ``--pp-schedule`` over them. ``mp_policy``: ``--dtype``'s mixed precision
+    (``None``: float32), given to fully_shard or hooked by ``apply_mixed_precision`` as
+    ``parallelize`` does. ``cp_mesh``: ``context_parallel_mesh(mesh,
     layout)``, the mesh the loader shards sequences over (required when ``cp > 1``).
     Collectives: broadcasts of the tensor-parallel shards, creation of the data-parallel
     groups (through ``fully_shard_mesh``).
@@ -170,26 +178,44 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
                 apply_context_parallel(module, cp_mesh, layout)
             if cfg.activation_checkpointing:  # [Note: activation checkpointing in pipeline stages]
                 apply_activation_checkpointing(module)
+        # --dtype: the policy on each stage as on the whole decoder (parallelize.py), but
+        # a stage root never casts its inputs: the positions cross a boundary as float32
+        # (model._stage_forward), the residual stream comes in the compute dtype already
         if layout.dp * layout.cp > 1:
             dp_mesh = fully_shard_mesh(mesh, layout)
             for module in modules:
-                apply_fully_shard(module, dp_mesh)
+                apply_fully_shard(module, dp_mesh, mp_policy, cast_root_inputs=False)
+        elif mp_policy is not None:
+            for module in modules:
+                apply_mixed_precision(p, module, mp_policy)
     # the schedule gives the stages its placement ([Note: stage placement] in core/pipeline_parallel/stage.py)
     stages = [PipelineStage(module, s, num_stages, group=group) for module, s in zip(modules, indices)]
 
+    built: list[Pipeline] = []  # the loss reads the pipeline's scale, set per step
+
     def loss_fn(logits: Any, targets: Any) -> Any:
-        return cross_entropy(p, logits, targets)
+        loss = cross_entropy(p, logits, targets)
+        scale = built[0].loss_scale
+        return loss if scale == 1.0 else loss * scale
 
     schedule: PipelineSchedule = entry.schedule_class(stages, layout.microbatches, loss_fn)
-    return Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, entry.placement)
+    built.append(Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, entry.placement))
+    return built[0]
 
 
-def train_step(pipe: Pipeline, tensors: list[Any]) -> float | None:
+def train_step(pipe: Pipeline, tensors: list[Any], loss_scale: float = 1.0) -> float | None:
     """Run one step's forwards and backwards over the microbatches of ``tensors``
-    (``[tokens, positions, targets]``, this data-parallel rank's ``[batch / dp, seq]``).
-    Returns the mean of the microbatch losses on the rank of the last stage (the mean
-    over this rank's tokens: microbatches are equal), ``None`` elsewhere."""
-    return _mean_loss(pipe, tensors, pipe.schedule.step)
+    (``[tokens, positions, targets]``, this data-parallel rank's ``[batch / dp, seq]``),
+    each backward seeded with its loss times ``loss_scale`` (a power of two: the gradients
+    come out scaled by it, exactly). Returns the mean of the microbatch losses (unscaled)
+    on the rank of the last stage (the mean over this rank's tokens: microbatches are
+    equal), ``None`` elsewhere."""
+    pipe.loss_scale = loss_scale
+    try:
+        mean = _mean_loss(pipe, tensors, pipe.schedule.step)
+    finally:
+        pipe.loss_scale = 1.0
+    return None if mean is None else mean / loss_scale
 
 
 def forward_loss(pipe: Pipeline, tensors: list[Any]) -> float | None:

@@ -22,6 +22,10 @@ summed over the data-parallel ranks in float32.
   substitution] in ``core/fully_shard/hsdp_state``); the parameters stay registered. Under
   tensor parallelism the style's hooks (registered first) have put the parameter's local
   piece there already: that piece is what is cast.
+- A pipeline stage (``--pp``) gets the same, per stage module (``pipeline.build_pipeline``),
+  except that a stage's root never casts its inputs: the positions cross a stage boundary
+  as float32 (``model._stage_forward``; bfloat16 rounds integers above 256), the residual
+  stream arrives in ``D`` already.
 
 So a run in ``D`` on any of these layouts computes what one process computes in ``D``, up
 to the order of floating-point sums (``tests/train/test_precision.py``). The loss is taken
@@ -32,7 +36,8 @@ float16 has 5 exponent bits: gradients below ~6e-8 flush to zero. As
 ``torch.amp.GradScaler``, the backward is seeded with ``scale`` instead of 1 (the loss
 times ``scale``), so the float16 gradients are ``scale`` times larger; the global gradient
 norm (one all-reduce over every rank's pieces, ``grad_norm``) tells every rank at once
-whether any gradient overflowed. If it is not finite the step is skipped (no optimizer
+whether any gradient overflowed (a pipeline: the last stage's loss times ``scale`` seeds
+the schedule's backward, ``pipeline.train_step``). If it is not finite the step is skipped (no optimizer
 update, AdamW's step count unchanged) and ``scale`` halves; otherwise the optimizer steps
 with the gradients multiplied by ``clip / scale`` (unscaled and clipped in one factor) and
 after ``GROWTH_INTERVAL`` finite steps in a row ``scale`` doubles. bfloat16 has float32's
@@ -115,17 +120,23 @@ def apply_mixed_precision(p: Platform, model: Any, policy: MixedPrecisionPolicy)
 
     mine: dict[tuple[int, str], Any] = {}  # (id(owner), name) -> the copy put there
 
-    def withdraw(owners: list[tuple[Any, str, Any]]) -> Any:
+    def withdraw(owners: list[tuple[Any, str]]) -> Any:
         def hook(module: Any, args: Any, output: Any) -> None:
-            for owner, name, _ in owners:
+            for owner, name in owners:
                 copy = mine.pop((id(owner), name), None)
                 if copy is not None and vars(owner).get(name) is copy:
                     del vars(owner)[name]
         return hook
 
-    def present(owners: list[tuple[Any, str, Any]]) -> Any:
+    def present(owners: list[tuple[Any, str]]) -> Any:
         def hook(module: Any, args: Any) -> None:
-            for owner, name, param in owners:
+            # the parameters as registered now, not when hooked: a meta-device build
+            # (--init-device meta) and a sharded load replace them by new objects
+            registered: dict[int, dict[str, Any]] = {}
+            for owner, name in owners:
+                if id(owner) not in registered:
+                    registered[id(owner)] = dict(_direct_parameters(p, owner))
+                param = registered[id(owner)][name]
                 # a tensor a hook registered before put there is cast instead (tensor
                 # parallelism's local piece of the parameter: its forward computes on it)
                 there = vars(owner).get(name)
@@ -137,20 +148,20 @@ def apply_mixed_precision(p: Platform, model: Any, policy: MixedPrecisionPolicy)
                 on_recompute_exit(lambda: withdraw(owners)(module, args, None))
         return hook
 
-    def hook_unit(module: Any, owners: list[tuple[Any, str, Any]]) -> None:
+    def hook_unit(module: Any, owners: list[tuple[Any, str]]) -> None:
         if owners:
             p.register_forward_pre_hook(module, present(owners))
             p.register_forward_hook(module, withdraw(owners))
 
     # the root unit: every parameter outside the blocks, for the whole forward (a tied
     # output head reads the embedding's weight outside the embedding's own forward)
-    root = [(owner, name, param) for _, owner in p.named_modules(model)
+    root = [(owner, name) for _, owner in p.named_modules(model)
             for name, param in _direct_parameters(p, owner) if id(param) not in in_blocks]
     hook_unit(model, root)
     for block in blocks:
         # each layer inside a block for its own forward: rerun by a recomputation
         for _, owner in p.named_modules(block):
-            hook_unit(owner, [(owner, name, param) for name, param in _direct_parameters(p, owner)])
+            hook_unit(owner, [(owner, name) for name, _ in _direct_parameters(p, owner)])
         if policy.cast_forward_inputs:
             p.register_forward_pre_hook(block, lambda module, args: tuple(cast(a) for a in args))
 

@@ -11,6 +11,7 @@ how ([Note: the first rank to fail] in ``exits.py``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
@@ -104,9 +105,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = TrainConfig.from_dict(json.loads(Path(args[0]).read_text()))
     rank = launcher_rank()
-    if rank is not None and os.environ.get("MS_ROLE") != "MS_SCHED":
+    supervised = rank is not None and os.environ.get("MS_ROLE") != "MS_SCHED"
+    if supervised:
         supervise(cfg.run_dir, rank)  # returns in the child process, which runs the rank
     run_rank(cfg)
+    if supervised:
+        # The forked child ends as multiprocessing's fork children do (popen_fork:
+        # os._exit after the target returns), skipping the interpreter's teardown: the
+        # run is complete, its files closed and the process group destroyed, but native
+        # threads of the framework (gloo's workers, the store) still got destroyed while
+        # joinable there and aborted a finished rank ("terminate called without an
+        # active exception", seen twice in CI: pp 2 with --async-checkpoint, and tp 2).
+        # A failing rank still exits normally, so its traceback prints.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

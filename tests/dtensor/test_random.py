@@ -201,7 +201,8 @@ def test_stream_entered_at_any_offset() -> None:
 
 def check_torch_init() -> dict[str, bool]:
     """``torch.nn.init`` on a ``Shard(0)`` DTensor parameter (uneven: 7 rows over 2 ranks)
-    against the same call on a ``Replicate`` one (the whole tensor on each rank)."""
+    against the same call on a ``Replicate`` one (the whole tensor on each rank); likewise
+    ``rand_like``, ``randn_like`` and ``F.dropout``; other draws refused."""
     import torch
 
     p = get_platform()
@@ -217,6 +218,26 @@ def check_torch_init() -> dict[str, bool]:
         whole = DTensor.from_local(torch.zeros(7, 5), mesh, [Replicate()])
         fn(whole, **kwargs)
         out[fn.__name__] = bool(torch.equal(w.detach().full_tensor(), whole.full_tensor()))
+    # the out-of-place draws and torch's dropout (bernoulli_ inside) on Shard(1), uneven
+    # (5 columns over 2 ranks), against the same call on the whole tensor
+    for name, fn in (("rand_like", torch.rand_like), ("randn_like", torch.randn_like),
+                     ("F.dropout", lambda t: torch.nn.functional.dropout(t, 0.3, True))):
+        got = []
+        for placement in (Shard(1), Replicate()):
+            dt_random.manual_seed(SEED)
+            x = DTensor.from_local(torch.ones(_local_shape((7, 5), [placement], mesh)), mesh, [placement],
+                                   shape=(7, 5))
+            y = fn(x)
+            assert y.placements == (placement,), (name, y.placements)
+            got.append(y.full_tensor())
+        out[name] = bool(torch.equal(got[0], got[1])) and bool((got[0] != got[0].flatten()[0]).any())
+    # a draw without a layout-invariant rule is refused, never drawn from each rank's generator
+    x = DTensor.from_local(torch.ones(_local_shape((7, 5), [Shard(0)], mesh)), mesh, [Shard(0)], shape=(7, 5))
+    try:
+        torch.poisson(x)
+        out["poisson refused"] = False
+    except RuntimeError as err:
+        out["poisson refused"] = "draws from torch's generator" in str(err)
     return out
 
 

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hyper_parallel.core.tensor_ops import dtype_name
 from hyper_parallel.platform import get_platform
-from hyper_parallel.train.config import Layout
+from hyper_parallel.train.config import PRESETS, Layout
 from hyper_parallel.train.loop import _train_step, setup, train
 from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.precision import DTYPES, LossScaler
@@ -149,3 +151,37 @@ def checkpointed_dtype(out: str, dtype: str, degrees: dict) -> list[float]:
         curves.append(losses(train(cfg, write_outputs=False)).tolist())
     np.testing.assert_array_equal(curves[1], curves[0], err_msg=f"{degrees} in {dtype} with checkpointing")
     return curves[1]
+
+
+def pipeline_dtype(out: str, dtype: str, degrees: dict) -> dict:
+    """A pipeline layout in ``dtype`` with sequences longer than 256 (``small``, seq 320):
+    every stage after the first receives the positions in float32, unrounded (a bfloat16
+    cast rounds integers above 256), its blocks compute in the dtype, and the losses match
+    one process in the dtype (rank 0 compares; ``LOW_PRECISION_RTOL``)."""
+    p = get_platform()
+    layout = Layout(**degrees)
+    cfg = tiny_config(f"{out}/{dtype}_{layout.describe()}", nproc=p.world_size(), layout=layout, steps=2,
+                      eval_every=2, dtype=dtype, model=PRESETS["small"], model_name="small", seq_len=320)
+    run = setup(cfg)
+    assert run.pipe is not None and run.dtype == dtype
+    received: list[tuple[str, float, bool]] = []  # (dtype, largest position, all integral)
+    computed: set[str] = set()
+    for module, index in zip(run.pipe.modules, run.pipe.indices):
+        if index > 0:
+            def record(module: Any, args: Any) -> None:
+                positions = p.to_numpy(args[1])
+                received.append((dtype_name(args[1].dtype), float(positions.max()),
+                                  bool(np.all(positions == np.round(positions)))))
+            p.register_forward_pre_hook(module, record)
+        block = next(iter(module.layers.values()))
+        p.register_forward_hook(block.attention.wq, lambda module, args, out: computed.add(dtype_name(out.dtype)))
+    got = losses(train(cfg, write_outputs=False, run=run))
+    assert computed == {DTYPES[dtype]}, computed
+    if any(index > 0 for index in run.pipe.indices):
+        assert received and all(kind == "float32" and whole for kind, _, whole in received), received
+        assert max(largest for _, largest, _ in received) > 256, "no position above 256: the check saw nothing"
+    if p.rank() == 0:
+        ref = losses(train(cfg, reference=True, write_outputs=False))
+        np.testing.assert_allclose(got, ref, rtol=LOW_PRECISION_RTOL[dtype], atol=0,
+                                   err_msg=f"--dtype {dtype} on {degrees} vs one process in {dtype}")
+    return {"received": received, "losses": got.tolist()}

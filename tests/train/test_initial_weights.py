@@ -1,5 +1,6 @@
 """The job's initial weights ([Note: the job's initial weights] in train/model.py): each rank
-writes its own piece in place after the model is parallelized, and every piece equals
+computes its own pieces once the model is parallelized (built on the meta device and
+materialized, or built whole on the host and written in place), and every piece equals
 that box of the one-process weights (``initial_weights``) bit for bit, for fully_shard 2
 and 4, tp 2, tp 2 x dp-shard 2, HSDP (dp-replicate 2 x dp-shard 2), with uneven chunks
 (hidden 70 over 4 ranks: 18, 18, 18, 16 rows), and pp 2 x dp-shard 2 on torch. The
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from hyper_parallel.platform import get_platform
-from hyper_parallel.train.config import Layout
+from hyper_parallel.train.config import INIT_DEVICES, Layout
 from hyper_parallel.train.loop import setup
 from hyper_parallel.train.model import initial_piece, initial_weights, parameter_shapes
 from hyper_parallel.train.model_config import PRESETS
@@ -26,13 +27,15 @@ UNEVEN = replace(PRESETS["tiny"], hidden_dim=70)
 
 
 def check_pieces(out: str, layouts: list[dict]) -> int:
-    """Every parameter's local piece on this rank equals its box of the whole weights."""
+    """Every parameter's local piece on this rank equals its box of the whole weights, built
+    both ways (``--init-device meta``: materialized piece by piece; ``host``: whole, cut,
+    pieces written in place)."""
     p = get_platform()
     checked = 0
-    for degrees in layouts:
+    for degrees, init_device in ((d, i) for d in layouts for i in INIT_DEVICES):
         layout = Layout(**degrees)
         cfg = tiny_config(f"{out}/{len(degrees)}", nproc=layout.world_size, layout=layout, model=UNEVEN,
-                          model_name="uneven")
+                          model_name="uneven", init_device=init_device)
         whole = initial_weights(cfg.model, cfg.seed)
         run = setup(cfg)
         assert sorted(run.boxes) == sorted(run.names)

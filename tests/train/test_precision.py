@@ -23,7 +23,7 @@ from hyper_parallel.train.cli import build_parser, config_from_args
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.precision import (DEFAULT_ACCELERATOR, DEFAULT_CPU, LossScaler, mixed_precision_policy,
                                             resolve_dtype)
-from tests.train._precision_ranks import checkpointed_dtype, dtype_parity, loss_scaling
+from tests.train._precision_ranks import checkpointed_dtype, dtype_parity, loss_scaling, pipeline_dtype
 from tests.train._ranks import TEST_DATA
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,10 +92,9 @@ def test_dtype_flag_defaults_and_refusals(tmp_path: Path) -> None:
         parser.parse_args([*base, "--dtype", "int8"])
     with pytest.raises(ValueError, match=r"--dtype='half' is not a training dtype; use one of fp32, bf16, fp16"):
         TrainConfig(platform="torch", dtype="half")
-    with pytest.raises(ValueError, match=r"--dtype bf16 cannot be combined with --pp=2 yet.*use --dtype fp32"):
-        config_from_args(parser.parse_args([*base, "--dtype", "bf16", "--pp", "2", "--nproc", "2"]))
-    # the default on CPU, and fp32, run with --pp
-    assert config_from_args(parser.parse_args([*base, "--dtype", "fp32", "--pp", "2", "--nproc", "2"])).layout.pp == 2
+    for dtype in ("fp32", "bf16", "fp16"):  # pipelines take every dtype
+        cfg = config_from_args(parser.parse_args([*base, "--dtype", dtype, "--pp", "2", "--nproc", "2"]))
+        assert (cfg.layout.pp, cfg.dtype) == (2, dtype)
 
 
 def test_a_dtype_the_cpu_kernels_do_not_take_is_refused_by_name() -> None:
@@ -111,16 +110,19 @@ def test_a_dtype_the_cpu_kernels_do_not_take_is_refused_by_name() -> None:
             preflight.check_dtype(TrainConfig(platform=platform, dtype=dtype))
 
 
-def test_command_line_run_in_low_precision(tmp_path: Path) -> None:
-    """A real launch: dp-shard 2 in the backend's first low-precision dtype, with
-    ``--check-parity`` against one process in the same dtype (tolerance: as
+@pytest.mark.parametrize("layout", [["--dp-shard", "2"], ["--pp", "2", "--microbatches", "2"]],
+                         ids=["dp-shard2", "pp2"])
+def test_command_line_run_in_low_precision(tmp_path: Path, layout: list[str]) -> None:
+    """A real launch: dp-shard 2, and pp 2 (on MindSpore through its launcher; float16's
+    loss scale seeds the pipeline's backward), in the backend's first low-precision dtype,
+    with ``--check-parity`` against one process in the same dtype (tolerance: as
     ``LOW_PRECISION_RTOL``); float16 rows carry the loss scale."""
     from tests.train._precision_ranks import LOW_PRECISION_RTOL
 
     platform, dtype = selected_platform(), _dtypes()[0]
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    args = ["train", "--platform", platform, "--dp-shard", "2", "--dtype", dtype, "--model", "tiny", "--steps", "4",
+    args = ["train", "--platform", platform, "--nproc", "2", *layout, "--dtype", dtype, "--model", "tiny", "--steps", "4",
             "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "2", "--eval-every", "4", "--out", str(out),
             "--no-progress", "--check-parity", "--data", *TEST_DATA]
     done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
@@ -133,6 +135,22 @@ def test_command_line_run_in_low_precision(tmp_path: Path) -> None:
     parity = json.loads((out / "parity.json").read_text())
     assert parity["steps_compared"] == 4 and parity["max_rel_diff"] < LOW_PRECISION_RTOL[dtype], parity
     assert json.loads((out / "config.json").read_text())["dtype"] == dtype
+
+
+@pytest.mark.skipif(framework_of(selected_platform()) == "mindspore",
+                    reason="MindSpore runs pipelines on CPU only through its launcher: "
+                           "test_command_line_run_in_low_precision[pp2] covers it")
+def test_pipeline_in_low_precision(run_on_ranks, tmp_path: Path) -> None:
+    """pp 2 x dp-shard 2 (fully_shard on each stage: its root must not cast the positions)
+    and pp 2 alone (the hooks of apply_mixed_precision), 1F1B, sequences of 320: the
+    positions cross each stage boundary unrounded in float32, the blocks compute in the
+    dtype, the losses match one process in it."""
+    dtype = _dtypes()[0]
+    for degrees, world in (({"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "1f1b"}, 4),
+                           ({"pp": 2, "microbatches": 2, "pp_schedule": "1f1b"}, 2)):
+        results = run_on_ranks(pipeline_dtype, str(tmp_path / str(world)), dtype, degrees, world_size=world,
+                               timeout_s=600)
+        assert any(r["received"] for r in results), results
 
 
 def test_activation_checkpointing_in_low_precision(run_on_ranks, tmp_path: Path) -> None:

@@ -81,6 +81,9 @@ _POINTWISE = frozenset({
 _DRAWS = {("normal", "default"): (("mean", "mean", 0.0), ("std", "std", 1.0)),
           ("uniform", "default"): (("low", "from", 0.0), ("high", "to", 1.0)),
           ("bernoulli", "float"): (("p", "p", 0.5),)}
+#: aten's out-of-place draws shaped like their input, as the in-place draw of core's stream
+#: they equal (``torch.rand_like(x)`` is ``uniform_`` on a tensor like ``x``)
+_DRAWS_LIKE = {"rand_like": ("uniform", {"low": 0.0, "high": 1.0}), "randn_like": ("normal", {"mean": 0.0, "std": 1.0})}
 _RENAMED = {"_to_copy": "to_copy", "rsub": "sub", "clamp_min": "clamp", "clamp_max": "clamp", "zero": "zeros_like",
             "mm": "matmul", "bmm": "bmm", "addmm": "addmm", "_softmax": "softmax", "_log_softmax": "log_softmax",
             "_softmax_backward_data": "softmax_backward", "_log_softmax_backward_data": "log_softmax_backward",
@@ -179,6 +182,9 @@ def _translate(name: str, overload: str, args: tuple[Any, ...], kwargs: dict[str
         return "cat", {"dim": dim, "shape": tuple(shape)}
     if name == "embedding":
         return "embedding", {}
+    if name in _DRAWS_LIKE and kwargs.get("dtype") in (None, getattr(x, "dtype", None)):
+        rule, params = _DRAWS_LIKE[name]
+        return rule, dict(params)
     if (name, overload) in _DRAWS:
         return name, {key: float(kwargs.get(aten_name, args[i + 1] if len(args) > i + 1 else default))
                       for i, (key, aten_name, default) in enumerate(_DRAWS[name, overload])}
@@ -655,6 +661,14 @@ def _run_op(cls: type, entry: Any, func: Any, args: tuple[Any, ...], kwargs: dic
     if routed is not fused_ops.NOT_ROUTED:
         return routed
     rule, params = _translate(name.rstrip("_") if inplace else name, func._overloadname, args, kwargs, is_dtensor)
+    if torch.Tag.nondeterministic_seeded in func.tags and not entry.has_rule(rule):
+        # core's fallback would draw the whole tensor from each rank's own generator: a
+        # Replicate result whose replicas differ, silently
+        raise RuntimeError(f"{func} on a DTensor draws from torch's generator, whose values would differ across "
+                           "ranks and layouts; the draws hyper_parallel makes layout-invariant are normal_, "
+                           "uniform_, bernoulli_(p), rand_like, randn_like and dropout (from its own stream: "
+                           "hyper_parallel.core.dtensor.random.manual_seed); draw with one of them, or on the "
+                           "local tensor (DTensor.to_local()) if per-rank values are meant")
     dtensors, call = _local_call(func, args, kwargs, is_dtensor)
     if rule in ("view", "expand") and name in ("view", "_unsafe_view", "expand", "squeeze", "unsqueeze") and not kwargs:
         # the size argument is global; the local call takes this rank's (a squeeze as a

@@ -338,11 +338,21 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         setattr(module.get_submodule(owner_path), leaf, param)
 
     # -- tensor ops --------------------------------------------------------------------
+    def _factory_device(self) -> torch.device:
+        """This platform's device, or the meta device inside ``module_types().meta_device()``
+        (``torch.device("meta")`` as a context): the factories then make meta tensors as
+        torch's own do, so a module built there holds no storage (a norm's or an
+        embedding's weight made with ``full`` / ``zeros`` included). The mode-stack length
+        is checked first: ``get_default_device`` costs more than a small ``zeros``."""
+        if torch._C._len_torch_function_stack() and torch.get_default_device().type == "meta":
+            return torch.device("meta")
+        return self._device
+
     def zeros(self, shape: Sequence[int], dtype: Any, *, fill: bool = True) -> Any:
-        return (torch.zeros if fill else torch.empty)(tuple(shape), dtype=dtype, device=self._device)
+        return (torch.zeros if fill else torch.empty)(tuple(shape), dtype=dtype, device=self._factory_device())
 
     def full(self, shape: Sequence[int], value: float, dtype: Any) -> Any:
-        return torch.full(tuple(shape), value, dtype=dtype, device=self._device)
+        return torch.full(tuple(shape), value, dtype=dtype, device=self._factory_device())
 
     def arange(self, start: int, end: int, dtype: Any) -> Any:
         return torch.arange(start, end, dtype=dtype, device=self._device)
