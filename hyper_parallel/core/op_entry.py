@@ -46,6 +46,7 @@ from typing import Any
 from hyper_parallel.core.context_parallel import flash_attention_score as _flash_attention_score
 from hyper_parallel.core.dtensor import dispatch as _dispatch
 from hyper_parallel.core.dtensor import fused_dispatch as _fused
+from hyper_parallel.core.dtensor import random as _random
 from hyper_parallel.core.dtensor.dispatch import (
     check_result,
     dispatch_skipped,
@@ -60,7 +61,7 @@ from hyper_parallel.core.dtensor.op_rules import OP_RULES
 
 __all__ = [
     "check_result", "dispatch_aligned", "dispatch_explicit", "dispatch_op", "dispatch_skipped", "dispatch_split",
-    "flash_attention_score", "freeze_params", "full_local", "has_rule", "local_plan", "mixed_operand_message",
+    "dropout", "flash_attention_score", "freeze_params", "full_local", "has_rule", "local_plan", "mixed_operand_message",
     "nll_loss_backward", "nll_loss_forward", "record_rule", "recorded_rules", "recording", "replicated",
     "replicated_operands", "sharded_dim_axis", "skip_depth", "softmax_sharded",
 ]
@@ -97,6 +98,11 @@ def record_rule(op: str) -> None:
 
 #: ``local`` (a tensor every rank of ``mesh`` makes whole) as a ``Replicate`` DTensor
 replicated = DTensor.replicated
+
+
+#: inverted dropout from core's stream (``dtensor/random.dropout``): a backend routes the
+#: framework's dropout primitive here
+dropout = _random.dropout
 
 
 def has_rule(op: str) -> bool:

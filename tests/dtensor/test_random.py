@@ -257,3 +257,54 @@ def test_chunked_draw_equals_one_call(monkeypatch) -> None:
     monkeypatch.setattr(philox, "_CHUNK", 5)
     chunked = philox.draw("normal", {"mean": 0.0, "std": 1.0}, state, shape, (1, 0), (3, 9), np.dtype(np.float64))
     np.testing.assert_array_equal(chunked, whole[1:])
+
+
+def check_mindspore_draws() -> dict[str, bool]:
+    """MindSpore's own random calls on DTensors (``Shard(1)``, 5 columns over 2 ranks:
+    uneven) draw from core's stream: ``Tensor.normal_`` / ``uniform_`` / ``bernoulli_``
+    equal numpy's whole-tensor values (so torch's ``nn.init`` calls agree bitwise), the
+    ``*_like`` draws and both dropouts equal the same call on a ``Replicate`` DTensor;
+    generator draws without such a route are refused by name."""
+    from mindspore import mint, ops
+
+    p = get_platform()
+    mesh = init_device_mesh(p.device_type, (2,))
+    shape, out = (7, 5), {}
+
+    def make(placement: object, value: float = 0.0) -> DTensor:
+        local = p.from_numpy(np.full(_local_shape(shape, [placement], mesh), value, np.float32))
+        return DTensor.from_local(local, mesh, [placement], shape=shape)
+
+    for name, call, (kind, params) in (
+            ("normal_", lambda t: t.normal_(0.5, 0.02), ("normal", {"mean": 0.5, "std": 0.02})),
+            ("uniform_", lambda t: t.uniform_(-0.1, 0.3), ("uniform", {"low": -0.1, "high": 0.3})),
+            ("bernoulli_", lambda t: t.bernoulli_(0.3), ("bernoulli", {"p": 0.3}))):
+        want = philox.draw(kind, params, philox.RngState(SEED), shape, (0, 0), shape, np.dtype(np.float32))
+        dt_random.manual_seed(SEED)
+        x = make(Shard(1))
+        y = call(x)
+        out[name] = y is x and bool(np.array_equal(p.to_numpy(x.full_tensor()), want))
+    for name, call in (("rand_like", mint.rand_like), ("randn_like", mint.randn_like),
+                       ("ops.dropout", lambda t: ops.dropout(t, 0.3)),
+                       ("mint dropout", lambda t: mint.nn.functional.dropout(t, 0.3, True))):
+        got = []
+        for placement in (Shard(1), Replicate()):
+            dt_random.manual_seed(SEED)
+            y = call(make(placement, 1.0))
+            assert tuple(y.placements) == (placement,), (name, y.placements)
+            got.append(p.to_numpy(y.full_tensor()))
+        out[name] = bool(np.array_equal(got[0], got[1])) and len(np.unique(got[0])) > 1
+    for name, call in (("mint.bernoulli", mint.bernoulli), ("mint.normal", lambda t: mint.normal(t, 1.0))):
+        try:
+            call(make(Shard(0), 0.5))
+            out[f"{name} refused"] = False
+        except RuntimeError as err:
+            out[f"{name} refused"] = "draws from MindSpore's generator" in str(err)
+    return out
+
+
+@pytest.mark.skipif(not os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
+                    reason="MindSpore's own random calls")
+def test_mindspore_draws_on_dtensors(run_on_ranks) -> None:
+    results = run_on_ranks(check_mindspore_draws, world_size=2)
+    assert all(all(r.values()) for r in results), results

@@ -45,6 +45,7 @@ correctly. Load full values with ``load_full_state_dict``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,7 +90,27 @@ _PRIMITIVES: dict[str, tuple[str, str]] = {
     "Contiguous": ("clone", "pointwise"),
     # planned by core (core/context_parallel/flash_attention_score.py), else by the rules
     "FlashAttentionScore": ("FlashAttentionScore", "fused_attention"),
+    # draws from core's stream ([Note: random ops on DTensors]), never MindSpore's
+    # generator: Inplace*(x, *numbers, seed, offset) and *Like(x, seed, offset, dtype, ...)
+    "InplaceNormal": ("normal", "draw"), "InplaceUniform": ("uniform", "draw"),
+    "InplaceBernoulliScalar": ("bernoulli", "draw"),
+    "RandLikeExt": ("uniform", "draw_like"), "RandnLike": ("normal", "draw_like"),
+    # dropout: core's (its mask a bernoulli draw of the stream), with the primitives' outputs
+    "FuncDropoutExt": ("dropout", "dropout"), "Dropout": ("dropout", "dropout"),
 }
+
+#: the number arguments of a ``draw`` primitive after the tensor, as core's params
+_DRAW_PARAMS = {"normal": ("mean", "std"), "uniform": ("low", "high"), "bernoulli": ("p",)}
+#: the params of a ``draw_like`` primitive (a standard draw)
+_DRAW_LIKE_PARAMS = {"uniform": {"low": 0.0, "high": 1.0}, "normal": {"mean": 0.0, "std": 1.0}}
+#: MindSpore's primitives that draw from its generator (names; their backward ops, which
+#: replay a mask, are not draws): on a DTensor without a route above each rank would draw
+#: its own values, so they are refused
+_RANDOM_NAME = re.compile(r"Rand|Normal(?!ize)|Uniform|Bernoulli|Dropout|Multinomial|Poisson|Laplace|Shuffle")
+
+
+def _draws_from_generator(name: str) -> bool:
+    return bool(_RANDOM_NAME.search(name)) and "Grad" not in name and "DoMask" not in name
 
 
 def _name(op: Any) -> str:
@@ -229,6 +250,15 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                 inplace = _PRIMITIVES.get(name, ("", ""))[1] == "inplace"
                 return args[0] if inplace else out
             rule, kind = _PRIMITIVES.get(name, (name, "plain"))
+            if name not in _PRIMITIVES and _draws_from_generator(name):
+                # core's fallback would draw the whole tensor on each rank from its own
+                # generator: a Replicate result whose replicas differ, silently
+                raise RuntimeError(f"{name} on a DTensor draws from MindSpore's generator, whose values would "
+                                   "differ across ranks and layouts; the draws hyper_parallel makes layout-invariant "
+                                   "are Tensor.normal_, uniform_, bernoulli_(p), mint.rand_like, mint.randn_like, "
+                                   "ops.dropout and mint.nn.functional.dropout (from its own stream: "
+                                   "hyper_parallel.core.dtensor.random.manual_seed); draw with one of them, or on "
+                                   "the local tensor (DTensor.to_local()) if per-rank values are meant")
             return _dispatch(entry, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
 
     DTensor.__qualname__ = DTensor.__name__ = "DTensor"
@@ -276,6 +306,8 @@ def _dispatch(entry: Any, op: Any, name: str, rule: str, kind: str, args: list[A
             return routed
     if kind == "identity":
         return _identity(op, args, kwargs, is_dtensor, call_op)
+    if kind in ("draw", "draw_like", "dropout"):
+        return _draw(entry, name, rule, kind, args)
     if kind == "split" and is_dtensor(x) and not any(is_dtensor(a) for a in args[1:]):
         dim = int(args[2] if len(args) > 2 else kwargs.get("dim", kwargs.get("axis", 0)))
         return entry.dispatch_split(x, dim, lambda local: call_op(op, [local, *args[1:]], kwargs))
@@ -346,6 +378,35 @@ def _dispatch(entry: Any, op: Any, name: str, rule: str, kind: str, args: list[A
     if with_local_shape:
         return entry.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
     return entry.dispatch_explicit(rule, tensors, local_call, params, inplace=inplace)
+
+
+def _draw(entry: Any, name: str, rule: str, kind: str, args: list[Any]) -> Any:
+    """A draw or a dropout on DTensor ``args[0]``, from core's stream (the random rules:
+    each rank draws its piece of what one device draws for the whole tensor).
+
+    Raises:
+        RuntimeError: a draw into another dtype, an in-place dropout."""
+    x = args[0]
+    if kind == "draw":  # Inplace*(x, *numbers, seed, offset): x, written in place
+        keys = _DRAW_PARAMS[rule]
+        params = {key: float(value) for key, value in zip(keys, args[1:1 + len(keys)])}
+        return entry.dispatch_explicit(rule, [x], lambda local: local, params, inplace=0)
+    if kind == "draw_like":  # *Like(x, seed, offset, dtype, ...): a new tensor like x
+        dtype = args[3] if len(args) > 3 else None
+        if dtype is not None and dtype != x.dtype:
+            raise RuntimeError(f"{name} on a DTensor draws in its dtype {x.dtype}; dtype={dtype} is not taken: "
+                               "draw, then cast")
+        return entry.dispatch_explicit(rule, [x], lambda local: local, dict(_DRAW_LIKE_PARAMS[rule]))
+    if name == "Dropout":  # ops.dropout: Dropout(x, keep_prob, seed0, seed1) -> (output, mask)
+        keep = float(args[1])
+        mask = entry.dispatch_explicit("bernoulli", [x], lambda local: local, {"p": keep})
+        return x * mask * (1.0 / keep), mask
+    # mint.nn.functional.dropout: FuncDropoutExt(x, p, training, inplace, seed, offset)
+    p, training, inplace = float(args[1]), bool(args[2]), bool(args[3])
+    if inplace and training:
+        raise RuntimeError("mint.nn.functional.dropout(inplace=True) on a DTensor is not taken (the mask comes "
+                           "from hyper_parallel's stream as a new tensor): use inplace=False")
+    return entry.dropout(x, p, training)
 
 
 def _identity(op: Any, args: list[Any], kwargs: dict[str, Any], is_dtensor: Callable[[Any], bool],
