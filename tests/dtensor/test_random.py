@@ -199,6 +199,27 @@ def test_stream_entered_at_any_offset() -> None:
             np.testing.assert_array_equal(piece, whole[box])
 
 
+def _refused(call: object, text: str) -> bool:
+    """Whether ``call()`` raises a RuntimeError containing ``text``."""
+    try:
+        call()  # type: ignore[operator]
+    except RuntimeError as err:
+        return text in str(err)
+    return False
+
+
+def _as_on_replicate(call: object, make: object, shard: object) -> bool:
+    """``call`` on a DTensor of ``shard`` keeps the placement and gives, whole, what the
+    same call on a ``Replicate`` one gives (after the same seed), not a constant."""
+    got = []
+    for placement in (shard, Replicate()):
+        dt_random.manual_seed(SEED)
+        y = call(make(placement))  # type: ignore[operator]
+        assert tuple(y.placements) == (placement,), y.placements
+        got.append(np.asarray(get_platform().to_numpy(y.full_tensor())))
+    return bool(np.array_equal(got[0], got[1])) and len(np.unique(got[0])) > 1
+
+
 def check_torch_init() -> dict[str, bool]:
     """``torch.nn.init`` on a ``Shard(0)`` DTensor parameter (uneven: 7 rows over 2 ranks)
     against the same call on a ``Replicate`` one (the whole tensor on each rank); likewise
@@ -220,24 +241,15 @@ def check_torch_init() -> dict[str, bool]:
         out[fn.__name__] = bool(torch.equal(w.detach().full_tensor(), whole.full_tensor()))
     # the out-of-place draws and torch's dropout (bernoulli_ inside) on Shard(1), uneven
     # (5 columns over 2 ranks), against the same call on the whole tensor
+    def make(placement: object) -> DTensor:
+        return DTensor.from_local(torch.ones(_local_shape((7, 5), [placement], mesh)), mesh, [placement],
+                                  shape=(7, 5))
+
     for name, fn in (("rand_like", torch.rand_like), ("randn_like", torch.randn_like),
                      ("F.dropout", lambda t: torch.nn.functional.dropout(t, 0.3, True))):
-        got = []
-        for placement in (Shard(1), Replicate()):
-            dt_random.manual_seed(SEED)
-            x = DTensor.from_local(torch.ones(_local_shape((7, 5), [placement], mesh)), mesh, [placement],
-                                   shape=(7, 5))
-            y = fn(x)
-            assert y.placements == (placement,), (name, y.placements)
-            got.append(y.full_tensor())
-        out[name] = bool(torch.equal(got[0], got[1])) and bool((got[0] != got[0].flatten()[0]).any())
+        out[name] = _as_on_replicate(fn, make, Shard(1))
     # a draw without a layout-invariant rule is refused, never drawn from each rank's generator
-    x = DTensor.from_local(torch.ones(_local_shape((7, 5), [Shard(0)], mesh)), mesh, [Shard(0)], shape=(7, 5))
-    try:
-        torch.poisson(x)
-        out["poisson refused"] = False
-    except RuntimeError as err:
-        out["poisson refused"] = "draws from torch's generator" in str(err)
+    out["poisson refused"] = _refused(lambda: torch.poisson(make(Shard(0))), "draws from torch's generator")
     return out
 
 
@@ -287,19 +299,9 @@ def check_mindspore_draws() -> dict[str, bool]:
     for name, call in (("rand_like", mint.rand_like), ("randn_like", mint.randn_like),
                        ("ops.dropout", lambda t: ops.dropout(t, 0.3)),
                        ("mint dropout", lambda t: mint.nn.functional.dropout(t, 0.3, True))):
-        got = []
-        for placement in (Shard(1), Replicate()):
-            dt_random.manual_seed(SEED)
-            y = call(make(placement, 1.0))
-            assert tuple(y.placements) == (placement,), (name, y.placements)
-            got.append(p.to_numpy(y.full_tensor()))
-        out[name] = bool(np.array_equal(got[0], got[1])) and len(np.unique(got[0])) > 1
+        out[name] = _as_on_replicate(call, lambda placement: make(placement, 1.0), Shard(1))
     for name, call in (("mint.bernoulli", mint.bernoulli), ("mint.normal", lambda t: mint.normal(t, 1.0))):
-        try:
-            call(make(Shard(0), 0.5))
-            out[f"{name} refused"] = False
-        except RuntimeError as err:
-            out[f"{name} refused"] = "draws from MindSpore's generator" in str(err)
+        out[f"{name} refused"] = _refused(lambda: call(make(Shard(0), 0.5)), "draws from MindSpore's generator")
     return out
 
 
