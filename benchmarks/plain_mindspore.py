@@ -45,9 +45,11 @@ What was found: at one rank the job's step is at or below plain PyNative's in th
 (``results/plain_mindspore.md``); the 617 vs 423-484 ms of issue 38 compared runs of
 different days on a shared host, and no time is missing at one rank. Under ``jit`` the
 plain step runs in about a third of its PyNative time: that gap is the compiled mode
-(issue 38 item 3). With sharding, each op on a DTensor also pays the ``__fallback__``
-interception, which the dispatch cache of ``platform/mindspore/dtensor.py`` cuts
-(``results/dtensor_dispatch.md``; the tp 2 and dp-shard 2 rows here).
+(issue 38 item 3). The job's tp 2 and dp-shard 2 steps run no op through the DTensor
+class's ``__fallback__`` nor core's ``dispatch`` (counted over a step: the tensor-parallel
+styles and fully_shard hand the modules local tensors), so the dispatch cache of
+``platform/mindspore/dtensor.py`` (``results/dtensor_dispatch.md``) speeds up models that
+run MindSpore's own ops on DTensors (MindFormers'), not these rows.
 
     python benchmarks/plain_mindspore.py [--iters 12] [--warmup 3] [--world-size 2]
 """
