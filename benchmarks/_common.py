@@ -20,6 +20,17 @@ def host_meta() -> dict[str, str]:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset")}
 
 
+def add_step_arguments(parser: Any, iters: int, warmup: int) -> None:
+    """The options of a benchmark of the job's training step: ``--model`` (a preset),
+    ``--seq-len``, ``--batch-size`` (sequences per step), ``--iters`` (timed steps) and
+    ``--warmup`` (untimed steps first)."""
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--warmup", type=int, default=warmup)
+
+
 def timed(fn: Callable[[], Any], warmup: int, iters: int, barrier: Callable[[], Any]) -> list[float]:
     """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones; every call
     starts right after ``barrier()`` so that the ranks start together."""

@@ -10,8 +10,9 @@ divides; the median over ``--iters`` repetitions on rank 0 is reported (microsec
 call). On torch the two DTensors alternate within each repetition (ours first in even
 repetitions, torch's first in odd ones), and ratio = the median over repetitions of
 hyper_parallel / torch DTensor in that repetition, so load that comes and goes on a
-shared machine reaches both sides of a ratio alike. MindSpore: ratio = hyper_parallel /
-plain op on the local piece (medians).
+shared machine reaches both sides of a ratio alike. MindSpore alike: its ``mint`` op on
+DTensors and the same op on plain tensors of the local size alternate, ratio = the median
+of per-repetition hyper_parallel / plain (``--mindspore-only`` runs that half alone).
 
 | op | shapes and placements |
 |---|---|
@@ -20,8 +21,9 @@ plain op on the local piece (medians).
 | softmax | ``softmax(a, -1)``, ``[64, 64]`` ``Shard(0)`` |
 | linear fwd+bwd | the linear, ``.sum().backward()`` |
 | AdamW step | ``torch.optim.AdamW(foreach=True).step()`` on 4 ``[64, 64]`` ``Shard(0)`` parameters with gradients |
+| reshape (MindSpore) | ``a.reshape(64, 8, 8)``, ``[64, 64]`` ``Shard(0)`` (stays ``Shard(0)``) |
 
-    python benchmarks/dtensor_dispatch.py [--calls 200] [--iters 21] [--no-mindspore]
+    python benchmarks/dtensor_dispatch.py [--calls 200] [--iters 21] [--no-mindspore | --mindspore-only]
 """
 
 from __future__ import annotations
@@ -147,11 +149,13 @@ def bench_mindspore(calls: int, iters: int) -> list[dict]:
         "linear": (lambda: F.linear(xd, wd), lambda: F.linear(x, w)),
         "add": (lambda: ad + ad, lambda: a + a),
         "softmax": (lambda: F.softmax(ad, dim=-1), lambda: F.softmax(a, dim=-1)),
+        "reshape": (lambda: ad.reshape(64, 8, 8), lambda: a.reshape(64 // n, 8, 8)),
     }
     rows = []
-    for op, (ours, plain) in fns.items():
-        rows.append({"op": op, "impl": "hyper_parallel", "us": _per_call_us(ours, calls, iters)})
-        rows.append({"op": op, "impl": "plain", "us": _per_call_us(plain, calls, iters)})
+    for op, pair in fns.items():
+        ours, plain, ratio = _interleaved_us(pair, calls, iters)
+        rows.append({"op": op, "impl": "hyper_parallel", "us": ours, "ratio": ratio})
+        rows.append({"op": op, "impl": "plain", "us": plain})
     return rows
 
 
@@ -173,7 +177,8 @@ def markdown(results: list[dict], world: int) -> str:
              "Microseconds per call, median of repetitions on rank 0. torch: the two DTensors alternate "
              "within each repetition, ratio = median over repetitions of hyper_parallel / "
              "torch.distributed.tensor; local = the local kernel alone. MindSpore: mint ops on DTensors "
-             "(intercepted by __fallback__) / the same op on plain tensors of the local size.", "",
+             "(intercepted by __fallback__) alternating with the same op on plain tensors of the local size, ratio = "
+             "median over repetitions of DTensor / plain.", "",
              "| framework | op | hyper_parallel µs | reference µs | local µs | ratio |", "|---|---|---:|---:|---:|---:|"]
     for e in results:
         reference = e.get("torch_us", e.get("plain_us"))
@@ -189,6 +194,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=21)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--no-mindspore", action="store_true")
+    parser.add_argument("--mindspore-only", action="store_true")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dtensor_dispatch")
     args = parser.parse_args()
 
@@ -197,8 +203,9 @@ def main() -> int:
     # The ranks import the rank functions by name, which __main__ cannot give them.
     from benchmarks.dtensor_dispatch import bench_mindspore, bench_torch
 
-    results = summarize(run_on_ranks(bench_torch, args.world_size, args.calls, args.iters,
-                                     platform="torch-cpu", timeout_s=1200)[0], "torch")
+    results = [] if args.mindspore_only else summarize(
+        run_on_ranks(bench_torch, args.world_size, args.calls, args.iters, platform="torch-cpu", timeout_s=1200)[0],
+        "torch")
     if not args.no_mindspore:
         results += summarize(run_on_ranks(bench_mindspore, args.world_size, args.calls // 4, args.iters,
                                           platform="mindspore-cpu", timeout_s=1200)[0], "mindspore")

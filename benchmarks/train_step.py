@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import host_meta, write_results  # noqa: E402  (after the path insert)
+from benchmarks._common import add_step_arguments, host_meta, write_results  # noqa: E402  (after the path insert)
 from hyper_parallel.core.process_groups import barrier
 
 
@@ -125,11 +125,7 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_step_arguments(parser, iters=10, warmup=3)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "train_step")
     args = parser.parse_args()

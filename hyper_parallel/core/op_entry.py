@@ -21,7 +21,9 @@ Functions (each documented where it is defined):
   ``__torch_dispatch__``): ``dispatch.dispatch_local``.
 - ``dispatch_explicit``: an intercepted op above autograd (MindSpore's ``__fallback__``;
   torch's few composite functions): ``dispatch.dispatch``.
-- ``local_plan`` / ``check_result`` / ``freeze_params``: a backend's per-op plan cache.
+- ``local_plan`` / ``check_result`` / ``freeze_params``: a backend's per-op plan cache;
+  ``explicit_local_plan`` / ``to_local_with_grad_placements``: the same above autograd
+  (MindSpore's ``__fallback__``).
 - ``dispatch_split``: a split or chunk into pieces along one dim.
 - ``dispatch_aligned`` / ``sharded_dim_axis`` / ``softmax_sharded`` / ``nll_loss_forward``
   / ``nll_loss_backward``: fused ops with several outputs, softmax and nll over a sharded
@@ -50,6 +52,7 @@ from hyper_parallel.core.dtensor import random as _random
 from hyper_parallel.core.dtensor.dispatch import (
     check_result,
     dispatch_skipped,
+    explicit_local_plan,
     freeze_params,
     full_local,
     mixed_operand_message,
@@ -58,12 +61,14 @@ from hyper_parallel.core.dtensor.dispatch import (
 )
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.op_rules import OP_RULES
+from hyper_parallel.core.dtensor.redistribute import to_local_with_grad_placements
 
 __all__ = [
     "check_result", "dispatch_aligned", "dispatch_explicit", "dispatch_op", "dispatch_skipped", "dispatch_split",
-    "dropout", "flash_attention_score", "freeze_params", "full_local", "has_rule", "local_plan", "mixed_operand_message",
-    "nll_loss_backward", "nll_loss_forward", "record_rule", "recorded_rules", "recording", "replicated",
-    "replicated_operands", "sharded_dim_axis", "skip_depth", "softmax_sharded",
+    "dropout", "explicit_local_plan", "flash_attention_score", "freeze_params", "full_local", "has_rule", "local_plan",
+    "mixed_operand_message", "nll_loss_backward", "nll_loss_forward", "record_rule", "recorded_rules", "recording",
+    "replicated", "replicated_operands", "sharded_dim_axis", "skip_depth", "softmax_sharded",
+    "to_local_with_grad_placements",
 ]
 
 # [Note: recorded rules] ``recorded_rules()`` lists the rule core plans each op with, in

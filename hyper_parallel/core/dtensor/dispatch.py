@@ -433,21 +433,71 @@ def dispatch(op: str, tensors: Sequence[Any], local_fn: Callable[..., Any],
     local_fn = _vocabulary_parallel(op, plan, dtensors[-1].spec, local_fn)
     local_fn = _random_local(op, plan, dtensors[0].spec, params, inplace, local_fn)
     mesh = dtensors[0].device_mesh
-    out_placements = plan.out_spec.placements
     locals_ = []
     for index, (t, target) in enumerate(zip(dtensors, plan.targets)):
         if index == inplace:
             locals_.append(t._local)  # written in place: the DTensor's own local tensor
             continue
         moved = t if tuple(target) == t.placements else t.redistribute(mesh, target)
-        grad = tuple(Partial("sum") if pl.is_replicate() and not out.is_replicate() else grad_pl
-                     for pl, grad_pl, out in zip(target, gradient_placements(tuple(target)), out_placements))
-        # see [Note: gradients of ops on DTensors]
-        if grad != gradient_placements(tuple(target)) and _is_floating(moved.to_local()):
+        grad = input_grad_placements(tuple(target), plan.out_spec.placements, mesh.shape)
+        if grad is not None and _is_floating(moved.to_local()):
             locals_.append(moved.to_local(grad_placements=grad))
         else:
             locals_.append(moved.to_local())
     return _run(op, local_fn, locals_, plan, dtensors, inplace, with_local_shape, wrap_local)
+
+
+def input_grad_placements(target: tuple[Placement, ...], out_placements: tuple[Placement, ...],
+                          mesh_shape: Sequence[int]) -> tuple[Placement, ...] | None:
+    """The ``grad_placements`` an input redistributed to ``target`` takes its local tensor
+    with, in an op above autograd whose output has ``out_placements``: ``Partial("sum")``
+    on the axes where the input is ``Replicate`` and the output is not (its gradient is
+    summed over them, [Note: gradients of ops on DTensors]); ``None`` where there is no
+    such axis (the input's own gradient layout). An axis of one rank is left out: a sum
+    over one rank is the gradient itself, and the identity costs a framework autograd
+    function per op. Floating-point inputs only: an integer input has no gradient."""
+    own = gradient_placements(target)
+    grad = tuple(Partial("sum") if pl.is_replicate() and not out.is_replicate() and size > 1 else grad_pl
+                 for pl, grad_pl, out, size in zip(target, own, out_placements, mesh_shape))
+    return None if grad == own else grad
+
+
+@dataclass(frozen=True)
+class LocalCall:
+    """An op above autograd that runs as it is on its inputs' local tensors (see
+    ``explicit_local_plan``): the plan, and per input the ``grad_placements`` its local
+    tensor is taken with (``None``: the local tensor itself; ``to_local_with_grad_placements``
+    otherwise)."""
+
+    plan: OpPlan
+    grads: tuple[tuple[Placement, ...] | None, ...]
+
+
+def explicit_local_plan(op: str, specs: Sequence[DTensorSpec], params: dict[str, Any] | tuple[Any, ...] | None,
+                        inplace: int | None, dtypes: Sequence[Any]) -> LocalCall | None:
+    """``local_plan`` for an op above autograd (``dispatch``: MindSpore's ``__fallback__``),
+    with the gradient layout each input's local tensor is taken with (``dtypes``: the
+    inputs' framework dtypes; an integer input has no gradient). ``None`` where
+    ``dispatch`` would do more than run the op on the local tensors and wrap the result
+    (communication, another local op, a draw), or a dtype the platform has no name for.
+    A backend may cache it by everything it depends on (the op, each input's spec and
+    dtype, the params) and run such a call itself: the local tensors (each through
+    ``to_local_with_grad_placements`` where ``grads`` names a layout), the framework op,
+    the result wrapped in ``plan.out_spec``; the first call of a key runs ``dispatch``,
+    which checks the result's shape and dtype, and a call of the same key gives the same
+    ones. No communication."""
+    try:
+        floating = [dtype_name(dtype).startswith(("float", "bfloat")) for dtype in dtypes]
+    except ValueError:
+        return None  # complex: dispatch refuses the result, naming the op
+    plan = local_plan(op, specs, params, inplace)
+    if plan is None:
+        return None
+    out_placements, mesh_shape = plan.out_spec.placements, plan.out_spec.mesh.shape
+    grads = tuple(None if index == inplace or not is_float
+                  else input_grad_placements(target, out_placements, mesh_shape)
+                  for index, (target, is_float) in enumerate(zip(plan.targets, floating)))
+    return LocalCall(plan, grads)
 
 
 def _run(op: str, local_fn: Callable[..., Any], locals_: Sequence[Any], plan: OpPlan, dtensors: Sequence[DTensor],

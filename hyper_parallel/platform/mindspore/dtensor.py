@@ -15,7 +15,9 @@ primitive (``AddExt``, ``Dense``, ``SumExt``, ``Reshape``, ...) and its argument
 ``_translate`` names it as ``OP_RULES`` does and reads its params; core's explicit
 dispatch (``dispatch.dispatch``) then redistributes differentiably, runs the primitive on
 the local tensors (under ``NoFallbackGuard``) and wraps the result. A primitive without
-a translation takes core's fallback (inputs to Replicate, one warning per op).
+a translation takes core's fallback (inputs to Replicate, one warning per op). A call
+that needs no communication is translated and planned once per key and then run from a
+cache ([Note: MindSpore dispatch cache] at ``_call_key``).
 
 What ``__fallback__`` does not reach (checked on MindSpore 2.10 CPU): indexing
 (``x[..., :4]`` runs on the local tensor and returns it), the ops inside
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 #: primitive -> (rule, kind); kind says how the params are read (see ``_translate``)
 _PRIMITIVES: dict[str, tuple[str, str]] = {
@@ -114,7 +116,10 @@ def _draws_from_generator(name: str) -> bool:
 
 
 def _name(op: Any) -> str:
-    return getattr(op, "__name__", None) or getattr(op, "name", None) or type(op).__name__
+    # ``name`` first: the primitives MindSpore hands over (``OpCall``, a new one per call;
+    # legacy ``Primitive`` objects) have it, and a failed attribute lookup costs more
+    name = getattr(op, "name", None)
+    return name if isinstance(name, str) else getattr(op, "__name__", None) or type(op).__name__
 
 
 def _dims(dim: Any) -> tuple[int, ...] | None:
@@ -245,10 +250,36 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                     return legacy(prim, name, tuple(inner))
 
                 args = list(inputs)
-            if entry.dispatch_skipped():
+                legacy_call = True  # the wrapper is made per call: not cached
+            else:
+                legacy_call = False
+            if skipped():
                 out = call_op(op, unwrap(args), unwrap(kwargs))
                 inplace = _PRIMITIVES.get(name, ("", ""))[1] == "inplace"
                 return args[0] if inplace else out
+            key = None if legacy_call else _call_key(DTensor, name, args, kwargs)
+            try:
+                cached = plans.get(key, _UNSEEN) if key is not None else None
+            except TypeError:  # an argument that cannot be hashed: not cached
+                key = cached = None
+            if type(cached) is _Cached:
+                # [Note: MindSpore dispatch cache]: the op on the local tensors, wrapped
+                if recording() is not None:
+                    entry.record_rule(cached.rule)
+                call_args = list(args)
+                for position, grad in zip(cached.positions, cached.call.grads):
+                    a = args[position]
+                    # a parameter's local tensor is read through the property (see _local)
+                    local = a._local_tensor if type(a) is DTensor else a._local
+                    call_args[position] = local if grad is None else \
+                        entry.to_local_with_grad_placements(local, a._spec, grad)
+                if cached.shape_args is not None:
+                    call_args = [call_args[0], *cached.shape_args]
+                with NoFallbackGuard():
+                    out = op(*call_args, **kwargs)
+                if cached.inplace is not None:
+                    return args[cached.inplace]
+                return DTensor(out, cached.call.plan.out_spec)
             rule, kind = _PRIMITIVES.get(name, (name, "plain"))
             if name not in _PRIMITIVES and _draws_from_generator(name):
                 # core's fallback would draw the whole tensor on each rank from its own
@@ -259,10 +290,113 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                                    "ops.dropout and mint.nn.functional.dropout (from its own stream: "
                                    "hyper_parallel.core.dtensor.random.manual_seed); draw with one of them, or on "
                                    "the local tensor (DTensor.to_local()) if per-rank values are meant")
-            return _dispatch(entry, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
+            out = _dispatch(entry, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
+            if cached is _UNSEEN:
+                # only once the call went through: what it raised, the next call raises too
+                if len(plans) >= _PLAN_CACHE_SIZE:
+                    plans.clear()
+                plans[key] = _remember(entry, rule, kind, args, kwargs, is_dtensor)
+            return out
 
     DTensor.__qualname__ = DTensor.__name__ = "DTensor"
+    # [Note: MindSpore dispatch cache] (call key -> _Cached, or None: the call takes
+    # _dispatch every time); owned by this class, which the platform instance builds once;
+    # bounded (cleared when full)
+    plans: dict[tuple[Any, ...], _Cached | None] = {}
+    skipped = entry.skip_depth()
+    recording = entry.recording
     return DTensor
+
+
+_UNSEEN = object()  # a key not in the cache yet
+_PLAN_CACHE_SIZE = 4096
+#: the kinds whose local call is the primitive on the local tensors (with this rank's
+#: shape for a reshape): what the cache may run itself
+_CACHED_KINDS = frozenset({"pointwise", "inplace", "reduce", "dim1", "reshape", "unsqueeze", "transpose", "permute",
+                           "linear", "plain"})
+_SCALAR_TENSOR = ("0-dim tensor",)
+
+
+class _Cached(NamedTuple):
+    """A cached call (see [Note: MindSpore dispatch cache])."""
+
+    rule: str
+    positions: tuple[int, ...]  # the arguments that are DTensors, in order
+    call: Any  # core's LocalCall: the plan and each input's grad_placements
+    inplace: int | None  # the argument an in-place op writes (and returns)
+    shape_args: tuple[Any, ...] | None  # a reshape's shape arguments for this rank's piece
+
+
+def _call_key(cls: type, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """Everything a call's translation and plan depend on; ``None`` for a call the cache
+    does not take (a list of tensors, a framework tensor with dims among DTensors; an
+    unhashable argument makes the lookup raise ``TypeError``, which the caller reads so).
+
+    [Note: MindSpore dispatch cache]
+    As torch's DTensor caches sharding propagation by the op's schema, an intercepted call
+    is keyed by the primitive's name and, per argument: a DTensor's spec (mesh,
+    placements, global shape) and dtype; a number's type and value; a 0-dim tensor as a
+    marker (it reads as a scalar, whatever its value); a list of ints as it is (sizes,
+    dims); and the keyword arguments likewise. The first call of a key takes
+    ``_dispatch`` (core plans it, checks the result's shape and dtype) and stores core's
+    ``explicit_local_plan`` when the call needs no communication and no other local op;
+    the next calls of that key run the primitive on the local tensors (through
+    ``to_local_with_grad_placements`` where an input's gradient must be summed over an
+    axis) and wrap the result in the plan's output spec, without translating or planning
+    again, and without reading the result's shape or dtype (each such read waits for
+    PyNative's asynchronous queue). Same key, same local shapes and dtypes (a rank's
+    coordinate is fixed), so the first call's checks hold for every later one.
+    ``tests/dtensor/test_mindspore_dispatch_cache.py`` changes one part of the key at a
+    time and checks the values."""
+    parts: list[Any] = [name]
+    for a in args:
+        kind = type(a)
+        # the common arguments (this class's DTensors, numbers) are told by their exact
+        # type before any isinstance, which costs more against tensor classes
+        if kind is cls:
+            parts.append((a._spec, a.dtype))
+        elif kind is int or kind is float or kind is bool:
+            parts.append((kind, a))
+        elif a is None:
+            parts.append(None)
+        elif isinstance(a, cls):
+            parts.append((a._spec, a.dtype))
+        elif hasattr(a, "shape") and hasattr(a, "dtype"):
+            if len(a.shape) != 0:
+                return None  # a framework tensor among DTensors: _dispatch decides
+            parts.append(_SCALAR_TENSOR)
+        elif kind is list or kind is tuple:
+            if not all(type(v) is int for v in a):
+                return None
+            parts.append((kind, tuple(a)))
+        else:
+            parts.append((kind, a))
+    for key, value in kwargs.items():
+        if isinstance(value, (list, tuple, dict)) or hasattr(value, "shape"):
+            return None
+        parts.append((key, type(value), value))
+    return tuple(parts)  # unhashable parts are found by the cache lookup
+
+
+def _remember(entry: Any, rule: str, kind: str, args: Sequence[Any], kwargs: dict[str, Any],
+              is_dtensor: Callable[[Any], bool]) -> _Cached | None:
+    """The cache entry of a call seen for the first time: core's ``explicit_local_plan``
+    of its translation, or ``None`` where ``_dispatch`` must run every time."""
+    if kind not in _CACHED_KINDS or (kind == "reduce" and rule == "mean") or not args:
+        return None
+    positions = tuple(i for i, a in enumerate(args) if is_dtensor(a))
+    if not positions or (kind == "inplace" and positions[0] != 0):
+        return None
+    rule, params, inplace = _params(kind, rule, args, kwargs, is_dtensor)
+    call = entry.explicit_local_plan(rule, [args[i]._spec for i in positions], entry.freeze_params(params),
+                                     inplace, [args[i].dtype for i in positions])
+    if call is None:
+        return None
+    shape_args = None
+    if kind == "reshape":
+        local_shape = tuple(call.plan.out_local_shape)
+        shape_args = (local_shape,) if len(args) == 2 and isinstance(args[1], (list, tuple)) else local_shape
+    return _Cached(rule, positions, call, None if inplace is None else positions[inplace], shape_args)
 
 
 def _dispatch(entry: Any, op: Any, name: str, rule: str, kind: str, args: list[Any], kwargs: dict[str, Any],
@@ -311,73 +445,78 @@ def _dispatch(entry: Any, op: Any, name: str, rule: str, kind: str, args: list[A
     if kind == "split" and is_dtensor(x) and not any(is_dtensor(a) for a in args[1:]):
         dim = int(args[2] if len(args) > 2 else kwargs.get("dim", kwargs.get("axis", 0)))
         return entry.dispatch_split(x, dim, lambda local: call_op(op, [local, *args[1:]], kwargs))
-    params: dict[str, Any] = {}
-    inplace = None
-    with_local_shape = False
+    if kind == "reduce" and rule == "mean":
+        dims = _dims(args[1] if len(args) > 1 else kwargs.get("dim"))
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        # the sum over the global count (an exact mean of uneven shards; a sharded
+        # reduced dim gives Partial("sum"), as for functional.mean)
+        every = tuple(range(len(x.shape))) if dims is None else dims
+        count = _numel([x.shape[d] for d in every])
+
+        def mean(local: Any) -> Any:
+            return local.sum(every, keepdim=keepdim) / count
+
+        return entry.dispatch_explicit("sum", tensors, mean, {"dim": dims, "keepdim": keepdim})
+    if kind == "gather":
+        # Gather(weight, ids, axis, batch_dims): an embedding lookup when axis = 0
+        if int(args[2]) != 0 or (len(args) > 3 and int(args[3]) != 0):
+            rule = name
+        else:
+            return entry.dispatch_explicit(rule, tensors[::-1], lambda ids, w: local_call(w, ids))
+    if kind == "linear" and len(args) > 2 and args[2] is None:
+        # Dense(x, w, None): the rule takes (x, w)
+        return entry.dispatch_explicit(rule, tensors, lambda xl, wl: call_op(op, [xl, wl, None], kwargs))
+    if kind == "norm" and float(args[1] if len(args) > 1 and args[1] is not None else 2.0) <= 0:
+        rule = name  # no partial form: the fallback
+    rule, params, inplace = _params(kind, rule, args, kwargs, is_dtensor)
+    if kind == "reshape":
+        return entry.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
+    return entry.dispatch_explicit(rule, tensors, local_call, params, inplace=inplace)
+
+
+def _params(kind: str, rule: str, args: Sequence[Any], kwargs: dict[str, Any],
+            is_dtensor: Callable[[Any], bool]) -> tuple[str, dict[str, Any], int | None]:
+    """``(rule, params, inplace)``: the rule's params a primitive of ``kind`` gives (read
+    from its arguments as ``OP_RULES`` reads them) and the index of the input an in-place
+    op writes. The mean, gather and bias-free linear forms are read by ``_dispatch``."""
+    x = args[0] if args else None
     if kind in ("pointwise", "inplace"):
         # a number (or 0-dim tensor) anywhere among the inputs, ``2 - x`` included:
         # then no Partial passes through an add (an extra argument such as an ``alpha``
         # counts too, which only costs a reduction)
         scalar = any(not is_dtensor(a) and (isinstance(a, (int, float)) and not isinstance(a, bool)
                                             or hasattr(a, "shape") and len(a.shape) == 0) for a in args)
-        params = {"scalar": scalar, "first_is_tensor": is_dtensor(x)}
-        inplace = 0 if kind == "inplace" else None
-    elif kind == "reduce":
-        dims = _dims(args[1] if len(args) > 1 else kwargs.get("dim"))
-        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-        params = {"dim": dims, "keepdim": keepdim}
-        if rule == "mean":
-            # the sum over the global count (an exact mean of uneven shards; a sharded
-            # reduced dim gives Partial("sum"), as for functional.mean)
-            every = tuple(range(len(x.shape))) if dims is None else dims
-            count = _numel([x.shape[d] for d in every])
-
-            def mean(local: Any) -> Any:
-                return local.sum(every, keepdim=keepdim) / count
-
-            return entry.dispatch_explicit("sum", tensors, mean, params)
-    elif kind == "dim1":
-        params = {"dim": int(args[1] if len(args) > 1 else kwargs.get("dim", -1)) % len(x.shape)}
-    elif kind == "reshape":
+        return rule, {"scalar": scalar, "first_is_tensor": is_dtensor(x)}, 0 if kind == "inplace" else None
+    if kind == "reduce":
+        return rule, {"dim": _dims(args[1] if len(args) > 1 else kwargs.get("dim")),
+                      "keepdim": bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))}, None
+    if kind == "dim1":
+        return rule, {"dim": int(args[1] if len(args) > 1 else kwargs.get("dim", -1)) % len(x.shape)}, None
+    if kind == "reshape":
         shape = [int(s) for s in (args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])]
         if -1 in shape:
             known = _numel([s for s in shape if s != -1])
             shape[shape.index(-1)] = _numel(x.shape) // known if known else 0
-        params = {"shape": tuple(shape)}
-        with_local_shape = True
-    elif kind == "unsqueeze":
+        return rule, {"shape": tuple(shape)}, None
+    if kind == "unsqueeze":
         dim = int(args[1]) % (len(x.shape) + 1)
-        params = {"shape": tuple(x.shape[:dim]) + (1,) + tuple(x.shape[dim:])}
-    elif kind == "transpose":
-        params = {"dim0": int(args[1]) % len(x.shape), "dim1": int(args[2]) % len(x.shape)}
-    elif kind == "permute":
+        return rule, {"shape": tuple(x.shape[:dim]) + (1,) + tuple(x.shape[dim:])}, None
+    if kind == "transpose":
+        return rule, {"dim0": int(args[1]) % len(x.shape), "dim1": int(args[2]) % len(x.shape)}, None
+    if kind == "permute":
         perm = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-        params = {"dims": tuple(int(d) % len(x.shape) for d in perm)}
-    elif kind == "cat":
+        return rule, {"dims": tuple(int(d) % len(x.shape) for d in perm)}, None
+    if kind == "cat":
         items = list(args[0])
         dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(items[0].shape)
         shape = list(items[0].shape)
         shape[dim] = sum(int(t.shape[dim]) for t in items)
-        params = {"dim": dim, "shape": tuple(shape)}
-    elif kind == "norm":
-        ord_ = float(args[1] if len(args) > 1 and args[1] is not None else 2.0)
-        params = {"ord": ord_, "dim": _dims(args[2] if len(args) > 2 else None),
-                  "keepdim": bool(args[3] if len(args) > 3 else False)}
-        if ord_ <= 0:
-            rule = name  # no partial form: the fallback
-    elif kind == "gather":
-        # Gather(weight, ids, axis, batch_dims): an embedding lookup when axis = 0
-        if int(args[2]) != 0 or (len(args) > 3 and int(args[3]) != 0):
-            rule = name
-        else:
-            return entry.dispatch_explicit(rule, tensors[::-1], lambda ids, w: local_call(w, ids))
-    elif kind == "linear":
-        if len(args) > 2 and args[2] is None:
-            # Dense(x, w, None): the rule takes (x, w)
-            return entry.dispatch_explicit(rule, tensors, lambda xl, wl: call_op(op, [xl, wl, None], kwargs))
-    if with_local_shape:
-        return entry.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
-    return entry.dispatch_explicit(rule, tensors, local_call, params, inplace=inplace)
+        return rule, {"dim": dim, "shape": tuple(shape)}, None
+    if kind == "norm":
+        return rule, {"ord": float(args[1] if len(args) > 1 and args[1] is not None else 2.0),
+                      "dim": _dims(args[2] if len(args) > 2 else None),
+                      "keepdim": bool(args[3] if len(args) > 3 else False)}, None
+    return rule, {}, None
 
 
 def _draw(entry: Any, name: str, rule: str, kind: str, args: list[Any]) -> Any:
