@@ -242,6 +242,7 @@ class TrainConfig:
         if self.hf_config is not None:
             self._check_hf()
         self._check_precision_and_knobs()
+        self._check_moe()
         if self.platform.split("-")[0] not in ("torch", "mindspore"):
             raise ValueError(f"--platform={self.platform!r} must be torch or mindspore (or a backend name such as "
                              "torch-cuda, mindspore-ascend)")
@@ -386,6 +387,32 @@ class TrainConfig:
             if missing is not None:
                 raise ValueError(f"--log {name} needs the {missing} package, which is not installed here: pip "
                                  f"install {missing} (or pip install -e '.[logging]'), or drop --log {name}")
+
+    def _check_moe(self) -> None:
+        """A mixture-of-experts model (``--moe-experts N``, ``train/moe_model.py``) against the
+        layout and the run: what the job composes with MoE blocks today, the rest refused."""
+        mod, lay = self.model, self.layout
+        if not mod.moe_experts:
+            return
+        hidden = mod.moe_shared_experts * mod.expert_hidden_dim
+        if mod.moe_shared_experts and hidden % lay.tp:
+            raise ValueError(f"--tp={lay.tp} must divide the shared experts' width {hidden} (--moe-shared-experts "
+                             f"{mod.moe_shared_experts} x expert width {mod.expert_hidden_dim}): tensor parallelism "
+                             "splits the shared expert like the dense MLP; use a --tp dividing it")
+        # the routing counts are taken in each training forward: a forward run again (pipeline
+        # recomputation on MindSpore, activation checkpointing) would count its tokens twice
+        if lay.pp > 1:
+            raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --pp={lay.pp} yet: pipeline "
+                             "stages of MoE blocks are not wired into the job (issue 36, items 2-3); use --pp 1 with "
+                             "--dp-shard/--dp-replicate/--tp")
+        if self.activation_checkpointing:
+            raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --activation-checkpointing yet: "
+                             "the recomputed forward would count each block's routing twice in the balance "
+                             "statistics; drop --activation-checkpointing")
+        if lay.cp > 1:
+            raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --cp={lay.cp} yet: MoE with "
+                             "context parallelism is not checked against one process (and --moe-balance aux-loss "
+                             "needs each sequence whole on a rank); use --cp 1")
 
     def _check_hf(self) -> None:
         """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes

@@ -24,6 +24,7 @@ fully_shard, and each microbatch's backward recomputes the stage's blocks.
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
@@ -38,12 +39,18 @@ from hyper_parallel.train.precision import apply_mixed_precision
 #: Megatron tensor parallelism of the decoder: q/k/v and the SwiGLU input projections split
 #: by output features (whole heads per rank), the output projections by input features,
 #: so each block needs one all-reduce in forward and one in backward per sublayer.
-#: Embedding, norms and the output head stay replicated.
+#: Embedding, norms and the output head stay replicated. In a mixture-of-experts block
+#: (``moe_model``) the shared expert splits like the dense MLP; the router and the routed
+#: experts stay replicated over ``tp`` (each TP rank routes the same whole tokens and runs
+#: every expert on them: the experts' gradients are the same on every TP rank, with no
+#: collective), and fully_shard shards them over the data-parallel ranks like the rest.
 TP_PLAN = {
     "layers.*.attention.w[qkv]": ColwiseParallel(),
     "layers.*.attention.wo": RowwiseParallel(),
     "layers.*.feed_forward.w[13]": ColwiseParallel(),
     "layers.*.feed_forward.w2": RowwiseParallel(),
+    "layers.*.moe.shared_expert.w[13]": ColwiseParallel(),
+    "layers.*.moe.shared_expert.w2": RowwiseParallel(),
 }
 
 
@@ -63,10 +70,19 @@ def build_mesh(p: Platform, layout: Layout) -> DeviceMesh | None:
     return init_device_mesh(p.device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
 
 
+def tp_plan(model: Any) -> dict[str, Any]:
+    """The entries of ``TP_PLAN`` that match a module of ``model``: a decoder whose blocks
+    are all MoE has no dense MLP, one without shared experts no shared expert
+    (``parallelize_module`` refuses an entry that matches nothing, which catches typos)."""
+    names = [name for name, _ in get_platform().named_modules(model) if name]
+    return {pattern: style for pattern, style in TP_PLAN.items()
+            if any(fnmatch.fnmatchcase(name, pattern) for name in names)}
+
+
 def apply_tensor_parallel(model: Any, tp_mesh: DeviceMesh) -> None:
-    """Shard the decoder's linear layers over ``tp_mesh`` (1-D) with ``TP_PLAN``.
-    Collective: broadcasts each sharded parameter from the mesh's rank 0."""
-    parallelize_module(model, tp_mesh, TP_PLAN)
+    """Shard the decoder's linear layers over ``tp_mesh`` (1-D) with ``TP_PLAN``
+    (``tp_plan``). Collective: broadcasts each sharded parameter from the mesh's rank 0."""
+    parallelize_module(model, tp_mesh, tp_plan(model))
 
 
 def context_parallel_style(layout: Layout) -> ContextParallel:

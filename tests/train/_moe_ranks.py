@@ -1,0 +1,117 @@
+"""Rank functions of ``tests/train/test_moe.py`` (importable by module path, as the harness
+requires): the MoE decoder on the job's layouts against the single process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hyper_parallel.platform import get_platform
+from hyper_parallel.train.config import PRESETS, TrainConfig
+from hyper_parallel.train.data import rank_batch
+from hyper_parallel.train.loop import _accumulate, setup, train
+from hyper_parallel.train.model import parameter_shapes
+from hyper_parallel.train.optim import local_tensor
+from tests.train._parity_ranks import layout_config, local_shape
+from tests.train._ranks import losses
+
+#: Relative tolerance of the losses and global gradient norms: the dense layouts' (2e-5,
+#: reasoned in ``_parity_ranks.check_against_reference``: the layouts' reductions are the
+#: reference's float32 sums in other orders). The routing adds no arithmetic of its own
+#: across ranks: each token is routed on the rank that holds it, by the same float32 GEMM
+#: row and numpy's stable argsort, and the experts' rows are gathered and scattered
+#: without arithmetic; only a near-tie between two experts' scores (below the few-ulp
+#: differences of the router's input) could route a token differently, which the
+#: per-step token counts compared exactly below would show.
+LOSS_RTOL = 2e-5
+
+#: The first step's gradients, from bit-identical weights: float32 sums in another order
+#: (fully_shard's reduce-scatter averages two half-batch gradients where the reference sums
+#: one batch; tensor parallelism adds two partial sums for the shared expert and attention),
+#: ~1e-6 relative to the largest terms of each sum. An entry that nearly cancels is off
+#: by that much of its tensor's scale, hence the absolute floor relative to the tensor's
+#: largest gradient; the rest agree to 1e-4 relative (measured below 1e-5).
+GRAD_RTOL, GRAD_ATOL_OF_MAX = 1e-4, 1e-5
+
+MOE_FIELDS = ("moe_tokens_per_expert_max", "moe_tokens_per_expert_mean", "moe_dropped_tokens",
+              "moe_tokens_per_expert_max_by_layer")
+
+
+def moe_config(out: str, degrees: dict, balance: str) -> TrainConfig:
+    """``moe-tiny`` (block 0 dense, block 1 MoE: 4 experts, top-2, a shared expert) with
+    ``balance`` on the layout ``degrees``, three steps (``layout_config``)."""
+    model = dataclasses.replace(PRESETS["moe-tiny"], moe_balance=balance)
+    return layout_config(f"{out}/{balance}", degrees, model=model, model_name="moe-tiny")
+
+
+def _first_step_gradients(cfg: TrainConfig, reference: bool = False) -> dict[str, np.ndarray]:
+    """This rank's piece of every parameter's gradient of step 1 (the whole gradient with
+    ``reference``), from a fresh ``setup`` (collective unless ``reference``)."""
+    p = get_platform()
+    run = setup(cfg, reference=reference)
+    batch = rank_batch(run.corpus.train, cfg.seed, 1, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
+    _, grads = _accumulate(run, batch)
+    out = {}
+    for name, grad in zip(run.names, run.optimizer.gradients(grads)):
+        lengths = run.boxes[name].lengths  # fully_shard pads uneven shards: the box is the unpadded piece
+        out[name] = p.to_numpy(local_tensor(grad))[tuple(slice(0, n) for n in lengths)]
+    return out
+
+
+def check_moe_parity(out: str, cases: list[tuple[dict, str]]) -> list[dict]:
+    """Each ``(degrees, balance)`` of ``cases`` on this world against the single process on
+    the same seed and data: this rank's parameter shapes (``local_shape``: experts and
+    router sharded by fully_shard over ``dp_shard``, replicated over ``tp``; the shared
+    expert split by ``TP_PLAN``), its piece of the first step's gradients, the losses, the
+    validation loss and the global gradient norms (``LOSS_RTOL``, ``GRAD_*``), and exactly
+    the per-step routing counts and the aux-free balance bias after the run. Every rank runs
+    the reference after all the layouts' collectives (it uses none) and checks its own
+    pieces. Returns each case's ``{"losses": [...], "bias": [...]}``."""
+    p = get_platform()
+    got = []
+    for degrees, balance in cases:
+        cfg = moe_config(out, degrees, balance)
+        assert cfg.layout.world_size == p.world_size(), degrees
+        grads = _first_step_gradients(cfg)
+        run = setup(cfg)
+        shapes = parameter_shapes(cfg.model)
+        assert sorted(run.names) == sorted(shapes), run.names
+        for name, box in run.boxes.items():
+            assert tuple(box.lengths) == local_shape(name, shapes[name], cfg.layout, p.rank()), (degrees, name, box)
+        rows = train(cfg, write_outputs=False, run=run)
+        got.append({"cfg": cfg, "grads": grads, "boxes": run.boxes, "rows": rows,
+                    "bias": {name: layer.expert_bias.copy() for name, layer in run.moe}})
+    results = []
+    for case in got:
+        cfg, rows = case["cfg"], case["rows"]
+        what = f"{cfg.layout.describe()} {cfg.model.moe_balance}"
+        ref_grads = _first_step_gradients(cfg, reference=True)
+        ref_run = setup(cfg, reference=True)
+        ref_rows = train(cfg, reference=True, write_outputs=False, run=ref_run)
+        for name, grad in case["grads"].items():
+            box = case["boxes"][name]
+            expected = ref_grads[name][tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
+            scale = float(np.abs(ref_grads[name]).max())
+            assert scale > 0, f"{name}: the reference's gradient is zero: the test would not see a wrong one"
+            np.testing.assert_allclose(grad, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL_OF_MAX * scale,
+                                       err_msg=f"{what}: step-1 gradient of {name} vs single process")
+        curve = [*losses(rows).tolist(), rows[-1]["val_loss"]]
+        ref_curve = [*losses(ref_rows).tolist(), ref_rows[-1]["val_loss"]]
+        np.testing.assert_allclose(curve, ref_curve, rtol=LOSS_RTOL, atol=0, err_msg=f"{what}: losses vs single process")
+        np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
+                                   atol=0, err_msg=f"{what}: global gradient norms vs single process")
+        for field in MOE_FIELDS:  # integers summed over the data-parallel ranks: exact
+            assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+        assert all(r["moe_dropped_tokens"] == 0 for r in rows), what
+        if cfg.model.moe_balance == "aux-free":
+            ref_bias = {name: layer.expert_bias for name, layer in ref_run.moe}
+            assert sorted(case["bias"]) == sorted(ref_bias) and ref_bias, (what, sorted(case["bias"]))
+            for name, bias in case["bias"].items():
+                assert np.abs(bias).max() > 0, f"{what}: {name}'s bias never moved"
+                np.testing.assert_array_equal(bias, ref_bias[name], err_msg=f"{what}: {name} balance bias")
+        else:
+            np.testing.assert_allclose([r["moe_aux_loss"] for r in rows], [r["moe_aux_loss"] for r in ref_rows],
+                                       rtol=LOSS_RTOL, atol=0, err_msg=f"{what}: auxiliary loss vs single process")
+        results.append({"losses": curve, "bias": {k: v.tolist() for k, v in case["bias"].items()}})
+    return results
