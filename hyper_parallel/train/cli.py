@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--cp-kv-exchange", default="ring",
                      help=f"--cp-mode hybrid: key/value exchange over the other cp / u ranks: "
                           f"{', '.join(CP_KV_EXCHANGES)}")
+    lay.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel degree of an MoE model: its routed experts sharded over the --dp-shard "
+                          "ranks (equal to --dp-shard for now), tokens sent to their experts by all-to-all")
     lay.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     lay.add_argument("--pp-schedule", default="1f1b",
                      help="pipeline schedule (the core's schedule table): " + "; ".join(
@@ -352,7 +355,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         degrees = {DEFAULT_LAYOUT_AXIS: nproc}
     microbatches = args.microbatches if args.microbatches is not None else degrees.get("pp", 1)
     layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches,
-                    ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange)
+                    ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange, ep=args.ep)
     name = args.model if not sizes else f"{args.model}+custom"
     if args.hf_config is not None and (sizes or args.tie_embeddings or args.model != "small"):
         raise ValueError("--hf-config takes the model from the Hugging Face configuration (TrainConfig derives its "

@@ -85,11 +85,15 @@ class Layout:
     ulysses_degree: int | None = None
     #: ``--cp-mode hybrid`` only: the key/value exchange over the other ``cp / u`` ranks.
     cp_kv_exchange: str = "ring"
+    #: ``--ep``: expert-parallel degree, borrowed from the ``dp_shard`` ranks (not a mesh
+    #: axis of its own, so not in ``AXES`` nor the world size): each MoE block's routed
+    #: experts are sharded over it and tokens are sent to their experts' ranks.
+    ep: int = 1
 
     AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches"):
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 flag = "--" + name.replace("_", "-")
@@ -132,6 +136,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{axis}={degree}" for axis, degree in self.degrees().items() if degree > 1]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep} (of dp_shard)")
         return " x ".join(parts) if parts else "single rank"
 
     def missing_features(self) -> list[str]:
@@ -392,6 +398,8 @@ class TrainConfig:
         """A mixture-of-experts model (``--moe-experts N``, ``train/moe_model.py``) against the
         layout and the run: what the job composes with MoE blocks today, the rest refused."""
         mod, lay = self.model, self.layout
+        if lay.ep > 1:
+            self._check_expert_parallel()
         if not mod.moe_experts:
             return
         hidden = mod.moe_shared_experts * mod.expert_hidden_dim
@@ -413,6 +421,28 @@ class TrainConfig:
             raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --cp={lay.cp} yet: MoE with "
                              "context parallelism is not checked against one process (and --moe-balance aux-loss "
                              "needs each sequence whole on a rank); use --cp 1")
+
+    def _check_expert_parallel(self) -> None:
+        """``--ep N``: an MoE model whose experts divide over ``N`` ranks, ``N`` the whole
+        ``dp_shard`` axis, in the layouts the job runs with expert parallelism today."""
+        mod, lay = self.model, self.layout
+        if not mod.moe_experts:
+            raise ValueError(f"--ep={lay.ep} shards the routed experts of a mixture-of-experts model, but --model "
+                             f"{self.model_name} is dense; give --moe-experts N (or --model moe-tiny|moe-small), or "
+                             "drop --ep")
+        if mod.moe_experts % lay.ep:
+            raise ValueError(f"--ep={lay.ep} must divide --moe-experts={mod.moe_experts}: each expert-parallel rank "
+                             f"holds moe_experts / ep whole experts; use an --ep dividing {mod.moe_experts}")
+        if lay.ep != lay.dp_shard:
+            raise ValueError(f"--ep={lay.ep} must equal --dp-shard={lay.dp_shard} for now: the expert-parallel axis is "
+                             "the whole sharded data-parallel axis (experts sharded again by fully_shard over the "
+                             f"rest of it is not wired yet); use --ep {lay.dp_shard} or --dp-shard {lay.ep}")
+        others = {"--dp-replicate": lay.dp_replicate, "--tp": lay.tp, "--cp": lay.cp, "--pp": lay.pp}
+        for flag, degree in others.items():
+            if degree > 1:
+                raise ValueError(f"--ep={lay.ep} cannot be combined with {flag}={degree} yet: expert parallelism runs "
+                                 "with --dp-shard only in the job so far (issue 36 item 2); drop "
+                                 f"{flag} or --ep")
 
     def _check_hf(self) -> None:
         """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes

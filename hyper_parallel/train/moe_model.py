@@ -37,6 +37,19 @@ sequence-wise form, eq. 17-20), so each data-parallel rank's mean over its own w
 sequences averages to the global one (a batch-wise ``f_e`` would need its counts
 all-reduced inside the forward). A context-parallel rank holds part of each sequence,
 so ``aux-loss`` is refused with ``--cp``.
+
+[Note: expert-parallel gradients]
+With ``--ep N`` the routed experts are DTensor parameters sharded on dim 0 over the
+expert-parallel group (``parallelize.apply_expert_parallel``: the ``dp_shard`` ranks),
+``experts / N`` whole experts per rank, left out of fully_shard. Each rank's loss is the
+mean over its own tokens and the step's loss the mean of those over the ``D``
+data-parallel ranks; the combine's backward brings every rank's cotangents of the rows its
+experts computed back to it, so the backward leaves on a rank the sum over all ``D`` ranks'
+losses of their gradients with respect to its experts: ``D`` times the gradient of the
+step's loss, where fully_shard would have averaged. ``ScaleGradient`` multiplies it by
+``1 / N`` (with ``N = D``: exactly the average) on the local weights, before any
+reduction, so the optimizer, the global gradient norm and clipping see the single
+process's gradient.
 """
 
 from __future__ import annotations
@@ -47,9 +60,12 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.dtensor import DTensor
+from hyper_parallel.core.expert_parallel import MoE as ExpertParallelMoE
 from hyper_parallel.core.expert_parallel import RoutingPlan
 from hyper_parallel.core.tensor_ops import stack
 from hyper_parallel.platform import Activation, Platform
+from hyper_parallel.platform.contract.common import CustomFunction
 from hyper_parallel.train.model_config import ModelConfig
 
 
@@ -133,6 +149,20 @@ def sequence_aux_loss(p: Platform, probs: Any, chosen: np.ndarray, batch: int, t
     return (mean_probs * p.from_numpy(fraction)).sum(-1).mean()
 
 
+class ScaleGradient(CustomFunction):
+    """``ScaleGradient(x, factor)``: ``x`` unchanged forward; the backward multiplies the
+    gradient by ``factor`` (a float). [Note: expert-parallel gradients]"""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any, factor: float) -> Any:
+        ctx.factor = factor
+        return x  # torch hands out an input returned as is as a view of it; MindSpore copies it
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        return (grad if ctx.factor == 1.0 else grad * ctx.factor), None
+
+
 @functools.cache
 def define_moe(p: Platform) -> type:
     """The MoE sublayer class on ``p`` (a subclass of ``p.module_types().Module``), defined
@@ -170,15 +200,27 @@ def define_moe(p: Platform) -> type:
             self.w3 = p.make_parameter(p.zeros((e, h, d), float32))
 
         def run(self, expert: int, rows: Any) -> Any:
-            """Expert ``expert``'s SwiGLU of its rows ``[n, dim]``."""
+            """Expert ``expert``'s SwiGLU of its rows ``[n, dim]`` (every expert on this rank)."""
             return swiglu(rows, self.w1[expert], self.w2[expert], self.w3[expert])
+
+        def local_weights(self, grad_scale: float) -> list[Any]:
+            """``[w1, w2, w3]``: this rank's experts' pieces (``[local_experts, ...]``; the
+            local tensors of the expert-parallel DTensor parameters), whose gradients are
+            multiplied by ``grad_scale`` ([Note: expert-parallel gradients])."""
+            out = []
+            for w in (self.w1, self.w2, self.w3):
+                local = w.to_local() if isinstance(w, DTensor) else w
+                out.append(p.apply_function(ScaleGradient, local, grad_scale))
+            return out
 
     class MoE(Module):
         """``[batch, seq, dim]`` -> ``[batch, seq, dim]``: [Note: the job's MoE routing].
         After a forward, ``aux_loss`` holds its auxiliary loss (``aux-loss``: the float32
         scalar times ``moe_aux_loss_coef``, which ``Decoder.forward`` adds to the loss; else
         ``None``); training forwards (gradients enabled) add their decisions to ``counts``.
-        No collective (experts are local to the rank)."""
+        Collectives: none with every expert on the rank; under ``--ep`` (``expert_parallel``
+        set) core's dispatch (an all-gather of the counts, an uneven all-to-all) and combine
+        (the reverse all-to-all) over the expert-parallel group, forward and backward."""
 
         def __init__(self, cfg: ModelConfig) -> None:
             super().__init__()
@@ -194,16 +236,24 @@ def define_moe(p: Platform) -> type:
             self.expert_bias = np.zeros(cfg.moe_experts, np.float32)
             self.counts = RoutingCounts(np.zeros(cfg.moe_experts, np.int64))
             self.aux_loss: Any = None
+            # set by parallelize.apply_expert_parallel: core's dispatch/combine over the ep group
+            self.expert_parallel: ExpertParallelMoE | None = None
+            self.ep_grad_scale = 1.0
 
         def forward(self, x: Any) -> Any:
             b, s, d = x.shape[0], x.shape[1], x.shape[2]
             flat = x.reshape(-1, d)
             probs, chosen, gates = route(p, self.router(flat), self.top_k, self.expert_bias)
             plan = routing_plan(p, chosen, p.to_dtype(gates, x.dtype), self.num_experts)
-            sizes = [int(n) for n in plan.send_counts]
-            parts = p.split(plan.permute(flat), sizes, 0)
-            routed = p.cat([self.experts.run(e, part) for e, part in enumerate(parts) if sizes[e]], 0)
-            out = plan.unpermute(routed)
+            if self.expert_parallel is None:
+                sizes = [int(n) for n in plan.send_counts]
+                parts = p.split(plan.permute(flat), sizes, 0)
+                out = plan.unpermute(p.cat([self.experts.run(e, part) for e, part in enumerate(parts) if sizes[e]], 0))
+            else:  # all-to-all to the experts' ranks and back (core's MoE)
+                ep, (w1, w2, w3) = self.expert_parallel, self.experts.local_weights(self.ep_grad_scale)
+                received = ep.dispatch(plan.permute(flat), plan)
+                done = ep.run_experts(received, plan, lambda e, rows: swiglu(rows, w1[e], w2[e], w3[e]))
+                out = plan.unpermute(ep.combine(done, plan))
             if self.has_shared:
                 out = out + self.shared_expert(flat)
             self.aux_loss = None

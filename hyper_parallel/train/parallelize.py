@@ -4,7 +4,9 @@ of ``apply_*`` steps, each given its own submesh (torchtitan's ``parallelize_lla
 Order of the chain, and why:
 
 1. tensor parallelism (``mesh["tp"]``): it rewrites the linear layers' parameters into
-   shards, which every later step must see as they will be trained;
+   shards, which every later step must see as they will be trained; then expert
+   parallelism (``--ep``, over ``mesh["dp_shard"]``): the MoE blocks' routed experts become
+   shards too, which fully_shard leaves alone;
 2. context parallelism (``mesh["cp"]``): it wraps attention, which now runs on
    ``heads / tp`` local heads;
 3. activation checkpointing: it wraps whole blocks, after the layers inside them are final;
@@ -29,11 +31,13 @@ from typing import Any
 
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
 from hyper_parallel.core.context_parallel import ContextParallel
-from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor import DeviceMesh, Shard, distribute_parameter, init_device_mesh
+from hyper_parallel.core.expert_parallel import MoE as ExpertParallelMoE
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train.config import Layout
+from hyper_parallel.train.moe_model import moe_layers
 from hyper_parallel.train.precision import apply_mixed_precision
 
 #: Megatron tensor parallelism of the decoder: q/k/v and the SwiGLU input projections split
@@ -131,6 +135,23 @@ def apply_context_parallel(model: Any, cp_mesh: DeviceMesh, layout: Layout) -> N
         parallelize_module(block.attention.core, cp_mesh, style)
 
 
+def apply_expert_parallel(model: Any, ep_mesh: DeviceMesh) -> list[Any]:
+    """Shard every MoE block's routed experts (``w1``/``w2``/``w3``, ``[experts, ...]``) on
+    dim 0 over ``ep_mesh`` (1-D: the ``dp_shard`` ranks), ``experts / ep`` whole experts per
+    rank, and hand the block core's ``MoE`` over the mesh's group for dispatch and combine.
+    Returns the expert parameters, which fully_shard must leave alone ([Note:
+    expert-parallel gradients] in ``moe_model``). Collective: broadcasts each expert
+    parameter from the mesh's rank 0 (``distribute_parameter``), creates no group."""
+    p = get_platform()
+    placed = []
+    for _, layer in moe_layers(p, model):
+        for name in ("w1", "w2", "w3"):
+            placed.append(distribute_parameter(layer.experts, name, ep_mesh, [Shard(0)]))
+        layer.expert_parallel = ExpertParallelMoE(layer.num_experts, layer.top_k, group=ep_mesh.get_group())
+        layer.ep_grad_scale = 1.0 / ep_mesh.size()
+    return placed
+
+
 def apply_activation_checkpointing(model: Any) -> None:
     """Checkpoint every decoder block in place (``checkpoint_wrapper``): a block keeps only
     its input ``[batch, seq / cp, dim]`` (and the rotary tables it is handed) for the
@@ -162,20 +183,22 @@ def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+                      ignored_params: list[Any] | None = None) -> None:
     """FSDP2 order: each decoder block is a unit (its parameters all-gathered around its
     forward and backward, gradients reduce-scattered), then the root takes the rest
     (embedding, final norm, output head; a tied head shares the root unit with the
     embedding). Every rank holds the same initial weights (``build_model`` seeds them), as
     fully_shard requires. Collectives: none here; the all-gathers / reduce-scatters run in
     each step. ``mp_policy``: ``--dtype``'s (``precision.mixed_precision_policy``; ``None``:
-    float32 throughout)."""
+    float32 throughout). ``ignored_params``: left as they are, unsharded and unreduced (the
+    expert-parallel experts: ``apply_expert_parallel``)."""
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     # a pipeline stage keys its blocks by their index in the decoder (model.build_stage)
     blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
     for block in blocks:
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, ignored_params=ignored_params)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, ignored_params=ignored_params)
 
 
 def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: DeviceMesh | None = None,
@@ -196,12 +219,13 @@ def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: De
         return model
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    experts = apply_expert_parallel(model, mesh["dp_shard"]) if layout.ep > 1 else None
     if layout.cp > 1:
         apply_context_parallel(model, cp_mesh if cp_mesh is not None else context_parallel_mesh(mesh, layout), layout)
     if activation_checkpointing:  # after TP and CP: their hooks sit inside the blocks and run again
         apply_activation_checkpointing(model)
     if layout.dp * layout.cp > 1:
-        apply_fully_shard(model, fully_shard_mesh(mesh, layout), mp_policy)
+        apply_fully_shard(model, fully_shard_mesh(mesh, layout), mp_policy, ignored_params=experts)
     elif mp_policy is not None:
         apply_mixed_precision(get_platform(), model, mp_policy)
     return model

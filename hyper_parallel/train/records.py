@@ -17,6 +17,8 @@ def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     """The layout a checkpoint was written by: the degrees (and the pipeline stages). A
     resume in another one reshards."""
     record: dict[str, Any] = {"degrees": layout.degrees()}
+    if layout.ep > 1:  # only then: the records of runs without --ep stay as they were
+        record["ep"] = layout.ep
     if layout.pp > 1:
         record["pipeline_stages"] = layout.num_stages
     return record

@@ -45,6 +45,14 @@ def moe_config(out: str, degrees: dict, balance: str) -> TrainConfig:
     return layout_config(f"{out}/{balance}", degrees, model=model, model_name="moe-tiny")
 
 
+def moe_local_shape(name: str, shape: tuple[int, ...], cfg: TrainConfig, rank: int) -> tuple[int, ...]:
+    """``local_shape``, except for the routed experts under ``--ep`` (equal to ``dp_shard``):
+    ``experts / ep`` whole experts per rank, not sharded again by fully_shard."""
+    if cfg.layout.ep > 1 and ".moe.experts." in name:
+        return (shape[0] // cfg.layout.ep, *shape[1:])
+    return local_shape(name, shape, cfg.layout, rank)
+
+
 def _first_step_gradients(cfg: TrainConfig, reference: bool = False) -> dict[str, np.ndarray]:
     """This rank's piece of every parameter's gradient of step 1 (the whole gradient with
     ``reference``), from a fresh ``setup`` (collective unless ``reference``)."""
@@ -78,7 +86,7 @@ def check_moe_parity(out: str, cases: list[tuple[dict, str]]) -> list[dict]:
         shapes = parameter_shapes(cfg.model)
         assert sorted(run.names) == sorted(shapes), run.names
         for name, box in run.boxes.items():
-            assert tuple(box.lengths) == local_shape(name, shapes[name], cfg.layout, p.rank()), (degrees, name, box)
+            assert tuple(box.lengths) == moe_local_shape(name, shapes[name], cfg, p.rank()), (degrees, name, box)
         rows = train(cfg, write_outputs=False, run=run)
         got.append({"cfg": cfg, "grads": grads, "boxes": run.boxes, "rows": rows,
                     "bias": {name: layer.expert_bias.copy() for name, layer in run.moe}})
@@ -115,3 +123,26 @@ def check_moe_parity(out: str, cases: list[tuple[dict, str]]) -> list[dict]:
                                        rtol=LOSS_RTOL, atol=0, err_msg=f"{what}: auxiliary loss vs single process")
         results.append({"losses": curve, "bias": {k: v.tolist() for k, v in case["bias"].items()}})
     return results
+
+
+def check_resume_across_expert_parallel_degrees(out: str) -> list[float]:
+    """moe-tiny on ``dp_shard 2 x ep 2`` for 2 steps (a checkpoint of each rank's two whole
+    experts), then on every rank alone: a single-process resume of it to step 4 (the
+    checkpoint resharded: every expert on one rank) against the single process run
+    uninterrupted to step 4. The losses agree to ``LOSS_RTOL`` (the first two steps ran in
+    another layout: float32 sums in other orders, see ``check_moe_parity``) and the balance
+    biases exactly (integer routing counts). Returns the resumed losses."""
+    cfg = moe_config(out, {"dp_shard": 2, "ep": 2}, "aux-free").replace(steps=2)
+    train(cfg)  # writes its checkpoint at step 2 (collective)
+    p = get_platform()
+    alone = cfg.replace(steps=4, resume=True, out=f"{cfg.out}/resumed{p.rank()}", checkpoint_dir=str(cfg.checkpoint_path))
+    resumed_run = setup(alone, reference=True)
+    resumed = train(alone, reference=True, write_outputs=False, run=resumed_run)
+    whole_run = setup(cfg.replace(steps=4), reference=True)
+    whole = train(cfg.replace(steps=4), reference=True, write_outputs=False, run=whole_run)
+    assert [r["step"] for r in resumed] == [3, 4], [r["step"] for r in resumed]
+    np.testing.assert_allclose(losses(resumed), losses(whole)[2:], rtol=LOSS_RTOL, atol=0,
+                               err_msg="resumed from ep 2 in one process vs one process throughout")
+    for (name, layer), (_, ref) in zip(resumed_run.moe, whole_run.moe):
+        np.testing.assert_array_equal(layer.expert_bias, ref.expert_bias, err_msg=f"{name} balance bias")
+    return losses(resumed).tolist()

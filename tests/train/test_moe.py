@@ -20,7 +20,7 @@ from hyper_parallel.train.model import build_model, parameter_shapes
 from hyper_parallel.train.model_config import MOE_DEFAULTS, PRESETS
 from hyper_parallel.train.moe_model import balance_step, moe_layers, route, sequence_aux_loss
 from hyper_parallel.train.records import model_record
-from tests.train._moe_ranks import check_moe_parity
+from tests.train._moe_ranks import check_moe_parity, check_resume_across_expert_parallel_degrees
 from tests.train._ranks import losses, tiny_config
 
 TINY = PRESETS["moe-tiny"]
@@ -29,13 +29,22 @@ TINY = PRESETS["moe-tiny"]
 def test_layouts_match_single_process(run_on_ranks, tmp_path: Path) -> None:
     """dp-shard 2 (experts and router fully_shard'ed over the data-parallel ranks) and tp 2
     (attention, the dense block's MLP and the shared expert split, the routed experts
-    replicated) with aux-free balancing, and dp-shard 2 with the sequence-wise auxiliary
-    loss, against the single process: gradients, losses, gradient norms, routing counts and
+    replicated) with aux-free balancing, dp-shard 2 with the sequence-wise auxiliary loss,
+    and expert parallelism (ep 2 over the dp-shard ranks: two whole experts per rank,
+    tokens sent by all-to-all) with each balance, against the single process: gradients, losses, gradient norms, routing counts and
     balance biases (tolerances in ``_moe_ranks``), on 2 ranks of the session's backend."""
-    cases = [({"dp_shard": 2}, "aux-free"), ({"tp": 2}, "aux-free"), ({"dp_shard": 2}, "aux-loss")]
+    cases = [({"dp_shard": 2}, "aux-free"), ({"tp": 2}, "aux-free"), ({"dp_shard": 2}, "aux-loss"),
+             ({"dp_shard": 2, "ep": 2}, "aux-free"), ({"dp_shard": 2, "ep": 2}, "aux-loss")]
     results = run_on_ranks(check_moe_parity, str(tmp_path), cases, world_size=2, timeout_s=600)
     for other in results[1:]:  # every rank reports the whole batch's losses and the same biases
         assert other == results[0]
+
+
+def test_resume_across_expert_parallel_degrees(run_on_ranks, tmp_path: Path) -> None:
+    """A checkpoint of ep 2 resumes in one process (resharded) as one process would have
+    continued (``check_resume_across_expert_parallel_degrees``)."""
+    results = run_on_ranks(check_resume_across_expert_parallel_degrees, str(tmp_path), world_size=2, timeout_s=600)
+    assert results[0] == results[1]
 
 
 def test_block_structure_and_names() -> None:
@@ -122,6 +131,13 @@ def _args(*flags: str) -> TrainConfig:
     (["--model", "moe-tiny", "--pp", "2", "--nproc", "2"], "cannot be combined with --pp=2 yet"),
     (["--model", "moe-tiny", "--cp", "2", "--nproc", "2"], "cannot be combined with --cp=2 yet"),
     (["--model", "moe-tiny", "--activation-checkpointing"], "cannot be combined with --activation-checkpointing"),
+    (["--ep", "2", "--dp-shard", "2", "--nproc", "2"], "--ep=2 shards the routed experts of a mixture-of-experts "
+                                                       "model, but --model small is dense"),
+    (["--model", "moe-tiny", "--ep", "3", "--dp-shard", "3", "--nproc", "3"], "--ep=3 must divide --moe-experts=4"),
+    (["--model", "moe-tiny", "--ep", "2", "--dp-shard", "4", "--nproc", "4"], "--ep=2 must equal --dp-shard=4 for now"),
+    (["--model", "moe-tiny", "--ep", "2", "--dp-shard", "2", "--tp", "2", "--nproc", "4"],
+     "--ep=2 cannot be combined with --tp=2 yet"),
+    (["--model", "moe-tiny", "--ep", "0"], "--ep=0 must be a positive integer"),
     (["--model", "moe-tiny", "--moe-hidden-dim", "36", "--tp", "8", "--nproc", "8", "--n-heads", "8",
       "--n-kv-heads", "8"], "--tp=8 must divide the shared experts' width 36"),
 ])
