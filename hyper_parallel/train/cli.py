@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"--cp-mode hybrid: key/value exchange over the other cp / u ranks: "
                           f"{', '.join(CP_KV_EXCHANGES)}")
     lay.add_argument("--ep", type=int, default=1,
-                     help="expert-parallel degree of an MoE model: its routed experts sharded over the --dp-shard "
-                          "ranks (equal to --dp-shard for now), tokens sent to their experts by all-to-all")
+                     help="expert-parallel degree of an MoE model: its routed experts sharded over N of the "
+                          "--dp-shard ranks (N divides --dp-shard; fully_shard shards them over the rest), tokens sent "
+                          "to their experts by all-to-all")
     lay.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     lay.add_argument("--pp-schedule", default="1f1b",
                      help="pipeline schedule (the core's schedule table): " + "; ".join(

@@ -407,24 +407,27 @@ class TrainConfig:
             raise ValueError(f"--tp={lay.tp} must divide the shared experts' width {hidden} (--moe-shared-experts "
                              f"{mod.moe_shared_experts} x expert width {mod.expert_hidden_dim}): tensor parallelism "
                              "splits the shared expert like the dense MLP; use a --tp dividing it")
-        # the routing counts are taken in each training forward: a forward run again (pipeline
-        # recomputation on MindSpore, activation checkpointing) would count its tokens twice
+        # the routing counts are taken in each training forward: a pipeline's forward run again
+        # (MindSpore's recompute of out-of-order backwards) would count its tokens twice
         if lay.pp > 1:
             raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --pp={lay.pp} yet: pipeline "
                              "stages of MoE blocks are not wired into the job (issue 36, items 2-3); use --pp 1 with "
                              "--dp-shard/--dp-replicate/--tp")
-        if self.activation_checkpointing:
-            raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --activation-checkpointing yet: "
-                             "the recomputed forward would count each block's routing twice in the balance "
-                             "statistics; drop --activation-checkpointing")
+        if self.activation_checkpointing and mod.moe_balance == "aux-loss":
+            # the balance loss is read off each MoE block after the forward, outside the block's
+            # checkpointed region: its gradient would have to reach back into a region whose
+            # activations were dropped, which is not checked on either framework
+            raise ValueError("--moe-balance aux-loss cannot be combined with --activation-checkpointing yet: the "
+                             "auxiliary loss leaves the checkpointed blocks beside their output; use --moe-balance "
+                             "aux-free with --activation-checkpointing, or drop it")
         if lay.cp > 1:
             raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --cp={lay.cp} yet: MoE with "
                              "context parallelism is not checked against one process (and --moe-balance aux-loss "
                              "needs each sequence whole on a rank); use --cp 1")
 
     def _check_expert_parallel(self) -> None:
-        """``--ep N``: an MoE model whose experts divide over ``N`` ranks, ``N`` the whole
-        ``dp_shard`` axis, in the layouts the job runs with expert parallelism today."""
+        """``--ep N``: an MoE model whose experts divide over ``N`` ranks of the ``dp_shard``
+        axis, in the layouts the job runs with expert parallelism today."""
         mod, lay = self.model, self.layout
         if not mod.moe_experts:
             raise ValueError(f"--ep={lay.ep} shards the routed experts of a mixture-of-experts model, but --model "
@@ -433,15 +436,15 @@ class TrainConfig:
         if mod.moe_experts % lay.ep:
             raise ValueError(f"--ep={lay.ep} must divide --moe-experts={mod.moe_experts}: each expert-parallel rank "
                              f"holds moe_experts / ep whole experts; use an --ep dividing {mod.moe_experts}")
-        if lay.ep != lay.dp_shard:
-            raise ValueError(f"--ep={lay.ep} must equal --dp-shard={lay.dp_shard} for now: the expert-parallel axis is "
-                             "the whole sharded data-parallel axis (experts sharded again by fully_shard over the "
-                             f"rest of it is not wired yet); use --ep {lay.dp_shard} or --dp-shard {lay.ep}")
-        others = {"--dp-replicate": lay.dp_replicate, "--tp": lay.tp, "--cp": lay.cp, "--pp": lay.pp}
+        if lay.dp_shard % lay.ep:
+            raise ValueError(f"--ep={lay.ep} must divide --dp-shard={lay.dp_shard}: the expert-parallel ranks are "
+                             "borrowed from the sharded data-parallel axis (dp_shard / ep groups of ep ranks, the "
+                             f"experts fully_shard'ed over the groups); use an --ep dividing {lay.dp_shard}")
+        others = {"--dp-replicate": lay.dp_replicate, "--cp": lay.cp, "--pp": lay.pp}
         for flag, degree in others.items():
             if degree > 1:
                 raise ValueError(f"--ep={lay.ep} cannot be combined with {flag}={degree} yet: expert parallelism runs "
-                                 "with --dp-shard only in the job so far (issue 36 item 2); drop "
+                                 "with --dp-shard and --tp only in the job so far (issue 36 item 2); drop "
                                  f"{flag} or --ep")
 
     def _check_hf(self) -> None:

@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.activation_checkpoint import CheckpointPhase, checkpoint_phase
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.expert_parallel import MoE as ExpertParallelMoE
 from hyper_parallel.core.expert_parallel import RoutingPlan
@@ -199,19 +200,24 @@ def define_moe(p: Platform) -> type:
             self.w2 = p.make_parameter(p.zeros((e, d, h), float32))
             self.w3 = p.make_parameter(p.zeros((e, h, d), float32))
 
-        def run(self, expert: int, rows: Any) -> Any:
-            """Expert ``expert``'s SwiGLU of its rows ``[n, dim]`` (every expert on this rank)."""
-            return swiglu(rows, self.w1[expert], self.w2[expert], self.w3[expert])
-
-        def local_weights(self, grad_scale: float) -> list[Any]:
-            """``[w1, w2, w3]``: this rank's experts' pieces (``[local_experts, ...]``; the
-            local tensors of the expert-parallel DTensor parameters), whose gradients are
-            multiplied by ``grad_scale`` ([Note: expert-parallel gradients])."""
-            out = []
-            for w in (self.w1, self.w2, self.w3):
-                local = w.to_local() if isinstance(w, DTensor) else w
-                out.append(p.apply_function(ScaleGradient, local, grad_scale))
-            return out
+        def forward(self, rows: Any, plan: RoutingPlan, ep: ExpertParallelMoE | None, grad_scale: float) -> Any:
+            """The experts' SwiGLU outputs ``[n, dim]`` of ``rows`` ``[n, dim]``: with every
+            expert here (``ep`` ``None``), ``plan.permute``'s rows in expert order; under
+            ``--ep``, the rows ``ep.dispatch`` received, run by ``ep.run_experts`` on this
+            rank's experts, whose gradients are multiplied by ``grad_scale`` ([Note:
+            expert-parallel gradients]). A module call, so that fully_shard (``--ep`` below
+            ``--dp-shard``) gathers this rank's experts around it."""
+            if ep is None:
+                sizes = [int(n) for n in plan.send_counts]
+                parts = p.split(rows, sizes, 0)
+                return p.cat([swiglu(part, self.w1[e], self.w2[e], self.w3[e]) for e, part in enumerate(parts)
+                              if sizes[e]], 0)
+            # experts left out of fully_shard (ep == dp_shard) keep float32 under --dtype bf16/fp16: cast
+            # to the rows' dtype as the policy would (a no-op in float32)
+            w1, w2, w3 = (p.to_dtype(p.apply_function(ScaleGradient, w.to_local() if isinstance(w, DTensor) else w,
+                                                      grad_scale), rows.dtype)
+                          for w in (self.w1, self.w2, self.w3))
+            return ep.run_experts(rows, plan, lambda e, part: swiglu(part, w1[e], w2[e], w3[e]))
 
     class MoE(Module):
         """``[batch, seq, dim]`` -> ``[batch, seq, dim]``: [Note: the job's MoE routing].
@@ -245,26 +251,25 @@ def define_moe(p: Platform) -> type:
             flat = x.reshape(-1, d)
             probs, chosen, gates = route(p, self.router(flat), self.top_k, self.expert_bias)
             plan = routing_plan(p, chosen, p.to_dtype(gates, x.dtype), self.num_experts)
-            if self.expert_parallel is None:
-                sizes = [int(n) for n in plan.send_counts]
-                parts = p.split(plan.permute(flat), sizes, 0)
-                out = plan.unpermute(p.cat([self.experts.run(e, part) for e, part in enumerate(parts) if sizes[e]], 0))
-            else:  # all-to-all to the experts' ranks and back (core's MoE)
-                ep, (w1, w2, w3) = self.expert_parallel, self.experts.local_weights(self.ep_grad_scale)
-                received = ep.dispatch(plan.permute(flat), plan)
-                done = ep.run_experts(received, plan, lambda e, rows: swiglu(rows, w1[e], w2[e], w3[e]))
-                out = plan.unpermute(ep.combine(done, plan))
-            if self.has_shared:
-                out = out + self.shared_expert(flat)
             self.aux_loss = None
             if self.balance == "aux-loss":
                 self.aux_loss = sequence_aux_loss(p, probs, chosen, b, self.top_k) * self.aux_coef
-            if p.grad_enabled():  # training forwards only: validation leaves the step's counts alone
+            # training forwards only (validation leaves the step's counts alone), and not the
+            # recomputation of --activation-checkpointing (the same decisions a second time);
+            # counted here, before the experts: a recomputation runs at least this far
+            if p.grad_enabled() and checkpoint_phase() is not CheckpointPhase.RECOMPUTE:
                 self.counts.tokens += plan.send_counts
                 self.counts.rows += chosen.size
                 self.counts.forwards += 1
                 if self.aux_loss is not None:
                     self.counts.aux_loss += float(p.to_numpy(p.detach(self.aux_loss)))
+            ep, rows = self.expert_parallel, plan.permute(flat)
+            if ep is not None:  # all-to-all to the experts' ranks (core's MoE) and back below
+                rows = ep.dispatch(rows, plan)
+            done = self.experts(rows, plan, ep, self.ep_grad_scale)
+            out = plan.unpermute(done if ep is None else ep.combine(done, plan))
+            if self.has_shared:
+                out = out + self.shared_expert(flat)
             return out.reshape(b, s, d)
 
     return MoE

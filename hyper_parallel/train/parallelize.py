@@ -5,8 +5,9 @@ Order of the chain, and why:
 
 1. tensor parallelism (``mesh["tp"]``): it rewrites the linear layers' parameters into
    shards, which every later step must see as they will be trained; then expert
-   parallelism (``--ep``, over ``mesh["dp_shard"]``): the MoE blocks' routed experts become
-   shards too, which fully_shard leaves alone;
+   parallelism (``--ep``, over ``ep`` ranks of the ``dp_shard`` axis): the MoE blocks' routed
+   experts become shards too, which fully_shard shards over the rest of ``dp_shard``
+   (``expert_parallel_meshes``) or leaves alone (``ep == dp_shard``);
 2. context parallelism (``mesh["cp"]``): it wraps attention, which now runs on
    ``heads / tp`` local heads;
 3. activation checkpointing: it wraps whole blocks, after the layers inside them are final;
@@ -135,13 +136,29 @@ def apply_context_parallel(model: Any, cp_mesh: DeviceMesh, layout: Layout) -> N
         parallelize_module(block.attention.core, cp_mesh, style)
 
 
+def expert_parallel_meshes(mesh: DeviceMesh, layout: Layout) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """``(ep_mesh, experts_fsdp_mesh)`` of ``--ep``: the ``dp_shard`` axis split row-major
+    into ``(dp_shard / ep, ep)`` (a second mesh over the same ranks, ``ep`` on the inner,
+    closest ranks, as torchtitan borrows it), so that each rank's ``dp_shard`` coordinate
+    is ``outer * ep + inner`` and its data share is unchanged. The routed experts are
+    sharded over ``ep`` and fully_shard'ed over the outer ``dp_shard / ep`` ranks, which
+    hold the same experts (``None`` when ``ep == dp_shard``: no such ranks). With ``--tp``
+    both are per tensor-parallel coordinate. Collective: builds the groups."""
+    if layout.ep == layout.dp_shard:
+        return mesh["dp_shard"], None
+    split = init_device_mesh(mesh.device_type, (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep,
+                                                layout.ep, layout.cp, layout.tp),
+                             mesh_dim_names=("pp", "dp_replicate", "dp_shard_out_ep", "ep", "cp", "tp"))
+    return split["ep"], split["dp_shard_out_ep"]
+
+
 def apply_expert_parallel(model: Any, ep_mesh: DeviceMesh) -> list[Any]:
     """Shard every MoE block's routed experts (``w1``/``w2``/``w3``, ``[experts, ...]``) on
-    dim 0 over ``ep_mesh`` (1-D: the ``dp_shard`` ranks), ``experts / ep`` whole experts per
-    rank, and hand the block core's ``MoE`` over the mesh's group for dispatch and combine.
-    Returns the expert parameters, which fully_shard must leave alone ([Note:
-    expert-parallel gradients] in ``moe_model``). Collective: broadcasts each expert
-    parameter from the mesh's rank 0 (``distribute_parameter``), creates no group."""
+    dim 0 over ``ep_mesh`` (1-D, ``expert_parallel_meshes``), ``experts / ep`` whole
+    experts per rank, and hand the block core's ``MoE`` over the mesh's group for dispatch
+    and combine; returns the expert parameters ([Note: expert-parallel gradients] in
+    ``moe_model``). Collective: broadcasts each expert parameter from the mesh's rank 0
+    (``distribute_parameter``)."""
     p = get_platform()
     placed = []
     for _, layer in moe_layers(p, model):
@@ -184,7 +201,7 @@ def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
 
 
 def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
-                      ignored_params: list[Any] | None = None) -> None:
+                      ignored_params: list[Any] | None = None, experts_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 order: each decoder block is a unit (its parameters all-gathered around its
     forward and backward, gradients reduce-scattered), then the root takes the rest
     (embedding, final norm, output head; a tied head shares the root unit with the
@@ -192,8 +209,13 @@ def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisi
     fully_shard requires. Collectives: none here; the all-gathers / reduce-scatters run in
     each step. ``mp_policy``: ``--dtype``'s (``precision.mixed_precision_policy``; ``None``:
     float32 throughout). ``ignored_params``: left as they are, unsharded and unreduced (the
-    expert-parallel experts: ``apply_expert_parallel``)."""
+    expert-parallel experts when ``ep == dp_shard``: ``apply_expert_parallel``);
+    ``experts_mesh``: with ``ep < dp_shard``, each MoE block's experts are a unit over it
+    first (``expert_parallel_meshes``), their gradients reduce-scattered over those ranks."""
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    if experts_mesh is not None:  # bottom-up: the experts are their own units, which the blocks' skip
+        for _, layer in moe_layers(get_platform(), model):
+            fully_shard(layer.experts, mesh=experts_mesh, mp_policy=policy)
     # a pipeline stage keys its blocks by their index in the decoder (model.build_stage)
     blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
     for block in blocks:
@@ -219,13 +241,18 @@ def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: De
         return model
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
-    experts = apply_expert_parallel(model, mesh["dp_shard"]) if layout.ep > 1 else None
+    experts, experts_mesh = None, None
+    if layout.ep > 1:
+        ep_mesh, experts_mesh = expert_parallel_meshes(mesh, layout)
+        placed = apply_expert_parallel(model, ep_mesh)
+        experts = placed if experts_mesh is None else None
     if layout.cp > 1:
         apply_context_parallel(model, cp_mesh if cp_mesh is not None else context_parallel_mesh(mesh, layout), layout)
     if activation_checkpointing:  # after TP and CP: their hooks sit inside the blocks and run again
         apply_activation_checkpointing(model)
     if layout.dp * layout.cp > 1:
-        apply_fully_shard(model, fully_shard_mesh(mesh, layout), mp_policy, ignored_params=experts)
+        apply_fully_shard(model, fully_shard_mesh(mesh, layout), mp_policy, ignored_params=experts,
+                          experts_mesh=experts_mesh)
     elif mp_policy is not None:
         apply_mixed_precision(get_platform(), model, mp_policy)
     return model

@@ -7,8 +7,9 @@ import dataclasses
 
 import numpy as np
 
+from hyper_parallel.core.dtensor.placement_types import chunk_bounds
 from hyper_parallel.platform import get_platform
-from hyper_parallel.train.config import PRESETS, TrainConfig
+from hyper_parallel.train.config import PRESETS, Layout, TrainConfig
 from hyper_parallel.train.data import rank_batch
 from hyper_parallel.train.loop import _accumulate, setup, train
 from hyper_parallel.train.model import parameter_shapes
@@ -38,19 +39,25 @@ MOE_FIELDS = ("moe_tokens_per_expert_max", "moe_tokens_per_expert_mean", "moe_dr
               "moe_tokens_per_expert_max_by_layer")
 
 
-def moe_config(out: str, degrees: dict, balance: str) -> TrainConfig:
+def moe_config(out: str, degrees: dict, balance: str, **changes: object) -> TrainConfig:
     """``moe-tiny`` (block 0 dense, block 1 MoE: 4 experts, top-2, a shared expert) with
-    ``balance`` on the layout ``degrees``, three steps (``layout_config``)."""
+    ``balance`` on the layout ``degrees``, three steps (``layout_config``); ``changes``:
+    other ``TrainConfig`` fields."""
     model = dataclasses.replace(PRESETS["moe-tiny"], moe_balance=balance)
-    return layout_config(f"{out}/{balance}", degrees, model=model, model_name="moe-tiny")
+    tag = "".join(f"_{key}" for key in sorted(changes))
+    return layout_config(f"{out}/{balance}{tag}", degrees, model=model, model_name="moe-tiny", **changes)
 
 
 def moe_local_shape(name: str, shape: tuple[int, ...], cfg: TrainConfig, rank: int) -> tuple[int, ...]:
-    """``local_shape``, except for the routed experts under ``--ep`` (equal to ``dp_shard``):
-    ``experts / ep`` whole experts per rank, not sharded again by fully_shard."""
-    if cfg.layout.ep > 1 and ".moe.experts." in name:
-        return (shape[0] // cfg.layout.ep, *shape[1:])
-    return local_shape(name, shape, cfg.layout, rank)
+    """``local_shape``, except for the routed experts under ``--ep``: ``experts / ep`` whole
+    experts on each rank (its ``dp_shard`` coordinate modulo ``ep``), then fully_shard's
+    chunk of those over the other ``dp_shard / ep`` ranks (``expert_parallel_meshes``)."""
+    lay = cfg.layout
+    if lay.ep == 1 or ".moe.experts." not in name:
+        return local_shape(name, shape, lay, rank)
+    coords = dict(zip(Layout.AXES, np.unravel_index(rank, tuple(lay.degrees().values()))))
+    outer = int(coords["dp_shard"]) // lay.ep
+    return (chunk_bounds(shape[0] // lay.ep, lay.dp_shard // lay.ep, outer)[1], *shape[1:])
 
 
 def _first_step_gradients(cfg: TrainConfig, reference: bool = False) -> dict[str, np.ndarray]:
@@ -67,8 +74,10 @@ def _first_step_gradients(cfg: TrainConfig, reference: bool = False) -> dict[str
     return out
 
 
-def check_moe_parity(out: str, cases: list[tuple[dict, str]]) -> list[dict]:
-    """Each ``(degrees, balance)`` of ``cases`` on this world against the single process on
+def check_moe_parity(out: str, cases: list[tuple]) -> list[dict]:
+    """Each ``(degrees, balance[, changes])`` of ``cases`` (``moe_config``'s arguments) on
+    this world against the single process (without ``changes``: the reference runs without
+    activation checkpointing, as the job's) on
     the same seed and data: this rank's parameter shapes (``local_shape``: experts and
     router sharded by fully_shard over ``dp_shard``, replicated over ``tp``; the shared
     expert split by ``TP_PLAN``), its piece of the first step's gradients, the losses, the
@@ -78,8 +87,8 @@ def check_moe_parity(out: str, cases: list[tuple[dict, str]]) -> list[dict]:
     pieces. Returns each case's ``{"losses": [...], "bias": [...]}``."""
     p = get_platform()
     got = []
-    for degrees, balance in cases:
-        cfg = moe_config(out, degrees, balance)
+    for degrees, balance, *changes in cases:
+        cfg = moe_config(out, degrees, balance, **(changes[0] if changes else {}))
         assert cfg.layout.world_size == p.world_size(), degrees
         grads = _first_step_gradients(cfg)
         run = setup(cfg)

@@ -31,12 +31,25 @@ def test_layouts_match_single_process(run_on_ranks, tmp_path: Path) -> None:
     (attention, the dense block's MLP and the shared expert split, the routed experts
     replicated) with aux-free balancing, dp-shard 2 with the sequence-wise auxiliary loss,
     and expert parallelism (ep 2 over the dp-shard ranks: two whole experts per rank,
-    tokens sent by all-to-all) with each balance, against the single process: gradients, losses, gradient norms, routing counts and
+    tokens sent by all-to-all) with each balance and with --activation-checkpointing (the
+    dispatch and combine run again in the recomputation), against the single process: gradients, losses, gradient norms, routing counts and
     balance biases (tolerances in ``_moe_ranks``), on 2 ranks of the session's backend."""
     cases = [({"dp_shard": 2}, "aux-free"), ({"tp": 2}, "aux-free"), ({"dp_shard": 2}, "aux-loss"),
-             ({"dp_shard": 2, "ep": 2}, "aux-free"), ({"dp_shard": 2, "ep": 2}, "aux-loss")]
+             ({"dp_shard": 2, "ep": 2}, "aux-free"), ({"dp_shard": 2, "ep": 2}, "aux-loss"),
+             ({"dp_shard": 2, "ep": 2}, "aux-free", {"activation_checkpointing": True})]
     results = run_on_ranks(check_moe_parity, str(tmp_path), cases, world_size=2, timeout_s=600)
     for other in results[1:]:  # every rank reports the whole batch's losses and the same biases
+        assert other == results[0]
+
+
+def test_expert_parallel_composes_on_four_ranks(run_on_ranks, tmp_path: Path) -> None:
+    """ep 2 over dp-shard 4 (two expert-parallel groups; each rank's two experts
+    fully_shard'ed over the other group's rank that holds the same experts) and ep 2 x tp 2
+    x dp-shard 2 (the expert-parallel groups per tensor-parallel coordinate, the experts
+    replicated over tp), against the single process, as ``test_layouts_match_single_process``."""
+    cases = [({"dp_shard": 4, "ep": 2}, "aux-free"), ({"dp_shard": 2, "tp": 2, "ep": 2}, "aux-free")]
+    results = run_on_ranks(check_moe_parity, str(tmp_path), cases, world_size=4, timeout_s=900)
+    for other in results[1:]:
         assert other == results[0]
 
 
@@ -117,6 +130,18 @@ def test_resume_continues_bit_identically(tmp_path: Path) -> None:
     assert [r["moe_tokens_per_expert_max"] for r in resumed] == [r["moe_tokens_per_expert_max"] for r in whole[2:]]
 
 
+def test_activation_checkpointing_changes_nothing(tmp_path: Path) -> None:
+    """moe-tiny (aux-free) with --activation-checkpointing equals the run without it, bit for
+    bit: the recomputed MoE block routes the same tokens to the same experts, and its
+    second forward is not counted in the routing statistics (nor the balance bias)."""
+    plain = tiny_config(str(tmp_path / "plain"), model=TINY, model_name="moe-tiny", steps=3)
+    rows = train(plain, write_outputs=False)
+    checkpointed = train(plain.replace(activation_checkpointing=True), write_outputs=False)
+    np.testing.assert_array_equal(losses(checkpointed), losses(rows))
+    for field in ("moe_tokens_per_expert_max", "moe_tokens_per_expert_mean", "moe_bias_norm", "grad_norm"):
+        assert [r[field] for r in checkpointed] == [r[field] for r in rows], field
+
+
 def _args(*flags: str) -> TrainConfig:
     return config_from_args(build_parser().parse_args(["train", "--nproc", "1", "--out", "/tmp/unused-moe-run",
                                                        *flags]))
@@ -130,13 +155,14 @@ def _args(*flags: str) -> TrainConfig:
     (["--model", "moe-tiny", "--moe-bias-rate", "-1"], "--moe-bias-rate=-1.0 must be a finite number >= 0"),
     (["--model", "moe-tiny", "--pp", "2", "--nproc", "2"], "cannot be combined with --pp=2 yet"),
     (["--model", "moe-tiny", "--cp", "2", "--nproc", "2"], "cannot be combined with --cp=2 yet"),
-    (["--model", "moe-tiny", "--activation-checkpointing"], "cannot be combined with --activation-checkpointing"),
+    (["--model", "moe-tiny", "--activation-checkpointing", "--moe-balance", "aux-loss"],
+     "--moe-balance aux-loss cannot be combined with --activation-checkpointing yet"),
     (["--ep", "2", "--dp-shard", "2", "--nproc", "2"], "--ep=2 shards the routed experts of a mixture-of-experts "
                                                        "model, but --model small is dense"),
     (["--model", "moe-tiny", "--ep", "3", "--dp-shard", "3", "--nproc", "3"], "--ep=3 must divide --moe-experts=4"),
-    (["--model", "moe-tiny", "--ep", "2", "--dp-shard", "4", "--nproc", "4"], "--ep=2 must equal --dp-shard=4 for now"),
-    (["--model", "moe-tiny", "--ep", "2", "--dp-shard", "2", "--tp", "2", "--nproc", "4"],
-     "--ep=2 cannot be combined with --tp=2 yet"),
+    (["--model", "moe-tiny", "--ep", "4", "--dp-shard", "2", "--nproc", "2"], "--ep=4 must divide --dp-shard=2"),
+    (["--model", "moe-tiny", "--ep", "2", "--dp-shard", "2", "--dp-replicate", "2", "--nproc", "4"],
+     "--ep=2 cannot be combined with --dp-replicate=2 yet"),
     (["--model", "moe-tiny", "--ep", "0"], "--ep=0 must be a positive integer"),
     (["--model", "moe-tiny", "--moe-hidden-dim", "36", "--tp", "8", "--nproc", "8", "--n-heads", "8",
       "--n-kv-heads", "8"], "--tp=8 must divide the shared experts' width 36"),
