@@ -4,6 +4,7 @@ requires): the MoE decoder on the job's layouts against the single process."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -60,11 +61,28 @@ def moe_local_shape(name: str, shape: tuple[int, ...], cfg: TrainConfig, rank: i
     return (chunk_bounds(shape[0] // lay.ep, lay.dp_shard // lay.ep, outer)[1], *shape[1:])
 
 
-def _first_step_gradients(cfg: TrainConfig, reference: bool = False) -> dict[str, np.ndarray]:
-    """This rank's piece of every parameter's gradient of step 1 (the whole gradient with
-    ``reference``), from a fresh ``setup`` (collective unless ``reference``)."""
-    p = get_platform()
+#: An initial balance bias that makes expert 0 every token's choice (router probabilities
+#: of moe-tiny's initial weights lie within ~0.1 of each other): all (token, slot) rows of
+#: the first slot go to expert 0, so one expert-parallel rank receives most of the rows
+#: (the uneven all-to-all) and the aux-free updates start from a skewed load.
+SKEWED_BIAS = np.asarray([1.0, 0.0, 0.0, 0.0], np.float32)
+
+
+def _setup(cfg: TrainConfig, reference: bool, bias: np.ndarray | None) -> Any:
+    """``setup`` with every MoE layer's balance bias set to ``bias`` (``None``: zero)."""
     run = setup(cfg, reference=reference)
+    if bias is not None:
+        for _, layer in run.moe:
+            layer.expert_bias[:] = bias
+    return run
+
+
+def _first_step_gradients(cfg: TrainConfig, reference: bool = False,
+                          bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """This rank's piece of every parameter's gradient of step 1 (the whole gradient with
+    ``reference``), from a fresh ``_setup`` (collective unless ``reference``)."""
+    p = get_platform()
+    run = _setup(cfg, reference, bias)
     batch = rank_batch(run.corpus.train, cfg.seed, 1, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
     _, grads = _accumulate(run, batch)
     out = {}
@@ -75,9 +93,10 @@ def _first_step_gradients(cfg: TrainConfig, reference: bool = False) -> dict[str
 
 
 def check_moe_parity(out: str, cases: list[tuple]) -> list[dict]:
-    """Each ``(degrees, balance[, changes])`` of ``cases`` (``moe_config``'s arguments) on
-    this world against the single process (without ``changes``: the reference runs without
-    activation checkpointing, as the job's) on
+    """Each ``(degrees, balance[, changes])`` of ``cases`` (``moe_config``'s arguments;
+    ``changes["initial_bias"]``: every MoE layer's starting balance bias, ``SKEWED_BIAS``
+    for uneven loads) on this world against the single process (the reference runs
+    without activation checkpointing, as the job's, and from the same bias) on
     the same seed and data: this rank's parameter shapes (``local_shape``: experts and
     router sharded by fully_shard over ``dp_shard``, replicated over ``tp``; the shared
     expert split by ``TP_PLAN``), its piece of the first step's gradients, the losses, the
@@ -88,23 +107,25 @@ def check_moe_parity(out: str, cases: list[tuple]) -> list[dict]:
     p = get_platform()
     got = []
     for degrees, balance, *changes in cases:
-        cfg = moe_config(out, degrees, balance, **(changes[0] if changes else {}))
+        options = dict(changes[0]) if changes else {}
+        bias = options.pop("initial_bias", None)
+        cfg = moe_config(out, degrees, balance, **options)
         assert cfg.layout.world_size == p.world_size(), degrees
-        grads = _first_step_gradients(cfg)
-        run = setup(cfg)
+        grads = _first_step_gradients(cfg, bias=bias)
+        run = _setup(cfg, False, bias)
         shapes = parameter_shapes(cfg.model)
         assert sorted(run.names) == sorted(shapes), run.names
         for name, box in run.boxes.items():
             assert tuple(box.lengths) == moe_local_shape(name, shapes[name], cfg, p.rank()), (degrees, name, box)
         rows = train(cfg, write_outputs=False, run=run)
-        got.append({"cfg": cfg, "grads": grads, "boxes": run.boxes, "rows": rows,
+        got.append({"cfg": cfg, "grads": grads, "boxes": run.boxes, "rows": rows, "initial_bias": bias,
                     "bias": {name: layer.expert_bias.copy() for name, layer in run.moe}})
     results = []
     for case in got:
         cfg, rows = case["cfg"], case["rows"]
         what = f"{cfg.layout.describe()} {cfg.model.moe_balance}"
-        ref_grads = _first_step_gradients(cfg, reference=True)
-        ref_run = setup(cfg, reference=True)
+        ref_grads = _first_step_gradients(cfg, reference=True, bias=case["initial_bias"])
+        ref_run = _setup(cfg, True, case["initial_bias"])
         ref_rows = train(cfg, reference=True, write_outputs=False, run=ref_run)
         for name, grad in case["grads"].items():
             box = case["boxes"][name]
@@ -121,6 +142,8 @@ def check_moe_parity(out: str, cases: list[tuple]) -> list[dict]:
         for field in MOE_FIELDS:  # integers summed over the data-parallel ranks: exact
             assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
         assert all(r["moe_dropped_tokens"] == 0 for r in rows), what
+        if case["initial_bias"] is not None:  # the skew is real: expert 0 took every token's first slot
+            assert rows[0]["moe_tokens_per_expert_max"] == cfg.batch_size * cfg.seq_len, (what, rows[0])
         if cfg.model.moe_balance == "aux-free":
             ref_bias = {name: layer.expert_bias for name, layer in ref_run.moe}
             assert sorted(case["bias"]) == sorted(ref_bias) and ref_bias, (what, sorted(case["bias"]))

@@ -20,7 +20,7 @@ from hyper_parallel.train.model import build_model, parameter_shapes
 from hyper_parallel.train.model_config import MOE_DEFAULTS, PRESETS
 from hyper_parallel.train.moe_model import balance_step, moe_layers, route, sequence_aux_loss
 from hyper_parallel.train.records import model_record
-from tests.train._moe_ranks import check_moe_parity, check_resume_across_expert_parallel_degrees
+from tests.train._moe_ranks import SKEWED_BIAS, check_moe_parity, check_resume_across_expert_parallel_degrees
 from tests.train._ranks import losses, tiny_config
 
 TINY = PRESETS["moe-tiny"]
@@ -32,11 +32,13 @@ def test_layouts_match_single_process(run_on_ranks, tmp_path: Path) -> None:
     replicated) with aux-free balancing, dp-shard 2 with the sequence-wise auxiliary loss,
     and expert parallelism (ep 2 over the dp-shard ranks: two whole experts per rank,
     tokens sent by all-to-all) with each balance and with --activation-checkpointing (the
-    dispatch and combine run again in the recomputation), against the single process: gradients, losses, gradient norms, routing counts and
+    dispatch and combine run again in the recomputation) and with uneven loads (a bias that
+    sends every token to expert 0: one rank receives most rows), against the single process: gradients, losses, gradient norms, routing counts and
     balance biases (tolerances in ``_moe_ranks``), on 2 ranks of the session's backend."""
     cases = [({"dp_shard": 2}, "aux-free"), ({"tp": 2}, "aux-free"), ({"dp_shard": 2}, "aux-loss"),
              ({"dp_shard": 2, "ep": 2}, "aux-free"), ({"dp_shard": 2, "ep": 2}, "aux-loss"),
-             ({"dp_shard": 2, "ep": 2}, "aux-free", {"activation_checkpointing": True})]
+             ({"dp_shard": 2, "ep": 2}, "aux-free", {"activation_checkpointing": True}),
+             ({"dp_shard": 2, "ep": 2}, "aux-free", {"initial_bias": SKEWED_BIAS})]
     results = run_on_ranks(check_moe_parity, str(tmp_path), cases, world_size=2, timeout_s=600)
     for other in results[1:]:  # every rank reports the whole batch's losses and the same biases
         assert other == results[0]
