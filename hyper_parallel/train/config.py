@@ -420,10 +420,10 @@ class TrainConfig:
             raise ValueError("--moe-balance aux-loss cannot be combined with --activation-checkpointing yet: the "
                              "auxiliary loss leaves the checkpointed blocks beside their output; use --moe-balance "
                              "aux-free with --activation-checkpointing, or drop it")
-        if lay.cp > 1:
-            raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --cp={lay.cp} yet: MoE with "
-                             "context parallelism is not checked against one process (and --moe-balance aux-loss "
-                             "needs each sequence whole on a rank); use --cp 1")
+        if lay.cp > 1 and mod.moe_balance == "aux-loss":
+            raise ValueError(f"--moe-balance aux-loss cannot be combined with --cp={lay.cp}: the balance loss is taken "
+                             "per sequence, and a context-parallel rank holds part of each; use --moe-balance "
+                             "aux-free with --cp")
 
     def _check_expert_parallel(self) -> None:
         """``--ep N``: an MoE model whose experts divide over ``N`` ranks of the ``dp_shard``

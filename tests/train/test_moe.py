@@ -44,12 +44,15 @@ def test_layouts_match_single_process(run_on_ranks, tmp_path: Path) -> None:
         assert other == results[0]
 
 
-def test_expert_parallel_composes_on_four_ranks(run_on_ranks, tmp_path: Path) -> None:
+def test_four_rank_layouts_match_single_process(run_on_ranks, tmp_path: Path) -> None:
     """ep 2 over dp-shard 4 (two expert-parallel groups; each rank's two experts
-    fully_shard'ed over the other group's rank that holds the same experts) and ep 2 x tp 2
+    fully_shard'ed over the other group's rank that holds the same experts), ep 2 x tp 2
     x dp-shard 2 (the expert-parallel groups per tensor-parallel coordinate, the experts
-    replicated over tp), against the single process, as ``test_layouts_match_single_process``."""
-    cases = [({"dp_shard": 4, "ep": 2}, "aux-free"), ({"dp_shard": 2, "tp": 2, "ep": 2}, "aux-free")]
+    replicated over tp), dp-shard 2 x cp 2 (ring attention; each rank routes its half of
+    every sequence, the counts summed over dp x cp) and HSDP (dp-replicate 2 x dp-shard 2),
+    against the single process, as ``test_layouts_match_single_process``."""
+    cases = [({"dp_shard": 4, "ep": 2}, "aux-free"), ({"dp_shard": 2, "tp": 2, "ep": 2}, "aux-free"),
+             ({"dp_shard": 2, "cp": 2, "cp_mode": "ring"}, "aux-free"), ({"dp_replicate": 2, "dp_shard": 2}, "aux-free")]
     results = run_on_ranks(check_moe_parity, str(tmp_path), cases, world_size=4, timeout_s=900)
     for other in results[1:]:
         assert other == results[0]
@@ -156,7 +159,8 @@ def _args(*flags: str) -> TrainConfig:
     (["--model", "moe-tiny", "--moe-experts", "1"], "--moe-experts=1 must be 0 (dense) or at least 2"),
     (["--model", "moe-tiny", "--moe-bias-rate", "-1"], "--moe-bias-rate=-1.0 must be a finite number >= 0"),
     (["--model", "moe-tiny", "--pp", "2", "--nproc", "2"], "cannot be combined with --pp=2 yet"),
-    (["--model", "moe-tiny", "--cp", "2", "--nproc", "2"], "cannot be combined with --cp=2 yet"),
+    (["--model", "moe-tiny", "--cp", "2", "--nproc", "2", "--moe-balance", "aux-loss"],
+     "--moe-balance aux-loss cannot be combined with --cp=2"),
     (["--model", "moe-tiny", "--activation-checkpointing", "--moe-balance", "aux-loss"],
      "--moe-balance aux-loss cannot be combined with --activation-checkpointing yet"),
     (["--ep", "2", "--dp-shard", "2", "--nproc", "2"], "--ep=2 shards the routed experts of a mixture-of-experts "
