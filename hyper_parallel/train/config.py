@@ -440,11 +440,12 @@ class TrainConfig:
             raise ValueError(f"--ep={lay.ep} must divide --dp-shard={lay.dp_shard}: the expert-parallel ranks are "
                              "borrowed from the sharded data-parallel axis (dp_shard / ep groups of ep ranks, the "
                              f"experts fully_shard'ed over the groups); use an --ep dividing {lay.dp_shard}")
-        others = {"--dp-replicate": lay.dp_replicate, "--cp": lay.cp, "--pp": lay.pp}
+        others = {"--cp": lay.cp, "--pp": lay.pp}
         for flag, degree in others.items():
             if degree > 1:
                 raise ValueError(f"--ep={lay.ep} cannot be combined with {flag}={degree} yet: expert parallelism runs "
-                                 "with --dp-shard and --tp only in the job so far (issue 36 item 2); drop "
+                                 "with --dp-shard, --dp-replicate and --tp only in the job so far (issue 36 item 2); "
+                                 "drop "
                                  f"{flag} or --ep")
 
     def _check_hf(self) -> None:

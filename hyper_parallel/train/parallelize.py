@@ -142,13 +142,17 @@ def expert_parallel_meshes(mesh: DeviceMesh, layout: Layout) -> tuple[DeviceMesh
     closest ranks, as torchtitan borrows it), so that each rank's ``dp_shard`` coordinate
     is ``outer * ep + inner`` and its data share is unchanged. The routed experts are
     sharded over ``ep`` and fully_shard'ed over the outer ``dp_shard / ep`` ranks, which
-    hold the same experts (``None`` when ``ep == dp_shard``: no such ranks). With ``--tp``
-    both are per tensor-parallel coordinate. Collective: builds the groups."""
-    if layout.ep == layout.dp_shard:
+    hold the same experts, with ``--dp-replicate`` on the 2-D ``(dp_replicate, dp_shard /
+    ep)`` mesh (HSDP: the replicas all-reduce the experts' gradients); ``None`` when
+    ``ep == dp_shard`` without replicas (no other rank holds the same experts). With
+    ``--tp`` both are per tensor-parallel coordinate. Collective: builds the groups."""
+    if layout.ep == layout.dp_shard and layout.dp_replicate == 1:
         return mesh["dp_shard"], None
     split = init_device_mesh(mesh.device_type, (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep,
                                                 layout.ep, layout.cp, layout.tp),
                              mesh_dim_names=("pp", "dp_replicate", "dp_shard_out_ep", "ep", "cp", "tp"))
+    if layout.dp_replicate > 1:  # HSDP for the experts too: replicas all-reduce their gradients
+        return split["ep"], split["dp_replicate", "dp_shard_out_ep"]
     return split["ep"], split["dp_shard_out_ep"]
 
 
