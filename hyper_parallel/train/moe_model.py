@@ -39,17 +39,19 @@ all-reduced inside the forward). A context-parallel rank holds part of each sequ
 so ``aux-loss`` is refused with ``--cp``.
 
 [Note: expert-parallel gradients]
-With ``--ep N`` the routed experts are DTensor parameters sharded on dim 0 over the
-expert-parallel group (``parallelize.apply_expert_parallel``: the ``dp_shard`` ranks),
-``experts / N`` whole experts per rank, left out of fully_shard. Each rank's loss is the
-mean over its own tokens and the step's loss the mean of those over the ``D``
-data-parallel ranks; the combine's backward brings every rank's cotangents of the rows its
-experts computed back to it, so the backward leaves on a rank the sum over all ``D`` ranks'
-losses of their gradients with respect to its experts: ``D`` times the gradient of the
-step's loss, where fully_shard would have averaged. ``ScaleGradient`` multiplies it by
-``1 / N`` (with ``N = D``: exactly the average) on the local weights, before any
-reduction, so the optimizer, the global gradient norm and clipping see the single
-process's gradient.
+With ``--ep N`` the routed experts are DTensor parameters sharded on dim 0 over an
+expert-parallel group of ``N`` ranks of the ``dp_shard`` axis
+(``parallelize.expert_parallel_meshes``), ``experts / N`` whole experts per rank. Each
+rank's loss is the mean over its own tokens, and the step's loss the mean of those over
+all ``D`` data-parallel ranks. The combine's backward brings back to each rank the
+cotangents of the rows its experts computed for the ``N`` ranks of its group, so the
+backward leaves there the sum of those ``N`` ranks' gradients. fully_shard then averages
+over the ``D / N`` ranks that hold the same experts (HSDP with ``--dp-replicate``), giving
+``N / D`` times the sum over all ``D`` ranks: ``N`` times the step's gradient.
+``ScaleGradient`` multiplies the local weights' gradient by ``1 / N`` before that reduction,
+so the optimizer, the global gradient norm and clipping see the single process's gradient.
+Where no other rank holds the same experts (``N = D``, no replicas) the experts stay out of
+fully_shard and the scaled sum is already the average.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def routing_plan(p: Platform, chosen: np.ndarray, gates: Any, num_experts: int) 
     return RoutingPlan(gates, chosen.shape[1], order, inverse, np.bincount(flat, minlength=num_experts))
 
 
-def sequence_aux_loss(p: Platform, probs: Any, chosen: np.ndarray, batch: int, top_k: int) -> Any:
+def sequence_aux_loss(p: Platform, probs: Any, chosen: np.ndarray, batch: int) -> Any:
     """Switch's balance loss per sequence, averaged over the ``batch`` sequences: a float32
     scalar ``mean_b E * sum_e f_{b,e} P_{b,e}`` with ``f_{b,e}`` the fraction of sequence
     ``b``'s (token, slot) rows routed to ``e`` (host counts, no gradient) and ``P_{b,e}`` its
@@ -253,7 +255,7 @@ def define_moe(p: Platform) -> type:
             plan = routing_plan(p, chosen, p.to_dtype(gates, x.dtype), self.num_experts)
             self.aux_loss = None
             if self.balance == "aux-loss":
-                self.aux_loss = sequence_aux_loss(p, probs, chosen, b, self.top_k) * self.aux_coef
+                self.aux_loss = sequence_aux_loss(p, probs, chosen, b) * self.aux_coef
             # training forwards only (validation leaves the step's counts alone), and not the
             # recomputation of --activation-checkpointing (the same decisions a second time);
             # counted here, before the experts: a recomputation runs at least this far

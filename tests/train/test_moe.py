@@ -114,13 +114,13 @@ def test_sequence_aux_loss() -> None:
     p = get_platform()
     uniform = p.from_numpy(np.full((8, 4), 0.25, np.float32))
     balanced = np.asarray([[0, 1], [2, 3], [0, 1], [2, 3], [1, 0], [3, 2], [0, 2], [1, 3]], np.int64)
-    np.testing.assert_allclose(float(p.to_numpy(sequence_aux_loss(p, uniform, balanced, 2, 2))), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(float(p.to_numpy(sequence_aux_loss(p, uniform, balanced, 2))), 1.0, rtol=1e-6)
     rng = np.random.default_rng(1)
     probs = rng.dirichlet(np.ones(4), size=8).astype(np.float32)
     chosen = np.argsort(-probs, 1)[:, :2]
     expected = np.mean([4 * (np.bincount(chosen[b * 4:(b + 1) * 4].ravel(), minlength=4) / 8
                              * probs[b * 4:(b + 1) * 4].mean(0)).sum() for b in range(2)])
-    np.testing.assert_allclose(float(p.to_numpy(sequence_aux_loss(p, p.from_numpy(probs), chosen, 2, 2))), expected,
+    np.testing.assert_allclose(float(p.to_numpy(sequence_aux_loss(p, p.from_numpy(probs), chosen, 2))), expected,
                                rtol=1e-6)
 
 
