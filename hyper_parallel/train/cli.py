@@ -36,6 +36,7 @@ from hyper_parallel.train import preflight, run_folder
 from hyper_parallel.train.checkpoint import KEEP, complete_steps
 from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, INIT_DEVICES, PRESETS, Layout, ModelConfig,
                                          TrainConfig)
+from hyper_parallel.train.model_config import MOE_BALANCES, MOE_DEFAULTS
 from hyper_parallel.train.metrics import LOGGERS, METRICS_FILE, read_metrics
 from hyper_parallel.train.optim import LR_SCHEDULES, WSD_DECAY_FRACTION
 from hyper_parallel.train.precision import DTYPES
@@ -88,11 +89,11 @@ class _ListPresets(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         from hyper_parallel.train.model import parameter_shapes
 
-        rows = [f"{'preset':<8} {'dim':>5} {'layers':>6} {'heads':>5} {'kv heads':>8} {'hidden':>6} "
+        rows = [f"{'preset':<9} {'dim':>5} {'layers':>6} {'heads':>5} {'kv heads':>8} {'hidden':>6} "
                 f"{'max seq':>7} {'parameters':>12}"]
         for name, m in PRESETS.items():
             count = sum(math.prod(shape) for shape in parameter_shapes(m).values())
-            rows.append(f"{name:<8} {m.dim:>5} {m.n_layers:>6} {m.n_heads:>5} {m.n_kv_heads:>8} {m.hidden_dim:>6} "
+            rows.append(f"{name:<9} {m.dim:>5} {m.n_layers:>6} {m.n_heads:>5} {m.n_kv_heads:>8} {m.hidden_dim:>6} "
                         f"{m.max_seq_len:>7} {count:>12,}")
         print("\n".join(rows))
         parser.exit(0)
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--cp-kv-exchange", default="ring",
                      help=f"--cp-mode hybrid: key/value exchange over the other cp / u ranks: "
                           f"{', '.join(CP_KV_EXCHANGES)}")
+    lay.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel degree of an MoE model: its routed experts sharded over N of the "
+                          "--dp-shard ranks (N divides --dp-shard; fully_shard shards them over the rest), tokens sent "
+                          "to their experts by all-to-all")
     lay.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     lay.add_argument("--pp-schedule", default="1f1b",
                      help="pipeline schedule (the core's schedule table): " + "; ".join(
@@ -146,6 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
                        ("hidden-dim", "feed-forward (SwiGLU) width")):
         mod.add_argument(f"--{flag}", type=int, default=None, help=f"{what} (default: the preset's)")
     mod.add_argument("--tie-embeddings", action="store_true", help="the output head reuses the embedding")
+    moe = t.add_argument_group("mixture of experts (the moe-* presets set them; sizes override a preset)")
+    moe.add_argument("--moe-experts", type=int, default=None, metavar="N",
+                     help="routed experts per MoE block (0: a dense decoder)")
+    moe.add_argument("--moe-top-k", type=int, default=None, metavar="K", help="routed experts per token")
+    moe.add_argument("--moe-shared-experts", type=int, default=None, metavar="S",
+                     help="experts every token passes through besides the routed ones (DeepSeek-V3)")
+    moe.add_argument("--moe-every", type=int, default=None, metavar="L",
+                     help="every L-th block is MoE, the others dense (1: all)")
+    moe.add_argument("--moe-hidden-dim", type=int, default=None, help="each expert's SwiGLU width (0: --hidden-dim)")
+    moe.add_argument("--moe-balance", default=None, choices=MOE_BALANCES,
+                     help="aux-free: a per-expert routing bias moved towards the mean load after each step "
+                          "(DeepSeek-V3); aux-loss: Switch's load-balancing loss, per sequence")
+    moe.add_argument("--moe-aux-loss-coef", type=float, default=None, help="the balance loss's weight (aux-loss)")
+    moe.add_argument("--moe-bias-rate", type=float, default=None, help="the bias update speed (aux-free)")
     mod.add_argument("--hf-config", default=None, metavar="PATH",
                      help="train a Hugging Face causal LM instead (torch): its config.json, or a model folder "
                           "(its weights are loaded when the folder has them); vocab_size >= 256 (byte tokens, "
@@ -321,8 +340,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.model not in PRESETS:
         raise ValueError(f"--model={args.model!r} is not a preset; use one of {', '.join(PRESETS)} "
                          "(and --dim/--n-layers/... to change sizes)")
-    sizes = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim")
-             if getattr(args, name) is not None}
+    sizes = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim",
+                                                    *MOE_DEFAULTS) if getattr(args, name) is not None}
     preset = PRESETS[args.model]
     model = ModelConfig(**{**preset.__dict__, **sizes, "tie_embeddings": args.tie_embeddings,
                            "max_seq_len": max(preset.max_seq_len, args.seq_len)})
@@ -341,12 +360,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         degrees = {DEFAULT_LAYOUT_AXIS: nproc}
     microbatches = args.microbatches if args.microbatches is not None else degrees.get("pp", 1)
     layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches,
-                    ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange)
+                    ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange, ep=args.ep)
     name = args.model if not sizes else f"{args.model}+custom"
     if args.hf_config is not None and (sizes or args.tie_embeddings or args.model != "small"):
         raise ValueError("--hf-config takes the model from the Hugging Face configuration (TrainConfig derives its "
-                         "sizes): drop --model, --dim/--n-layers/--n-heads/--n-kv-heads/--hidden-dim and "
-                         "--tie-embeddings")
+                         "sizes): drop --model, --dim/--n-layers/--n-heads/--n-kv-heads/--hidden-dim, the --moe-* "
+                         "flags and --tie-embeddings")
     out, _ = run_folder.choose(args.out, args.run_name, args.resume)
     return TrainConfig(platform=args.platform or requested_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,

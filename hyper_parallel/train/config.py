@@ -89,11 +89,15 @@ class Layout:
     ulysses_degree: int | None = None
     #: ``--cp-mode hybrid`` only: the key/value exchange over the other ``cp / u`` ranks.
     cp_kv_exchange: str = "ring"
+    #: ``--ep``: expert-parallel degree, borrowed from the ``dp_shard`` ranks (not a mesh
+    #: axis of its own, so not in ``AXES`` nor the world size): each MoE block's routed
+    #: experts are sharded over it and tokens are sent to their experts' ranks.
+    ep: int = 1
 
     AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches"):
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 flag = "--" + name.replace("_", "-")
@@ -136,6 +140,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{axis}={degree}" for axis, degree in self.degrees().items() if degree > 1]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep} (of dp_shard)")
         return " x ".join(parts) if parts else "single rank"
 
     def missing_features(self) -> list[str]:
@@ -255,6 +261,7 @@ class TrainConfig:
         if self.hf_config is not None:
             self._check_hf()
         self._check_precision_and_knobs()
+        self._check_moe()
         if self.platform.split("-")[0] not in ("torch", "mindspore"):
             raise ValueError(f"--platform={self.platform!r} must be torch or mindspore (or a backend name such as "
                              "torch-cuda, mindspore-ascend)")
@@ -400,6 +407,60 @@ class TrainConfig:
             if missing is not None:
                 raise ValueError(f"--log {name} needs the {missing} package, which is not installed here: pip "
                                  f"install {missing} (or pip install -e '.[logging]'), or drop --log {name}")
+
+    def _check_moe(self) -> None:
+        """A mixture-of-experts model (``--moe-experts N``, ``train/moe_model.py``) against the
+        layout and the run: what the job composes with MoE blocks today, the rest refused."""
+        mod, lay = self.model, self.layout
+        if lay.ep > 1:
+            self._check_expert_parallel()
+        if not mod.moe_experts:
+            return
+        hidden = mod.moe_shared_experts * mod.expert_hidden_dim
+        if mod.moe_shared_experts and hidden % lay.tp:
+            raise ValueError(f"--tp={lay.tp} must divide the shared experts' width {hidden} (--moe-shared-experts "
+                             f"{mod.moe_shared_experts} x expert width {mod.expert_hidden_dim}): tensor parallelism "
+                             "splits the shared expert like the dense MLP; use a --tp dividing it")
+        # the routing counts are taken in each training forward: a pipeline's forward run again
+        # (MindSpore's recompute of out-of-order backwards) would count its tokens twice
+        if lay.pp > 1:
+            raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --pp={lay.pp} yet: pipeline "
+                             "stages of MoE blocks are not wired into the job (issue 36, items 2-3); use --pp 1 with "
+                             "--dp-shard/--dp-replicate/--tp")
+        if self.activation_checkpointing and mod.moe_balance == "aux-loss":
+            # the balance loss is read off each MoE block after the forward, outside the block's
+            # checkpointed region: its gradient would have to reach back into a region whose
+            # activations were dropped, which is not checked on either framework
+            raise ValueError("--moe-balance aux-loss cannot be combined with --activation-checkpointing yet: the "
+                             "auxiliary loss leaves the checkpointed blocks beside their output; use --moe-balance "
+                             "aux-free with --activation-checkpointing, or drop it")
+        if lay.cp > 1 and mod.moe_balance == "aux-loss":
+            raise ValueError(f"--moe-balance aux-loss cannot be combined with --cp={lay.cp}: the balance loss is taken "
+                             "per sequence, and a context-parallel rank holds part of each; use --moe-balance "
+                             "aux-free with --cp")
+
+    def _check_expert_parallel(self) -> None:
+        """``--ep N``: an MoE model whose experts divide over ``N`` ranks of the ``dp_shard``
+        axis, in the layouts the job runs with expert parallelism today."""
+        mod, lay = self.model, self.layout
+        if not mod.moe_experts:
+            raise ValueError(f"--ep={lay.ep} shards the routed experts of a mixture-of-experts model, but --model "
+                             f"{self.model_name} is dense; give --moe-experts N (or --model moe-tiny|moe-small), or "
+                             "drop --ep")
+        if mod.moe_experts % lay.ep:
+            raise ValueError(f"--ep={lay.ep} must divide --moe-experts={mod.moe_experts}: each expert-parallel rank "
+                             f"holds moe_experts / ep whole experts; use an --ep dividing {mod.moe_experts}")
+        if lay.dp_shard % lay.ep:
+            raise ValueError(f"--ep={lay.ep} must divide --dp-shard={lay.dp_shard}: the expert-parallel ranks are "
+                             "borrowed from the sharded data-parallel axis (dp_shard / ep groups of ep ranks, the "
+                             f"experts fully_shard'ed over the groups); use an --ep dividing {lay.dp_shard}")
+        others = {"--cp": lay.cp, "--pp": lay.pp}
+        for flag, degree in others.items():
+            if degree > 1:
+                raise ValueError(f"--ep={lay.ep} cannot be combined with {flag}={degree} yet: expert parallelism runs "
+                                 "with --dp-shard, --dp-replicate and --tp only in the job so far (issue 36 item 2); "
+                                 "drop "
+                                 f"{flag} or --ep")
 
     def _check_hf(self) -> None:
         """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes

@@ -252,6 +252,12 @@ def decoder_state(path: Path, manifest: dict[str, Any]) -> tuple[ModelConfig, di
             model's (a missing or extra name, another shape).
     """
     cfg = decoder_sizes(path, manifest)
+    if cfg.moe_experts:
+        # export has no Hugging Face MoE mapping yet; generate and eval would route without the
+        # checkpoint's aux-free balance biases (moe_bias/...), i.e. another model than the trained one
+        raise ValueError(f"checkpoint {str(path)!r} holds a mixture-of-experts decoder (--moe-experts "
+                         f"{cfg.moe_experts}): hyper-parallel export, generate and eval do not read MoE checkpoints "
+                         "yet; resume it with hyper-parallel train --resume, or train a dense model to export")
     params = whole_parameters(path, manifest)
     if any(name.startswith(("model.", "lm_head.")) for name in params):
         raise ValueError(f"checkpoint {str(path)!r} holds a Hugging Face model's parameters (an --hf-config run) but "

@@ -45,6 +45,11 @@ class HFSource:
         return str(self.values.get("model_type", "unknown"))
 
 
+#: ``config.json`` keys that make a model a mixture of experts (Mixtral, Qwen2/3-MoE,
+#: DeepSeek-V2/V3, OLMoE, ...): refused by ``read_hf_config`` for now.
+MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
 def read_hf_config(path: str) -> HFSource:
     """``--hf-config PATH``: a ``config.json``, or a model folder holding one (and maybe
     weights). Plain JSON: no ``transformers`` import in the launching process.
@@ -72,6 +77,12 @@ def read_hf_config(path: str) -> HFSource:
     if int(values["vocab_size"]) < VOCAB_SIZE:
         raise ValueError(f"--hf-config={path!r}: vocab_size={values['vocab_size']} is smaller than the job's "
                          f"{VOCAB_SIZE} byte tokens; use a model with vocab_size >= {VOCAB_SIZE}")
+    experts = [key for key in MOE_CONFIG_KEYS if values.get(key)]
+    if experts:
+        raise ValueError(f"--hf-config={path!r}: {config_file} describes a mixture-of-experts model "
+                         f"(model_type {values.get('model_type', 'unknown')!r}, {experts[0]}={values[experts[0]]!r}), "
+                         "which --hf-config does not train yet; use a dense config, or the job's own MoE decoder "
+                         "(--model moe-small, or --moe-experts N with the other --moe-* flags)")
     weights = config_file.parent if any((config_file.parent / f).is_file() for f in WEIGHT_FILES) else None
     return HFSource(config_file, weights, values, document)
 

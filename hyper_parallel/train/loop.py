@@ -37,6 +37,7 @@ from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import VALIDATION_STREAM, Batch, Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, ExtraLoggers, MetricsWriter, Progress, plot_losses
 from hyper_parallel.train.model import build_model, initial_pieces, materialize_model
+from hyper_parallel.train.moe_model import balance_step, moe_layers
 from hyper_parallel.train.optim import AdamW, local_tensor, lr_at
 from hyper_parallel.train.parallelize import (build_mesh, context_parallel_mesh, context_parallel_style,
                                               data_parallel_coordinate, parallelize)
@@ -74,6 +75,7 @@ class _Run:
     dtype: str = "fp32"  # --dtype, resolved (precision.resolve_dtype)
     scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))  # fp16: [Note: dynamic loss scaling]
     sync_units: list[Any] = field(default_factory=list)  # the fully_shard units (--grad-accum turns their sync off)
+    moe: list[tuple[str, Any]] = field(default_factory=list)  # the MoE sublayers (moe_model.moe_layers)
 
 
 def _scalar(p: Platform, value: float) -> Any:
@@ -222,7 +224,20 @@ def checkpoint_pieces(run: _Run, state: dict[str, np.ndarray]) -> dict[str, chec
         for kind, local in locals_.items():
             if local is not None:  # torch has no moments for a parameter that never had a gradient
                 pieces[f"{kind}/{name}"] = checkpoint.Piece(box, local)
+    for key, layer in _moe_bias_keys(run).items():  # replicated: the lowest rank holding it writes it
+        pieces[key] = checkpoint.Piece(_whole_box(layer.expert_bias), layer.expert_bias.copy())
     return pieces
+
+
+def _moe_bias_keys(run: _Run) -> dict[str, Any]:
+    """``{"moe_bias/<layer>.expert_bias": layer}``: each MoE layer's aux-free balance bias
+    (``moe_model``; host float32 ``[experts]``, the same on every rank), saved and restored
+    beside the parameters, so that a resumed run routes as the uninterrupted one."""
+    return {f"moe_bias/{name}.expert_bias": layer for name, layer in run.moe}
+
+
+def _whole_box(value: np.ndarray) -> Box:
+    return Box(value.shape, (0,) * value.ndim, value.shape)
 
 
 def save_checkpoint(run: _Run, root: Path, step: int, saver: AsyncCheckpointer | None = None) -> Path:
@@ -246,6 +261,7 @@ def load_checkpoint(run: _Run, root: Path) -> checkpoint.Loaded | None:
     either framework, either format; ``None`` if there is none). Collective: one
     all-reduce per checkpoint examined (``checkpoint``'s [Note: shared verification])."""
     boxes = {f"{kind}/{name}": run.boxes[name] for name in run.names for kind in CHECKPOINT_KINDS}
+    boxes.update({key: _whole_box(layer.expert_bias) for key, layer in _moe_bias_keys(run).items()})
     return checkpoint.load_latest(run.p, root, boxes, layout_record(run.cfg, run.layout), model_record(run.cfg),
                                   run.world, run.rank)
 
@@ -260,6 +276,11 @@ def restore(run: _Run, loaded: checkpoint.Loaded) -> None:
             if f"{kind}/{name}" in arrays:
                 state[f"{kind}.{i}"] = arrays[f"{kind}/{name}"]
     run.optimizer.load_state_arrays(state)
+    for key, layer in _moe_bias_keys(run).items():
+        if key not in arrays:
+            raise ValueError(f"--resume: checkpoint {loaded.path} lacks {key}, the balance bias of an MoE layer of this "
+                             "run's model; resume with the run that wrote it or start a new --checkpoint-dir")
+        layer.expert_bias[:] = arrays[key]
 
 
 def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
@@ -327,8 +348,9 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
     sync_units = [module for _, module in p.named_modules(model) if isinstance(module, HSDPModule)] \
         if pipe is None else []
+    moe = moe_layers(p, model) if pipe is None and cfg.hf_config is None else []
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,
-                cp_mesh, pipe, names, boxes, grad_norm, dtype, LossScaler(enabled=dtype == "fp16"), sync_units)
+                cp_mesh, pipe, names, boxes, grad_norm, dtype, LossScaler(enabled=dtype == "fp16"), sync_units, moe)
 
 
 def _announce(run: _Run, loaded: checkpoint.Loaded) -> None:
@@ -409,6 +431,8 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
                                    "peak_memory_bytes": _peak_memory(run), "dtype": run.dtype}
             if run.scaler.enabled:  # the scale the next step's backward is seeded with
                 row["loss_scale"] = run.scaler.scale
+            if run.moe:  # before validation: it routes with the step's updated balance bias
+                row.update(balance_step(p, run.moe, run.dp_group, cfg.model).row())
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 row["val_loss"] = _validation_loss(run)
             rows.append(row)

@@ -18,6 +18,8 @@ Parameter names (both frameworks)::
     layers.{i}.ffn_norm.weight                  [dim]
     layers.{i}.feed_forward.w{1,3}.weight       [hidden, dim]
     layers.{i}.feed_forward.w2.weight           [dim, hidden]
+    layers.{i}.moe....                          (instead of feed_forward in a mixture-of-experts
+                                                block: ``moe_model.py``, ``--moe-experts``)
     norm.weight                                 [dim]
     output.weight                               [vocab, dim]   (absent when tied)
 
@@ -47,6 +49,7 @@ from hyper_parallel.core.dtensor import philox
 from hyper_parallel.core.fully_shard import Box, materialize
 from hyper_parallel.platform import Activation, Platform
 from hyper_parallel.train.config import ModelConfig
+from hyper_parallel.train.moe_model import define_moe, moe_parameter_shapes
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -61,6 +64,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[pre + "attention.wv.weight"] = (cfg.n_kv_heads * hd, cfg.dim)
         shapes[pre + "attention.wo.weight"] = (cfg.dim, cfg.n_heads * hd)
         shapes[pre + "ffn_norm.weight"] = (cfg.dim,)
+        if cfg.is_moe_block(i):
+            shapes.update(moe_parameter_shapes(cfg, pre))
+            continue
         shapes[pre + "feed_forward.w1.weight"] = (cfg.hidden_dim, cfg.dim)
         shapes[pre + "feed_forward.w2.weight"] = (cfg.dim, cfg.hidden_dim)
         shapes[pre + "feed_forward.w3.weight"] = (cfg.hidden_dim, cfg.dim)
@@ -72,9 +78,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _std(cfg: ModelConfig, name: str) -> float:
     """The initial normal's std of parameter ``name``: 0.02, the residual-branch outputs
-    (``wo``, ``w2``) scaled by ``1/sqrt(2 n_layers)`` (GPT-2's scheme, which keeps the
-    residual stream's variance from growing with depth)."""
-    return 0.02 / np.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    (``wo``, ``w2``, the experts' ``w2``) scaled by ``1/sqrt(2 n_layers)`` (GPT-2's scheme,
+    which keeps the residual stream's variance from growing with depth)."""
+    return 0.02 / np.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else 0.02
 
 
 def _entry_points(cfg: ModelConfig, seed: int) -> dict[str, philox.RngState | None]:
@@ -340,21 +346,28 @@ class _Classes:
             def forward(self, x: Any) -> Any:
                 return self.w2(p.activation(self.w1(x), Activation.SILU) * self.w3(x))
 
-        class Block(Module):
-            """Pre-norm residual block: attention, then the SwiGLU MLP."""
+        MoE = define_moe(p)
 
-            def __init__(self, cfg: ModelConfig) -> None:
+        class Block(Module):
+            """Pre-norm residual block: attention, then the SwiGLU MLP (block ``index``) or,
+            where ``cfg.is_moe_block(index)``, the mixture of experts (``moe_model``)."""
+
+            def __init__(self, cfg: ModelConfig, index: int) -> None:
                 super().__init__()
                 self.attention_norm = RMSNorm(cfg)
                 self.attention = Attention(cfg)
                 self.ffn_norm = RMSNorm(cfg)
-                self.feed_forward = FeedForward(cfg)
+                self.is_moe = cfg.is_moe_block(index)
+                if self.is_moe:
+                    self.moe = MoE(cfg)
+                else:
+                    self.feed_forward = FeedForward(cfg)
 
             def forward(self, x: Any, cos: Any, sin: Any, cache: LayerCache | None = None) -> Any:
                 attended = self.attention(self.attention_norm(x), cos, sin) if cache is None else \
                     self.attention(self.attention_norm(x), cos, sin, cache)
                 h = x + attended
-                return h + self.feed_forward(self.ffn_norm(h))
+                return h + (self.moe if self.is_moe else self.feed_forward)(self.ffn_norm(h))
 
         def set_rope_tables(module: Any, cfg: ModelConfig) -> None:
             # constants, not parameters: no gradient, not in named_parameters or checkpoints
@@ -366,7 +379,7 @@ class _Classes:
                 super().__init__()
                 self.tied = cfg.tie_embeddings
                 self.tok_embeddings = Embedding(cfg)
-                self.layers = types.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+                self.layers = types.ModuleList([Block(cfg, i) for i in range(cfg.n_layers)])
                 self.norm = RMSNorm(cfg)
                 if not cfg.tie_embeddings:
                     self.output = Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -383,7 +396,13 @@ class _Classes:
                 return _head(self.norm(h), self, self.tied)
 
             def forward(self, tokens: Any, positions: Any, targets: Any) -> Any:
-                return cross_entropy(p, self.logits(tokens, positions), targets)
+                """The mean next-byte cross-entropy, plus each MoE block's auxiliary balance
+                loss with ``--moe-balance aux-loss`` ([Note: balance across layouts])."""
+                loss = cross_entropy(p, self.logits(tokens, positions), targets)
+                for layer in self.layers:
+                    if layer.is_moe and layer.moe.aux_loss is not None:
+                        loss = loss + layer.moe.aux_loss
+                return loss
 
         class Stage(Module):
             """One pipeline stage of the decoder (``build_stage``)."""

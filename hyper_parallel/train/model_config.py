@@ -5,10 +5,19 @@ Plain data (no framework): the command line, the Hugging Face config reader
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 #: Byte-level tokens: one token per byte.
 VOCAB_SIZE = 256
+
+#: ``--moe-balance`` values: how routed experts are kept evenly loaded. ``aux-free``: a
+#: per-expert bias added to the router's scores for the top-k choice only, moved after
+#: each step towards the mean load (DeepSeek-V3, arXiv 2412.19437, section 2.1.2);
+#: ``aux-loss``: an auxiliary loss ``coef * E * sum_e f_e * P_e`` (Switch Transformer,
+#: arXiv 2101.03961, eq. 4) per sequence (DeepSeek-V3's sequence-wise form, eq. 17-20).
+MOE_BALANCES = ("aux-free", "aux-loss")
+
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,18 @@ class ModelConfig:
         tie_embeddings: the output head reuses the token embedding matrix.
         rope_theta: rotary base frequency.
         norm_eps: RMSNorm epsilon.
+        moe_experts: routed experts of each mixture-of-experts block (0: a dense decoder;
+            ``train/moe_model.py``).
+        moe_top_k: routed experts per token, ``1 <= moe_top_k <= moe_experts``.
+        moe_shared_experts: experts every token passes through besides the routed ones
+            (DeepSeek-V3's shared experts; one SwiGLU of ``moe_shared_experts *
+            moe_hidden_dim`` inner width).
+        moe_every: every ``moe_every``-th block (blocks ``moe_every - 1``,
+            ``2 * moe_every - 1``, ...) is a mixture of experts, the others dense.
+        moe_hidden_dim: each expert's SwiGLU inner width (0: ``hidden_dim``).
+        moe_balance: ``MOE_BALANCES``.
+        moe_aux_loss_coef: the auxiliary loss's weight (``aux-loss`` only).
+        moe_bias_rate: the bias update speed gamma of ``aux-free`` (DeepSeek-V3: 0.001).
     """
 
     dim: int
@@ -38,6 +59,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     vocab_size: int = VOCAB_SIZE
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_shared_experts: int = 0
+    moe_every: int = 1
+    moe_hidden_dim: int = 0
+    moe_balance: str = "aux-free"
+    moe_aux_loss_coef: float = 0.01
+    moe_bias_rate: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
@@ -53,11 +82,58 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model: n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads} "
                              "(each key/value head serves n_heads / n_kv_heads query heads)")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The MoE fields (named by their flags: the command line sets them)."""
+        for name in ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_every", "moe_hidden_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be an integer >= 0")
+        if not self.moe_experts:
+            changed = [name for name, default in MOE_DEFAULTS.items() if getattr(self, name) != default]
+            if changed:
+                flags = ", ".join(f"--{name.replace('_', '-')}={getattr(self, name)!r}" for name in changed)
+                raise ValueError(f"{flags} configure mixture-of-experts blocks, but --moe-experts is 0 (a dense "
+                                 "decoder); give --moe-experts N (N >= 2) or drop them")
+            return
+        if self.moe_experts < 2:
+            raise ValueError(f"--moe-experts={self.moe_experts} must be 0 (dense) or at least 2 (a router choosing "
+                             "among one expert is a dense MLP); use --moe-experts 0 or a larger count")
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"--moe-top-k={self.moe_top_k} must be in [1, --moe-experts={self.moe_experts}] (each "
+                             f"token goes to that many distinct experts); use a --moe-top-k of 1 to {self.moe_experts}")
+        if not 1 <= self.moe_every <= self.n_layers:
+            raise ValueError(f"--moe-every={self.moe_every} must be in [1, n_layers={self.n_layers}] (every L-th "
+                             f"block is a mixture of experts, so L > n_layers leaves none); use 1 (all blocks) to "
+                             f"{self.n_layers}")
+        if self.moe_balance not in MOE_BALANCES:
+            raise ValueError(f"--moe-balance={self.moe_balance!r} is not a balancing method; use one of "
+                             f"{', '.join(MOE_BALANCES)}")
+        for name in ("moe_aux_loss_coef", "moe_bias_rate"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < float("inf")):
+                raise ValueError(f"--{name.replace('_', '-')}={value!r} must be a finite number >= 0")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def expert_hidden_dim(self) -> int:
+        """Each routed (and shared) expert's SwiGLU inner width."""
+        return self.moe_hidden_dim or self.hidden_dim
+
+    def is_moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) is a mixture of experts: every ``moe_every``-th."""
+        return self.moe_experts > 0 and (index + 1) % self.moe_every == 0
+
+
+#: The MoE fields of ``ModelConfig`` and their values for a dense decoder (the fields'
+#: defaults): a dense model's checkpoint record leaves them out (``records.model_record``),
+#: so the checkpoints of dense runs written before MoE existed still resume.
+MOE_DEFAULTS: dict[str, object] = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                                   if f.name.startswith("moe_")}
 
 #: ``--model`` presets. ``tiny`` is for tests (a few seconds per step on CPU); ``small`` is
 #: the default job (about 0.8 M parameters, learns byte-level Python in minutes on CPU).
@@ -75,4 +151,11 @@ PRESETS: dict[str, ModelConfig] = {
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, hidden_dim=2048, max_seq_len=2048),
     "350m": ModelConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, hidden_dim=2816, max_seq_len=2048),
     "1b": ModelConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, hidden_dim=5632, max_seq_len=2048),
+    # Mixtures of experts in DeepSeek-V3's shape (fine-grained routed experts narrower than
+    # the dense MLP, one shared expert, top-2): moe-tiny for tests (block 1 of 2 is MoE, so
+    # a run has a dense and an MoE block), moe-small for the job (every block MoE, 8 experts).
+    "moe-tiny": ModelConfig(dim=32, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=64, max_seq_len=256,
+                            moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_every=2, moe_hidden_dim=32),
+    "moe-small": ModelConfig(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, hidden_dim=352, max_seq_len=1024,
+                             moe_experts=8, moe_top_k=2, moe_shared_experts=1, moe_every=1, moe_hidden_dim=96),
 }

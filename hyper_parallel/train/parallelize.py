@@ -4,7 +4,10 @@ of ``apply_*`` steps, each given its own submesh (torchtitan's ``parallelize_lla
 Order of the chain, and why:
 
 1. tensor parallelism (``mesh["tp"]``): it rewrites the linear layers' parameters into
-   shards, which every later step must see as they will be trained;
+   shards, which every later step must see as they will be trained; then expert
+   parallelism (``--ep``, over ``ep`` ranks of the ``dp_shard`` axis): the MoE blocks' routed
+   experts become shards too, which fully_shard shards over the rest of ``dp_shard``
+   (``expert_parallel_meshes``) or leaves alone (``ep == dp_shard``);
 2. context parallelism (``mesh["cp"]``): it wraps attention, which now runs on
    ``heads / tp`` local heads;
 3. activation checkpointing: it wraps whole blocks, after the layers inside them are final;
@@ -25,27 +28,35 @@ fully_shard, and each microbatch's backward recomputes the stage's blocks.
 from __future__ import annotations
 
 import dataclasses
-
+import fnmatch
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
 from hyper_parallel.core.context_parallel import ContextParallel
-from hyper_parallel.core.dtensor import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor import DeviceMesh, Shard, distribute_parameter, init_device_mesh
+from hyper_parallel.core.expert_parallel import MoE as ExpertParallelMoE
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
 from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train.config import Layout
+from hyper_parallel.train.moe_model import moe_layers
 from hyper_parallel.train.precision import apply_mixed_precision
 
 #: Megatron tensor parallelism of the decoder: q/k/v and the SwiGLU input projections split
 #: by output features (whole heads per rank), the output projections by input features,
 #: so each block needs one all-reduce in forward and one in backward per sublayer.
-#: Embedding, norms and the output head stay replicated.
+#: Embedding, norms and the output head stay replicated. In a mixture-of-experts block
+#: (``moe_model``) the shared expert splits like the dense MLP; the router and the routed
+#: experts stay replicated over ``tp`` (each TP rank routes the same whole tokens and runs
+#: every expert on them: the experts' gradients are the same on every TP rank, with no
+#: collective), and fully_shard shards them over the data-parallel ranks like the rest.
 TP_PLAN = {
     "layers.*.attention.w[qkv]": ColwiseParallel(),
     "layers.*.attention.wo": RowwiseParallel(),
     "layers.*.feed_forward.w[13]": ColwiseParallel(),
     "layers.*.feed_forward.w2": RowwiseParallel(),
+    "layers.*.moe.shared_expert.w[13]": ColwiseParallel(),
+    "layers.*.moe.shared_expert.w2": RowwiseParallel(),
 }
 
 
@@ -65,10 +76,19 @@ def build_mesh(p: Platform, layout: Layout) -> DeviceMesh | None:
     return init_device_mesh(p.device_type, tuple(degrees.values()), mesh_dim_names=tuple(degrees))
 
 
+def tp_plan(model: Any) -> dict[str, Any]:
+    """The entries of ``TP_PLAN`` that match a module of ``model``: a decoder whose blocks
+    are all MoE has no dense MLP, one without shared experts no shared expert
+    (``parallelize_module`` refuses an entry that matches nothing, which catches typos)."""
+    names = [name for name, _ in get_platform().named_modules(model) if name]
+    return {pattern: style for pattern, style in TP_PLAN.items()
+            if any(fnmatch.fnmatchcase(name, pattern) for name in names)}
+
+
 def apply_tensor_parallel(model: Any, tp_mesh: DeviceMesh) -> None:
-    """Shard the decoder's linear layers over ``tp_mesh`` (1-D) with ``TP_PLAN``.
-    Collective: broadcasts each sharded parameter from the mesh's rank 0."""
-    parallelize_module(model, tp_mesh, TP_PLAN)
+    """Shard the decoder's linear layers over ``tp_mesh`` (1-D) with ``TP_PLAN``
+    (``tp_plan``). Collective: broadcasts each sharded parameter from the mesh's rank 0."""
+    parallelize_module(model, tp_mesh, tp_plan(model))
 
 
 def context_parallel_style(layout: Layout) -> ContextParallel:
@@ -117,6 +137,43 @@ def apply_context_parallel(model: Any, cp_mesh: DeviceMesh, layout: Layout) -> N
         parallelize_module(block.attention.core, cp_mesh, style)
 
 
+def expert_parallel_meshes(mesh: DeviceMesh, layout: Layout) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """``(ep_mesh, experts_fsdp_mesh)`` of ``--ep``: the ``dp_shard`` axis split row-major
+    into ``(dp_shard / ep, ep)`` (a second mesh over the same ranks, ``ep`` on the inner,
+    closest ranks, as torchtitan borrows it), so that each rank's ``dp_shard`` coordinate
+    is ``outer * ep + inner`` and its data share is unchanged. The routed experts are
+    sharded over ``ep`` and fully_shard'ed over the outer ``dp_shard / ep`` ranks, which
+    hold the same experts, with ``--dp-replicate`` on the 2-D ``(dp_replicate, dp_shard /
+    ep)`` mesh (HSDP: the replicas all-reduce the experts' gradients); ``None`` when
+    ``ep == dp_shard`` without replicas (no other rank holds the same experts). With
+    ``--tp`` both are per tensor-parallel coordinate. Collective: builds the groups."""
+    if layout.ep == layout.dp_shard and layout.dp_replicate == 1:
+        return mesh["dp_shard"], None
+    split = init_device_mesh(mesh.device_type, (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep,
+                                                layout.ep, layout.cp, layout.tp),
+                             mesh_dim_names=("pp", "dp_replicate", "dp_shard_out_ep", "ep", "cp", "tp"))
+    if layout.dp_replicate > 1:  # HSDP for the experts too: replicas all-reduce their gradients
+        return split["ep"], split["dp_replicate", "dp_shard_out_ep"]
+    return split["ep"], split["dp_shard_out_ep"]
+
+
+def apply_expert_parallel(model: Any, ep_mesh: DeviceMesh) -> list[Any]:
+    """Shard every MoE block's routed experts (``w1``/``w2``/``w3``, ``[experts, ...]``) on
+    dim 0 over ``ep_mesh`` (1-D, ``expert_parallel_meshes``), ``experts / ep`` whole
+    experts per rank, and hand the block core's ``MoE`` over the mesh's group for dispatch
+    and combine; returns the expert parameters ([Note: expert-parallel gradients] in
+    ``moe_model``). Collective: broadcasts each expert parameter from the mesh's rank 0
+    (``distribute_parameter``)."""
+    p = get_platform()
+    placed = []
+    for _, layer in moe_layers(p, model):
+        for name in ("w1", "w2", "w3"):
+            placed.append(distribute_parameter(layer.experts, name, ep_mesh, [Shard(0)]))
+        layer.expert_parallel = ExpertParallelMoE(layer.num_experts, layer.top_k, group=ep_mesh.get_group())
+        layer.ep_grad_scale = 1.0 / ep_mesh.size()
+    return placed
+
+
 def apply_activation_checkpointing(model: Any) -> None:
     """Checkpoint every decoder block in place (``checkpoint_wrapper``): a block keeps only
     its input ``[batch, seq / cp, dim]`` (and the rotary tables it is handed) for the
@@ -148,7 +205,8 @@ def fully_shard_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None, *,
+def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+                      ignored_params: list[Any] | None = None, experts_mesh: DeviceMesh | None = None, *,
                       cast_root_inputs: bool = True) -> None:
     """FSDP2 order: each decoder block is a unit (its parameters all-gathered around its
     forward and backward, gradients reduce-scattered), then the root takes the rest
@@ -156,17 +214,24 @@ def apply_fully_shard(model: Any, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisi
     embedding). Every rank holds the same initial weights (``build_model`` seeds them), as
     fully_shard requires. Collectives: none here; the all-gathers / reduce-scatters run in
     each step. ``mp_policy``: ``--dtype``'s (``precision.mixed_precision_policy``; ``None``:
-    float32 throughout). ``cast_root_inputs=False``: the root unit leaves its inputs as they
-    come (a pipeline stage's: the positions cross a stage boundary as float32, exact there,
-    and a bfloat16 cast would round them above 256; its residual stream arrives in the
-    compute dtype already), the blocks still cast theirs."""
+    float32 throughout). ``ignored_params``: left as they are, unsharded and unreduced (the
+    expert-parallel experts when ``ep == dp_shard``: ``apply_expert_parallel``);
+    ``experts_mesh``: with ``ep < dp_shard``, each MoE block's experts are a unit over it
+    first (``expert_parallel_meshes``), their gradients reduce-scattered over those ranks.
+    ``cast_root_inputs=False``: the root unit leaves its inputs as they come (a pipeline
+    stage's: the positions cross a stage boundary as float32, exact there, and a bfloat16
+    cast would round them above 256; its residual stream arrives in the compute dtype
+    already), the blocks still cast theirs."""
     policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    if experts_mesh is not None:  # bottom-up: the experts are their own units, which the blocks' skip
+        for _, layer in moe_layers(get_platform(), model):
+            fully_shard(layer.experts, mesh=experts_mesh, mp_policy=policy)
     # a pipeline stage keys its blocks by their index in the decoder (model.build_stage)
     blocks = model.layers.values() if hasattr(model.layers, "values") else model.layers
     for block in blocks:
-        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, ignored_params=ignored_params)
     fully_shard(model, mesh=fsdp_mesh, mp_policy=policy if cast_root_inputs else
-                dataclasses.replace(policy, cast_forward_inputs=False))
+                dataclasses.replace(policy, cast_forward_inputs=False), ignored_params=ignored_params)
 
 
 def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: DeviceMesh | None = None,
@@ -187,12 +252,18 @@ def parallelize(model: Any, mesh: DeviceMesh | None, layout: Layout, cp_mesh: De
         return model
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    experts, experts_mesh = None, None
+    if layout.ep > 1:
+        ep_mesh, experts_mesh = expert_parallel_meshes(mesh, layout)
+        placed = apply_expert_parallel(model, ep_mesh)
+        experts = placed if experts_mesh is None else None
     if layout.cp > 1:
         apply_context_parallel(model, cp_mesh if cp_mesh is not None else context_parallel_mesh(mesh, layout), layout)
     if activation_checkpointing:  # after TP and CP: their hooks sit inside the blocks and run again
         apply_activation_checkpointing(model)
     if layout.dp * layout.cp > 1:
-        apply_fully_shard(model, fully_shard_mesh(mesh, layout), mp_policy)
+        apply_fully_shard(model, fully_shard_mesh(mesh, layout), mp_policy, ignored_params=experts,
+                          experts_mesh=experts_mesh)
     elif mp_policy is not None:
         apply_mixed_precision(get_platform(), model, mp_policy)
     return model

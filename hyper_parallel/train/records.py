@@ -10,12 +10,15 @@ from typing import Any
 
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.hf_config import read_hf_config, recorded_config
+from hyper_parallel.train.model_config import MOE_DEFAULTS
 
 
 def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     """The layout a checkpoint was written by: the degrees (and the pipeline stages). A
     resume in another one reshards."""
     record: dict[str, Any] = {"degrees": layout.degrees()}
+    if layout.ep > 1:  # only then: the records of runs without --ep stay as they were
+        record["ep"] = layout.ep
     if layout.pp > 1:
         record["pipeline_stages"] = layout.num_stages
     return record
@@ -25,8 +28,13 @@ def model_record(cfg: TrainConfig) -> dict[str, Any]:
     """The model a checkpoint holds: every field of ``ModelConfig`` (a resume needs the same)
     and, for an ``--hf-config`` run, the HF configuration under ``hf_config``
     (``hf_config.recorded_config``: plain JSON, read again here, no ``transformers``), from
-    which ``hyper-parallel export`` writes the exported model's ``config.json``."""
+    which ``hyper-parallel export`` writes the exported model's ``config.json``. A dense
+    decoder's record leaves the MoE fields out (``MOE_DEFAULTS``): the same record as
+    before they existed, so those checkpoints still resume."""
     record = dataclasses.asdict(cfg.model)
+    if not cfg.model.moe_experts:
+        for name in MOE_DEFAULTS:
+            del record[name]
     if cfg.hf_config is not None:
         record["hf_config"] = recorded_config(read_hf_config(cfg.hf_config))
     return record

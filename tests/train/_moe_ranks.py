@@ -1,0 +1,180 @@
+"""Rank functions of ``tests/train/test_moe.py`` (importable by module path, as the harness
+requires): the MoE decoder on the job's layouts against the single process."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.dtensor.placement_types import chunk_bounds
+from hyper_parallel.platform import get_platform
+from hyper_parallel.train.config import PRESETS, Layout, TrainConfig
+from hyper_parallel.train.data import rank_batch
+from hyper_parallel.train.loop import _accumulate, setup, train
+from hyper_parallel.train.model import parameter_shapes
+from hyper_parallel.train.optim import local_tensor
+from tests.train._parity_ranks import layout_config, local_shape
+from tests.train._ranks import losses
+
+#: Relative tolerance of the losses and global gradient norms: the dense layouts' (2e-5,
+#: reasoned in ``_parity_ranks.check_against_reference``: the layouts' reductions are the
+#: reference's float32 sums in other orders). The routing adds no arithmetic of its own
+#: across ranks: each token is routed on the rank that holds it, by the same float32 GEMM
+#: row and numpy's stable argsort, and the experts' rows are gathered and scattered
+#: without arithmetic; only a near-tie between two experts' scores (below the few-ulp
+#: differences of the router's input) could route a token differently, which the
+#: per-step token counts compared exactly below would show.
+LOSS_RTOL = 2e-5
+
+#: The first step's gradients, from bit-identical weights: float32 sums in another order
+#: (fully_shard's reduce-scatter averages two half-batch gradients where the reference sums
+#: one batch; tensor parallelism adds two partial sums for the shared expert and attention),
+#: ~1e-6 relative to the largest terms of each sum. An entry that nearly cancels is off
+#: by that much of its tensor's scale, hence the absolute floor relative to the tensor's
+#: largest gradient; the rest agree to 1e-4 relative (measured below 1e-5).
+GRAD_RTOL, GRAD_ATOL_OF_MAX = 1e-4, 1e-5
+
+MOE_FIELDS = ("moe_tokens_per_expert_max", "moe_tokens_per_expert_mean", "moe_dropped_tokens",
+              "moe_tokens_per_expert_max_by_layer")
+
+
+def moe_config(out: str, degrees: dict, balance: str, **changes: object) -> TrainConfig:
+    """``moe-tiny`` (block 0 dense, block 1 MoE: 4 experts, top-2, a shared expert) with
+    ``balance`` on the layout ``degrees``, three steps (``layout_config``); ``changes``:
+    other ``TrainConfig`` fields."""
+    model = dataclasses.replace(PRESETS["moe-tiny"], moe_balance=balance)
+    tag = "".join(f"_{key}" for key in sorted(changes))
+    return layout_config(f"{out}/{balance}{tag}", degrees, model=model, model_name="moe-tiny", **changes)
+
+
+def moe_local_shape(name: str, shape: tuple[int, ...], cfg: TrainConfig, rank: int) -> tuple[int, ...]:
+    """``local_shape``, except for the routed experts under ``--ep``: ``experts / ep`` whole
+    experts on each rank (its ``dp_shard`` coordinate modulo ``ep``), then fully_shard's
+    chunk of those over the other ``dp_shard / ep`` ranks (``expert_parallel_meshes``)."""
+    lay = cfg.layout
+    if lay.ep == 1 or ".moe.experts." not in name:
+        return local_shape(name, shape, lay, rank)
+    coords = dict(zip(Layout.AXES, np.unravel_index(rank, tuple(lay.degrees().values()))))
+    outer = int(coords["dp_shard"]) // lay.ep
+    return (chunk_bounds(shape[0] // lay.ep, lay.dp_shard // lay.ep, outer)[1], *shape[1:])
+
+
+#: An initial balance bias that makes expert 0 every token's choice (router probabilities
+#: of moe-tiny's initial weights lie within ~0.1 of each other): all (token, slot) rows of
+#: the first slot go to expert 0, so one expert-parallel rank receives most of the rows
+#: (the uneven all-to-all) and the aux-free updates start from a skewed load.
+SKEWED_BIAS = np.asarray([1.0, 0.0, 0.0, 0.0], np.float32)
+
+
+def _setup(cfg: TrainConfig, reference: bool, bias: np.ndarray | None) -> Any:
+    """``setup`` with every MoE layer's balance bias set to ``bias`` (``None``: zero)."""
+    run = setup(cfg, reference=reference)
+    if bias is not None:
+        for _, layer in run.moe:
+            layer.expert_bias[:] = bias
+    return run
+
+
+def _first_step_gradients(cfg: TrainConfig, reference: bool = False,
+                          bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """This rank's piece of every parameter's gradient of step 1 (the whole gradient with
+    ``reference``), from a fresh ``_setup`` (collective unless ``reference``)."""
+    p = get_platform()
+    run = _setup(cfg, reference, bias)
+    batch = rank_batch(run.corpus.train, cfg.seed, 1, cfg.batch_size, cfg.seq_len, run.dp_rank, run.dp_size)
+    _, grads = _accumulate(run, batch)
+    out = {}
+    for name, grad in zip(run.names, run.optimizer.gradients(grads)):
+        lengths = run.boxes[name].lengths  # fully_shard pads uneven shards: the box is the unpadded piece
+        out[name] = p.to_numpy(local_tensor(grad))[tuple(slice(0, n) for n in lengths)]
+    return out
+
+
+def check_moe_parity(out: str, cases: list[tuple]) -> list[dict]:
+    """Each ``(degrees, balance[, changes])`` of ``cases`` (``moe_config``'s arguments;
+    ``changes["initial_bias"]``: every MoE layer's starting balance bias, ``SKEWED_BIAS``
+    for uneven loads) on this world against the single process (the reference runs
+    without activation checkpointing, as the job's, and from the same bias) on
+    the same seed and data: this rank's parameter shapes (``local_shape``: experts and
+    router sharded by fully_shard over ``dp_shard``, replicated over ``tp``; the shared
+    expert split by ``TP_PLAN``), its piece of the first step's gradients, the losses, the
+    validation loss and the global gradient norms (``LOSS_RTOL``, ``GRAD_*``), and exactly
+    the per-step routing counts and the aux-free balance bias after the run. Every rank runs
+    the reference after all the layouts' collectives (it uses none) and checks its own
+    pieces. Returns each case's ``{"losses": [...], "bias": [...]}``."""
+    p = get_platform()
+    got = []
+    for degrees, balance, *changes in cases:
+        options = dict(changes[0]) if changes else {}
+        bias = options.pop("initial_bias", None)
+        cfg = moe_config(out, degrees, balance, **options)
+        assert cfg.layout.world_size == p.world_size(), degrees
+        grads = _first_step_gradients(cfg, bias=bias)
+        run = _setup(cfg, False, bias)
+        shapes = parameter_shapes(cfg.model)
+        assert sorted(run.names) == sorted(shapes), run.names
+        for name, box in run.boxes.items():
+            assert tuple(box.lengths) == moe_local_shape(name, shapes[name], cfg, p.rank()), (degrees, name, box)
+        rows = train(cfg, write_outputs=False, run=run)
+        got.append({"cfg": cfg, "grads": grads, "boxes": run.boxes, "rows": rows, "initial_bias": bias,
+                    "bias": {name: layer.expert_bias.copy() for name, layer in run.moe}})
+    results = []
+    for case in got:
+        cfg, rows = case["cfg"], case["rows"]
+        what = f"{cfg.layout.describe()} {cfg.model.moe_balance}"
+        ref_grads = _first_step_gradients(cfg, reference=True, bias=case["initial_bias"])
+        ref_run = _setup(cfg, True, case["initial_bias"])
+        ref_rows = train(cfg, reference=True, write_outputs=False, run=ref_run)
+        for name, grad in case["grads"].items():
+            box = case["boxes"][name]
+            expected = ref_grads[name][tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
+            scale = float(np.abs(ref_grads[name]).max())
+            assert scale > 0, f"{name}: the reference's gradient is zero: the test would not see a wrong one"
+            np.testing.assert_allclose(grad, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL_OF_MAX * scale,
+                                       err_msg=f"{what}: step-1 gradient of {name} vs single process")
+        curve = [*losses(rows).tolist(), rows[-1]["val_loss"]]
+        ref_curve = [*losses(ref_rows).tolist(), ref_rows[-1]["val_loss"]]
+        np.testing.assert_allclose(curve, ref_curve, rtol=LOSS_RTOL, atol=0, err_msg=f"{what}: losses vs single process")
+        np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
+                                   atol=0, err_msg=f"{what}: global gradient norms vs single process")
+        for field in MOE_FIELDS:  # integers summed over the data-parallel ranks: exact
+            assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+        assert all(r["moe_dropped_tokens"] == 0 for r in rows), what
+        if case["initial_bias"] is not None:  # the skew is real: expert 0 took every token's first slot
+            assert rows[0]["moe_tokens_per_expert_max"] == cfg.batch_size * cfg.seq_len, (what, rows[0])
+        if cfg.model.moe_balance == "aux-free":
+            ref_bias = {name: layer.expert_bias for name, layer in ref_run.moe}
+            assert sorted(case["bias"]) == sorted(ref_bias) and ref_bias, (what, sorted(case["bias"]))
+            for name, bias in case["bias"].items():
+                assert np.abs(bias).max() > 0, f"{what}: {name}'s bias never moved"
+                np.testing.assert_array_equal(bias, ref_bias[name], err_msg=f"{what}: {name} balance bias")
+        else:
+            np.testing.assert_allclose([r["moe_aux_loss"] for r in rows], [r["moe_aux_loss"] for r in ref_rows],
+                                       rtol=LOSS_RTOL, atol=0, err_msg=f"{what}: auxiliary loss vs single process")
+        results.append({"losses": curve, "bias": {k: v.tolist() for k, v in case["bias"].items()}})
+    return results
+
+
+def check_resume_across_expert_parallel_degrees(out: str) -> list[float]:
+    """moe-tiny on ``dp_shard 2 x ep 2`` for 2 steps (a checkpoint of each rank's two whole
+    experts), then on every rank alone: a single-process resume of it to step 4 (the
+    checkpoint resharded: every expert on one rank) against the single process run
+    uninterrupted to step 4. The losses agree to ``LOSS_RTOL`` (the first two steps ran in
+    another layout: float32 sums in other orders, see ``check_moe_parity``) and the balance
+    biases exactly (integer routing counts). Returns the resumed losses."""
+    cfg = moe_config(out, {"dp_shard": 2, "ep": 2}, "aux-free").replace(steps=2)
+    train(cfg)  # writes its checkpoint at step 2 (collective)
+    p = get_platform()
+    alone = cfg.replace(steps=4, resume=True, out=f"{cfg.out}/resumed{p.rank()}", checkpoint_dir=str(cfg.checkpoint_path))
+    resumed_run = setup(alone, reference=True)
+    resumed = train(alone, reference=True, write_outputs=False, run=resumed_run)
+    whole_run = setup(cfg.replace(steps=4), reference=True)
+    whole = train(cfg.replace(steps=4), reference=True, write_outputs=False, run=whole_run)
+    assert [r["step"] for r in resumed] == [3, 4], [r["step"] for r in resumed]
+    np.testing.assert_allclose(losses(resumed), losses(whole)[2:], rtol=LOSS_RTOL, atol=0,
+                               err_msg="resumed from ep 2 in one process vs one process throughout")
+    for (name, layer), (_, ref) in zip(resumed_run.moe, whole_run.moe):
+        np.testing.assert_array_equal(layer.expert_bias, ref.expert_bias, err_msg=f"{name} balance bias")
+    return losses(resumed).tolist()
