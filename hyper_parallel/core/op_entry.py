@@ -65,7 +65,7 @@ from hyper_parallel.core.dtensor.redistribute import to_local_with_grad_placemen
 
 __all__ = [
     "check_result", "dispatch_aligned", "dispatch_explicit", "dispatch_op", "dispatch_skipped", "dispatch_split",
-    "dropout", "explicit_local_plan", "flash_attention_score", "freeze_params", "full_local", "has_rule", "local_plan",
+    "dropout", "dropout_with_mask", "explicit_local_plan", "flash_attention_score", "freeze_params", "full_local", "has_rule", "local_plan",
     "mixed_operand_message", "nll_loss_backward", "nll_loss_forward", "record_rule", "recorded_rules", "recording",
     "replicated", "replicated_operands", "sharded_dim_axis", "skip_depth", "softmax_sharded",
     "to_local_with_grad_placements",
@@ -105,9 +105,10 @@ def record_rule(op: str) -> None:
 replicated = DTensor.replicated
 
 
-#: inverted dropout from core's stream (``dtensor/random.dropout``): a backend routes the
-#: framework's dropout primitive here
+#: inverted dropout from core's stream (``dtensor/random.dropout``, and with its mask):
+#: a backend routes the framework's dropout primitives here
 dropout = _random.dropout
+dropout_with_mask = _random.dropout_with_mask
 
 
 def has_rule(op: str) -> bool:

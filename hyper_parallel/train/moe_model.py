@@ -113,10 +113,7 @@ def route(p: Platform, logits: Any, top_k: int, bias: np.ndarray) -> tuple[Any, 
     probabilities ``[tokens, experts]`` (differentiable), the chosen experts int64 ``[tokens,
     top_k]`` (host) and their gates ``[tokens, top_k]`` float32 (differentiable), by
     [Note: the job's MoE routing]."""
-    logits = logits.float()
-    # the row maximum only keeps exp in range: it cancels in the quotient, so it carries no gradient
-    weights = (logits - p.detach(logits.amax(-1)).unsqueeze(-1)).exp()
-    probs = weights / weights.sum(-1).unsqueeze(-1)
+    probs = p.softmax(logits.float(), -1)  # the framework's fused softmax
     scores = p.to_numpy(p.detach(probs)) + bias[None, :]
     chosen = np.argsort(-scores, axis=1, kind="stable")[:, :top_k].astype(np.int64)
     eye = np.eye(scores.shape[1], dtype=np.float32)

@@ -25,8 +25,8 @@ from hyper_parallel.core.dtensor.dispatch import dispatch, draw_local
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Replicate
 
-__all__ = ["RngState", "bernoulli_", "dropout", "get_rng_state", "manual_seed", "normal_", "set_rng_state",
-           "trunc_normal_", "uniform_"]
+__all__ = ["RngState", "bernoulli_", "dropout", "dropout_with_mask", "get_rng_state", "manual_seed", "normal_",
+           "set_rng_state", "trunc_normal_", "uniform_"]
 
 RngState = philox.RngState
 
@@ -138,12 +138,25 @@ def dropout(x: Any, p: float = 0.5, training: bool = True) -> Any:
         raise ValueError(f"dropout: p={p!r} must be in [0, 1) (p=1 zeroes everything: use zeros_like)")
     if not training or p == 0.0:
         return x
+    return dropout_with_mask(x, p)[0]
+
+
+def dropout_with_mask(x: Any, p: float) -> tuple[Any, Any]:
+    """``dropout(x, p)`` in training and its mask: ``(x * mask / (1 - p), mask)``, the mask
+    of ``x``'s shape and placements, 1 where an element is kept (a bernoulli draw of
+    ``1 - p``), else 0 (what a framework's dropout primitive returning its mask needs).
+
+    Raises:
+        ValueError: ``p`` outside ``[0, 1)``. RuntimeError: no seed.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: p={p!r} must be in [0, 1) (p=1 zeroes everything: use zeros_like)")
     keep = {"p": 1.0 - float(p)}
     if isinstance(x, DTensor):
         if any(pl.is_partial() for pl in x.placements):
             x = x.redistribute(x.device_mesh, [Replicate() if pl.is_partial() else pl for pl in x.placements])
         mask = dispatch("bernoulli", [x], lambda local: local, keep)
-        return x * mask * (1.0 / (1.0 - p))
-    shape = tuple(int(s) for s in x.shape)
-    mask = draw_local("bernoulli", keep, x, shape, (0,) * len(shape), shape, inplace=False)
-    return x * mask * (1.0 / (1.0 - p))
+    else:
+        shape = tuple(int(s) for s in x.shape)
+        mask = draw_local("bernoulli", keep, x, shape, (0,) * len(shape), shape, inplace=False)
+    return x * mask * (1.0 / (1.0 - p)), mask

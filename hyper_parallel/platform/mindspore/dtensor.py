@@ -524,7 +524,8 @@ def _draw(entry: Any, name: str, rule: str, kind: str, args: list[Any]) -> Any:
     each rank draws its piece of what one device draws for the whole tensor).
 
     Raises:
-        RuntimeError: a draw into another dtype, an in-place dropout."""
+        RuntimeError: a draw into another dtype, an in-place dropout. ValueError: a
+            dropout probability outside ``[0, 1)`` (core's)."""
     x = args[0]
     if kind == "draw":  # Inplace*(x, *numbers, seed, offset): x, written in place
         keys = _DRAW_PARAMS[rule]
@@ -537,9 +538,7 @@ def _draw(entry: Any, name: str, rule: str, kind: str, args: list[Any]) -> Any:
                                "draw, then cast")
         return entry.dispatch_explicit(rule, [x], lambda local: local, dict(_DRAW_LIKE_PARAMS[rule]))
     if name == "Dropout":  # ops.dropout: Dropout(x, keep_prob, seed0, seed1) -> (output, mask)
-        keep = float(args[1])
-        mask = entry.dispatch_explicit("bernoulli", [x], lambda local: local, {"p": keep})
-        return x * mask * (1.0 / keep), mask
+        return entry.dropout_with_mask(x, 1.0 - float(args[1]))
     # mint.nn.functional.dropout: FuncDropoutExt(x, p, training, inplace, seed, offset)
     p, training, inplace = float(args[1]), bool(args[2]), bool(args[3])
     if inplace and training:
