@@ -171,10 +171,13 @@ def define_moe(p: Platform) -> type:
     Module, Linear = types.Module, types.Linear
     float32 = p.dtype("float32")
 
-    def swiglu(x: Any, w1: Any, w2: Any, w3: Any) -> Any:
-        """``w2 (silu(w1 x) * w3 x)`` of rows ``x`` ``[n, dim]`` with weights in Linear's
-        ``[out, in]`` form."""
-        return (p.activation(x @ w1.transpose(0, 1), Activation.SILU) * (x @ w3.transpose(0, 1))) @ w2.transpose(0, 1)
+    def grouped_swiglu(x: Any, sizes: list[int], w1: Any, w2: Any, w3: Any) -> Any:
+        """``w2[e] (silu(w1[e] x) * w3[e] x)`` of rows ``x`` ``[n, dim]`` grouped by expert
+        (``sizes[e]`` consecutive rows for expert ``e``), weights ``[experts, out, in]``
+        (Linear's form per expert): three ``Platform.grouped_matmul`` calls, the grouped
+        GEMM kernel where the framework has one."""
+        gmm = p.grouped_matmul
+        return gmm(p.activation(gmm(x, w1, sizes), Activation.SILU) * gmm(x, w3, sizes), w2, sizes)
 
     class SharedExpert(Module):
         def __init__(self, dim: int, hidden: int) -> None:
@@ -202,21 +205,18 @@ def define_moe(p: Platform) -> type:
         def forward(self, rows: Any, plan: RoutingPlan, ep: ExpertParallelMoE | None, grad_scale: float) -> Any:
             """The experts' SwiGLU outputs ``[n, dim]`` of ``rows`` ``[n, dim]``: with every
             expert here (``ep`` ``None``), ``plan.permute``'s rows in expert order; under
-            ``--ep``, the rows ``ep.dispatch`` received, run by ``ep.run_experts`` on this
+            ``--ep``, the rows ``ep.dispatch`` received, run by ``ep.run_grouped`` on this
             rank's experts, whose gradients are multiplied by ``grad_scale`` ([Note:
             expert-parallel gradients]). A module call, so that fully_shard (``--ep`` below
             ``--dp-shard``) gathers this rank's experts around it."""
             if ep is None:
-                sizes = [int(n) for n in plan.send_counts]
-                parts = p.split(rows, sizes, 0)
-                return p.cat([swiglu(part, self.w1[e], self.w2[e], self.w3[e]) for e, part in enumerate(parts)
-                              if sizes[e]], 0)
+                return grouped_swiglu(rows, [int(n) for n in plan.send_counts], self.w1, self.w2, self.w3)
             # experts left out of fully_shard (ep == dp_shard) keep float32 under --dtype bf16/fp16: cast
             # to the rows' dtype as the policy would (a no-op in float32)
             w1, w2, w3 = (p.to_dtype(p.apply_function(ScaleGradient, w.to_local() if isinstance(w, DTensor) else w,
                                                       grad_scale), rows.dtype)
                           for w in (self.w1, self.w2, self.w3))
-            return ep.run_experts(rows, plan, lambda e, part: swiglu(part, w1[e], w2[e], w3[e]))
+            return ep.run_grouped(rows, plan, lambda grouped, sizes: grouped_swiglu(grouped, sizes, w1, w2, w3))
 
     class MoE(Module):
         """``[batch, seq, dim]`` -> ``[batch, seq, dim]``: [Note: the job's MoE routing].

@@ -25,10 +25,11 @@ def test_every_member_is_abstract_typed_and_documented() -> None:
     # 70 with ``module_types``, the job's decoder defined once; still 70 with ``adamw``, the
     # framework's optimizer, and ``mesh_device_types`` a function of BACKENDS; 65 with ``stack``,
     # ``clone``, ``dtype_name`` in core/tensor_ops and ``split_group``, ``barrier`` in
-    # core/process_groups, each composed from the members once). Compose existing members or
-    # extend one with a keyword argument rather than raising the bound.
+    # core/process_groups, each composed from the members once; 66 with ``grouped_matmul``, the
+    # experts' grouped GEMM kernel (issue 36), which no composition of members reaches).
+    # Compose existing members or extend one with a keyword argument rather than raising the bound.
     total = len(members) + len(derived)
-    assert total <= 65, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
+    assert total <= 66, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
     assert not set(members) & set(derived)
     for name in derived:
         assert inspect.getdoc(getattr(Platform, name)), f"derived member {name} has no docstring"

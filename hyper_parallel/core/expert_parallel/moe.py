@@ -31,6 +31,8 @@ from hyper_parallel.core.tensor_ops import dtype_name, stack
 
 #: expert_fn(local expert index, tokens [n, dim]) -> [n, dim_out]
 ExpertFn = Callable[[int, Any], Any]
+#: grouped_fn(tokens [n, dim] grouped expert-major, rows per local expert) -> [n, dim_out]
+GroupedFn = Callable[[Any, list[int]], Any]
 
 
 @dataclass
@@ -164,20 +166,34 @@ class MoE:
         dim]``) and put the outputs back in the received order. An expert that received
         nothing is not called."""
         p = get_platform()
+
+        def per_expert(grouped: Any, sizes: list[int]) -> Any:
+            outputs = [expert_fn(l, chunk) for l, chunk in enumerate(p.split(grouped, sizes, 0)) if sizes[l]]
+            return p.cat(outputs, 0)
+
+        return self.run_grouped(routed, plan, per_expert)
+
+    def run_grouped(self, routed: Any, plan: RoutingPlan, grouped_fn: GroupedFn) -> Any:
+        """Compute: reorder the received rows ``[rows, dim]`` so that each local expert's
+        are consecutive (expert-major, ``sizes[l]`` rows for local expert ``l``), run
+        ``grouped_fn(grouped, sizes)`` once on all of them (``[rows, dim] ->
+        [rows, dim_out]``: the experts' grouped GEMMs, ``Platform.grouped_matmul``), and
+        put the outputs back in the received order. With no row received, ``routed`` is
+        returned as it is (``grouped_fn`` is not called)."""
+        p = get_platform()
         assert plan.counts is not None, "dispatch sets the counts"
         local = plan.counts[:, self.expert_range.start:self.expert_range.stop]  # [sources, local experts]
         starts = np.concatenate([[0], np.cumsum(local.sum(1))[:-1]])  # each source's first row
         by_expert = [np.arange(starts[s] + local[s, :l].sum(), starts[s] + local[s, :l + 1].sum(), dtype=np.int64)
                      for l in range(self.local_experts) for s in range(self.group_size)]
         index = np.concatenate(by_expert) if by_expert else np.zeros(0, np.int64)
-        grouped = routed[p.from_numpy(index)]
-        sizes = [int(v) for v in local.sum(0)]
-        outputs = [expert_fn(l, chunk) for l, chunk in enumerate(p.split(grouped, sizes, 0)) if sizes[l]]
-        if not outputs:
+        if not index.size:
             return routed  # no rows came here (expert outputs keep the token dim)
+        sizes = [int(v) for v in local.sum(0)]
+        out = grouped_fn(routed[p.from_numpy(index)], sizes)
         back = np.empty_like(index)
         back[index] = np.arange(index.size, dtype=np.int64)
-        return p.cat(outputs, 0)[p.from_numpy(back)]
+        return out[p.from_numpy(back)]
 
     def forward(self, x: Any, router_weight: Any, expert_fn: ExpertFn,
                 dispatch: Callable[[Any, RoutingPlan], Any] | None = None,

@@ -60,6 +60,7 @@ class Capability(enum.Enum):
     STREAMS = "device streams and events (not no-ops)"
     FUSED_ATTENTION = "attention and its backward run by a fused kernel of the framework (not tiled plain ops)"
     OUTPUT_RECOMPUTE = "recompute(output_recompute=True): adjacent recomputed regions merged (MindSpore's own)"
+    GROUPED_MATMUL = "grouped_matmul runs one grouped GEMM kernel (not a matmul per group)"
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,24 @@ class OpsSection(ABC):
         softmax). Differentiable."""
 
     @abstractmethod
+    def grouped_matmul(self, x: Any, weight: Any, group_sizes: Sequence[int]) -> Any:
+        """The experts' grouped GEMM: ``x`` ``[rows, in]`` holds consecutive groups of
+        ``group_sizes[g]`` rows (zeros allowed; one size per group, summing to ``rows``),
+        and group ``g``'s rows are multiplied by ``weight[g]`` transposed (``weight``
+        ``[groups, out, in]``, Linear's ``[out, in]`` per group) -> ``[rows, out]`` in
+        ``x``'s dtype. Differentiable in ``x`` and ``weight``.
+
+        One fused kernel where the framework has one for the device and dtype
+        (``Capability.GROUPED_MATMUL``: torch ``torch.nn.functional.grouped_mm``,
+        MindSpore's ``GroupedMatmul`` on Ascend); else one matmul per non-empty group,
+        which warns once (``platform/grouped_matmul.py``).
+
+        Raises:
+            ValueError: shapes that do not match, or ``group_sizes`` not one size >= 0 per
+                group summing to ``rows``.
+        """
+
+    @abstractmethod
     def activation(self, x: Any, kind: Activation) -> Any:
         """``kind`` (``Activation``) of floating ``x`` elementwise by the framework's fused
         kernel (torch ``F.silu`` / ``F.gelu`` / ``F.relu``; MindSpore ``mint.nn.functional``'s):

@@ -20,6 +20,7 @@ import numpy as np
 from hyper_parallel.platform.contract.attention import FULL, AttentionMask
 from hyper_parallel.platform.contract.common import Activation
 from hyper_parallel.platform.contract.ops import OpsSection
+from hyper_parallel.platform.grouped_matmul import check_grouped_matmul, looped_grouped_matmul
 from hyper_parallel.platform.mindspore import attention as kernels
 from hyper_parallel.platform.contract.validation import normalize_dim, refuse_dtensor
 
@@ -130,6 +131,17 @@ class MindSporeOps(OpsSection):
         if kind is Activation.GELU:
             return self._ops.gelu(x, approximate="none")
         return getattr(self._mint.nn.functional, kind.value)(x)
+
+    def grouped_matmul(self, x: Any, weight: Any, group_sizes: Sequence[int]) -> Any:
+        """Ascend: ``GroupedMatmul`` (``ops.auto_generate.grouped_matmul``, one tensor in and
+        out, ``split_item=3``, ``group_type=0``, cumulative ``group_list``: the form its
+        backward supports; float16 / bfloat16 / float32). CPU: no such kernel, one
+        ``matmul`` per group (``platform/grouped_matmul.py``)."""
+        sizes = check_grouped_matmul(x, weight, group_sizes)
+        if self._device_type != "ascend":
+            return looped_grouped_matmul(self, x, weight, sizes, "MindSpore has no GroupedMatmul kernel on CPU")
+        group_list = self._ms.Tensor(np.cumsum(sizes, dtype=np.int64))
+        return self._ops.auto_generate.grouped_matmul([x], [weight], group_list=group_list, split_item=3, group_type=0, transpose_b=True)[0]
 
     def cross_entropy(self, logits: Any, target: Any, reduction: str) -> Any:
         """``ops.cross_entropy``."""

@@ -118,14 +118,15 @@ class MindSporePlatform(
         PyNative runs every operation on one queue, so an async collective delays the
         compute issued after it instead of overlapping it; streams are host no-ops; and
         attention is a tiled FlashAttention-2 in MindSpore operations (no
-        FlashAttentionScore kernel on CPU). ``mindspore.recompute``'s
+        FlashAttentionScore kernel on CPU), and no GroupedMatmul kernel either (one matmul per
+        expert). ``mindspore.recompute``'s
         ``output_recompute`` runs everywhere."""
         if self._device_type == "ascend":
             return frozenset({
                 Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
                 Capability.ASYNC_COLLECTIVES, Capability.STREAMS, Capability.FUSED_ATTENTION,
-                Capability.OUTPUT_RECOMPUTE,
+                Capability.OUTPUT_RECOMPUTE, Capability.GROUPED_MATMUL,
             })
         return frozenset({Capability.OUTPUT_RECOMPUTE})
 

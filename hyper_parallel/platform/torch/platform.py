@@ -20,6 +20,7 @@ from hyper_parallel.platform.base import FULL, Activation, AttentionMask, Capabi
 from hyper_parallel.platform.contract.modules import ModuleTypes
 from hyper_parallel.platform.contract.types import DTYPE_NAMES
 from hyper_parallel.platform.forward_replacement import ForwardReplacement
+from hyper_parallel.platform.grouped_matmul import check_grouped_matmul, looped_grouped_matmul
 from hyper_parallel.platform.saved_tensor_layers import PASS, LayeredHooks, SavedTensorLayer
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.backward_hooks import register_output_grad_pre_hook
@@ -102,6 +103,38 @@ def _rewrap(piece: Any, wrap: tuple[type, Any] | None) -> Any:
     return piece if wrap is None else wrap[0](piece, wrap[1])
 
 
+#: the dtypes ``torch.nn.functional.grouped_mm`` takes, per device type (torch 2.13: its CPU
+#: kernel takes the three floats; its CUDA kernels are bfloat16 ones)
+_GROUPED_MM_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16,)}
+
+
+def _grouped_mm_refusal(x: Any, weight: Any) -> str:
+    """Why ``torch.nn.functional.grouped_mm`` cannot take ``x`` ``[rows, in]`` and
+    ``weight`` ``[groups, out, in]`` ("" when it can)."""
+    dtypes = _GROUPED_MM_DTYPES.get(x.device.type, ())
+    if x.dtype not in dtypes or weight.dtype != x.dtype:
+        return (f"torch's grouped_mm takes {', '.join(map(str, dtypes)) or 'no dtype'} on {x.device.type}, got "
+                f"x {x.dtype} and weight {weight.dtype}")
+    # its kernels read both operands with a leading stride in 16-byte multiples
+    if (x.shape[1] * x.element_size()) % 16 or (weight.shape[1] * weight.element_size()) % 16:
+        return (f"torch's grouped_mm needs in ({x.shape[1]}) and out ({weight.shape[1]}) to be multiples of "
+                f"{16 // x.element_size()} {x.dtype} elements (16 bytes)")
+    return ""
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: ``grouped_mm``'s backward
+    (torch 2.13) raises on a gradient with zero strides (``out.sum().backward()``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:  # noqa: ARG004
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:  # noqa: ARG004
+        return grad.contiguous()
+
+
 class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     """torch backend. ``device``: ``"cpu"``, ``"cuda"``, ``"npu"``, or ``None`` for CUDA
     if available, else NPU if torch_npu imports, else CPU.
@@ -141,6 +174,8 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         caps = {Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
                 Capability.ASYNC_COLLECTIVES, Capability.FUSED_ATTENTION}
+        if self._device_type in _GROUPED_MM_DTYPES:  # torch_npu: not wired (its kernel has no autograd)
+            caps |= {Capability.GROUPED_MATMUL}
         if self._device_type != "cpu":
             caps |= {Capability.STREAMS}
         return frozenset(caps)
@@ -423,6 +458,18 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def activation(self, x: Any, kind: Activation) -> Any:
         return getattr(torch.nn.functional, kind.value)(x)
+
+    def grouped_matmul(self, x: Any, weight: Any, group_sizes: Sequence[int]) -> Any:
+        """``torch.nn.functional.grouped_mm`` where it takes the device and dtype (CPU:
+        float32 / bfloat16 / float16; CUDA: bfloat16, as its kernels require; rows of
+        16-byte multiples), else one matmul per group (``platform/grouped_matmul.py``)."""
+        sizes = check_grouped_matmul(x, weight, group_sizes)
+        why = _grouped_mm_refusal(x, weight)
+        if why or not x.shape[0]:  # no rows: its backward cannot take their gradient's zero strides
+            return looped_grouped_matmul(self, x, weight, sizes, why)
+        offsets = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device=x.device)
+        out = torch.nn.functional.grouped_mm(x.contiguous(), weight.contiguous().transpose(-2, -1), offs=offsets)
+        return _ContiguousGrad.apply(out)
 
     def cross_entropy(self, logits: Any, target: Any, reduction: str) -> Any:
         return torch.nn.functional.cross_entropy(logits, target, reduction=reduction)
