@@ -159,7 +159,15 @@ def _reduced(shape: Sequence[int], dims: Sequence[int] | None) -> tuple[int, ...
 
 def view_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[list[int], list[int]]]:
     """Pair runs of ``src`` dims with runs of ``dst`` dims of equal product (a reshape
-    keeps each run's elements together); size-1 dims form their own groups."""
+    keeps each run's elements together); size-1 dims form their own groups.
+
+    Raises:
+        ValueError: ``src`` and ``dst`` hold different numbers of elements.
+    """
+    if math.prod(src) != math.prod(dst):
+        raise ValueError(f"reshape/view: a DTensor of shape {tuple(src)} ({math.prod(src)} elements) cannot take "
+                         f"shape {tuple(dst)} ({math.prod(dst)} elements); give a shape whose sizes multiply to "
+                         f"{math.prod(src)}")
     groups, i, j = [], 0, 0
     while i < len(src) or j < len(dst):
         if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):

@@ -64,7 +64,7 @@ _PRIMITIVES: dict[str, tuple[str, str]] = {
     "Reciprocal": ("reciprocal", "pointwise"), "ToDtype": ("to_copy", "pointwise"),
     "Cast": ("to_copy", "pointwise"), "Clone": ("clone", "pointwise"),
     "InplaceAddExt": ("add", "inplace"), "InplaceAddsExt": ("add", "inplace"),
-    "InplaceSubExt": ("sub", "inplace"), "InplaceMul": ("mul", "inplace"), "InplaceMuls": ("mul", "inplace"),
+    "InplaceSubExt": ("sub", "inplace"), "InplaceSubScalar": ("sub", "inplace"), "InplaceMul": ("mul", "inplace"), "InplaceMuls": ("mul", "inplace"),
     "InplaceDiv": ("div", "inplace"), "InplaceDivs": ("div", "inplace"), "InplaceCopy": ("copy", "inplace"),
     "Assign": ("copy", "inplace"),
     "Dense": ("linear", "linear"), "MatMulExt": ("matmul", "plain"), "BatchMatMulExt": ("bmm", "plain"),
@@ -278,6 +278,7 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                 with NoFallbackGuard():
                     out = op(*call_args, **kwargs)
                 if cached.inplace is not None:
+                    _written(call_args[cached.inplace], out)
                     return args[cached.inplace]
                 return DTensor(out, cached.call.plan.out_spec)
             rule, kind = _PRIMITIVES.get(name, (name, "plain"))
@@ -290,6 +291,13 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                                    "ops.dropout and mint.nn.functional.dropout (from its own stream: "
                                    "hyper_parallel.core.dtensor.random.manual_seed); draw with one of them, or on "
                                    "the local tensor (DTensor.to_local()) if per-rank values are meant")
+            if name not in _PRIMITIVES and name.startswith("Inplace"):
+                # core's fallback computes on Replicate copies and returns a new DTensor:
+                # the DTensor the call was to write would keep its old values, silently
+                raise RuntimeError(f"{name} on a DTensor: this in-place operation has no sharding rule in "
+                                   "hyper_parallel, and running it on copies would leave the DTensor unchanged; "
+                                   "use the out-of-place operation (x = op(x, ...)), or run it on the local tensor "
+                                   "(DTensor.to_local()) where per-rank values are meant")
             out = _dispatch(entry, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
             if cached is _UNSEEN:
                 # only once the call went through: what it raised, the next call raises too
@@ -471,7 +479,23 @@ def _dispatch(entry: Any, op: Any, name: str, rule: str, kind: str, args: list[A
     rule, params, inplace = _params(kind, rule, args, kwargs, is_dtensor)
     if kind == "reshape":
         return entry.dispatch_explicit(rule, tensors, local_call, params, with_local_shape=True)
+    if inplace is not None:
+        def written(*locals_: Any) -> Any:
+            return _written(locals_[inplace], local_call(*locals_))
+
+        return entry.dispatch_explicit(rule, tensors, written, params, inplace=inplace)
     return entry.dispatch_explicit(rule, tensors, local_call, params, inplace=inplace)
+
+
+def _written(target: Any, out: Any) -> Any:
+    """``target``, holding ``out``: an in-place primitive's result written into the tensor
+    it was to write. MindSpore 2.10's CPU kernels of ``Tensor.add_`` / ``sub_`` / ``mul_``
+    / ``div_`` (``InplaceAddExt``, ``InplaceMul``, ...) return a new tensor and leave their
+    input unchanged, which on a DTensor would drop the update silently; ``copy_``'s kernel
+    writes."""
+    if out is not target:
+        target.copy_(out)
+    return target
 
 
 def _params(kind: str, rule: str, args: Sequence[Any], kwargs: dict[str, Any],
