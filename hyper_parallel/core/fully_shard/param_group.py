@@ -26,9 +26,11 @@ framework's copy kernel converts dtypes), so ``MixedPrecisionPolicy.param_dtype`
 no separate cast and no padded copy is made: the padding columns of a short chunk are
 not written (what they hold, zeros or an earlier use's values of a pooled buffer, only
 reaches padding rows of the output, which are dropped). The
-gathered parameters are copied out of the output buffer (``clone`` of each column
+gathered parameters are copied out of the output buffer (one copy of each column
 block: rows of different ranks are ``total`` apart, so no parameter is a contiguous
-view of it; FSDP2 copies out likewise), after which both buffers go back to the tree's
+view of it; FSDP2 copies out likewise; a parameter sharded on a dim other than 0 has its
+dims put back in place on a view first, so that copy is the only one, unless its chunk
+is padded), after which both buffers go back to the tree's
 pool (``HSDPContext.flat_buffers``): buffers of one shape serve every unit of that size
 and every step. Orderings on accelerators ([Note: collectives and overlap] in
 ``hsdp_state``): the copy-in runs on the current stream after the buffer's last
@@ -120,9 +122,13 @@ class ParamGroup:
         return self.unit.context.flat_buffers
 
     def _front_shape(self, hp: Any, rows: int) -> tuple[int, ...]:
-        """``hp``'s shape with ``dim`` moved first and ``rows`` rows there."""
-        rest = [n for d, n in enumerate(hp.shape) if d != hp.dim]
-        return (rows, *rest)
+        """The shape of ``_front`` of ``hp`` (``transpose(0, dim)``: dims 0 and ``dim``
+        swapped) with ``rows`` rows first."""
+        shape = list(hp.shape)
+        if hp.dim:
+            shape[hp.dim] = shape[0]
+        shape[0] = rows
+        return tuple(shape)
 
     @staticmethod
     def _front(p: Any, tensor: Any, dim: int) -> Any:
@@ -182,13 +188,32 @@ class ParamGroup:
             for hp in flat.members:
                 i = self.params.index(hp)
                 off, n = self.offsets[i], self.numels[i]
-                full = clone(out[:, off:off + n]).reshape(self._front_shape(hp, self.shard_size * hp.chunk))
-                full = p.narrow(full, 0, 0, hp.shape[hp.dim])
-                hp.unsharded = self._front(p, full, hp.dim).contiguous()
+                hp.unsharded = self._copy_out(hp, out[:, off:off + n])
                 hp.pending = None
             pool = self._pool()
             pool.release(flat.inp)
             pool.release(out)
+
+    def _copy_out(self, hp: Any, columns: Any) -> Any:
+        """``hp`` gathered, ``hp.shape`` and contiguous, from its columns ``[Ns, numel]``
+        of the all-gather output: one copy (two for a padded chunk on a dim other than
+        0). Row ``r`` holds rank ``r``'s chunk laid out as ``_front``, so the chunk's
+        dims are put back in place on a view (``[Ns, chunk, *rest]``, ``dim``'s two
+        factors beside each other) before the one copy that makes them contiguous."""
+        p = get_platform()
+        dim, rows = hp.dim, self.shard_size * hp.chunk
+        if not dim:
+            return p.narrow(clone(columns).reshape(self._front_shape(hp, rows)), 0, 0, hp.shape[0])
+        front = self._front_shape(hp, hp.chunk)
+        split = columns.reshape(self.shard_size, *front)  # splits dim 1 only: a view
+        # the view's dims in ``hp``'s order: ``dim`` <- (ranks, chunk), 0 <- front dim ``dim``
+        order = [d for t in range(len(hp.shape)) for d in ((0, 1) if t == dim else (dim + 1,) if t == 0 else (t + 1,))]
+        shape = list(hp.shape)
+        shape[dim] = rows
+        full = split.permute(*order).contiguous().reshape(shape)
+        if rows == hp.shape[dim]:
+            return full
+        return p.narrow(full, dim, 0, hp.shape[dim]).contiguous()  # a padded chunk: the second copy
 
     # -- reduce-scatter ----------------------------------------------------------------
     def start_reduce(self, hp: Any, grad: Any, reduce_dtype: Any, stream: Any) -> None:
