@@ -160,3 +160,19 @@ class Trainer:
         else:
             self.opt(self.grads)
             self.grads = None
+
+
+def assert_shard_grads(trainer: Trainer, ref_trainer: Trainer, states: list[Any], tol: dict[str, float],
+                       label: str) -> None:
+    """Each of ``trainer``'s gradients (this rank's pieces) equals the rows along its
+    parameter's shard dim of ``ref_trainer``'s (one process) that this rank holds; the
+    parameters are found among the ``HSDPState`` units ``states``."""
+    from tests.dtensor._reference import chunk
+
+    for param, grad, expected in zip(trainer.params, trainer.grad_arrays(), ref_trainer.grad_arrays()):
+        hp = next(hp for state in states for hp in state.params if hp.sharded is param)
+        start, length = chunk(hp.shape[hp.dim], hp.shard_size, hp.shard_rank)
+        if hp.replicated:  # [Note: no empty chunks on MindSpore]: held whole
+            start, length = 0, hp.shape[hp.dim]
+        np.testing.assert_allclose(grad, np.take(expected, range(start, start + length), axis=hp.dim), **tol,
+                                   err_msg=f"{label}: gradient of {hp.fqn} (Shard({hp.dim}))")

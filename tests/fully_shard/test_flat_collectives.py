@@ -21,8 +21,7 @@ from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard, hsdp_state
 from hyper_parallel.platform import get_platform
 from tests.collective_counts import count_collectives
-from tests.dtensor._reference import chunk
-from tests.fully_shard._models import Trainer, build, weights
+from tests.fully_shard._models import Trainer, assert_shard_grads, build, weights
 
 _COUNTED = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 # float32 gradients of one step, summed over ranks in another order: a few ulps. The
@@ -64,14 +63,7 @@ def count_step(config: dict) -> dict:
     for step in range(3):
         _, counts = count_collectives(lambda: trainer.backward(_batch(step)[r * per:(r + 1) * per]), _COUNTED)
         ref_trainer.backward(_batch(step))
-        for name, param, grad, expected in zip([name for name, _ in p.named_parameters(ref) if name != "gain"],
-                                               trainer.params, trainer.grad_arrays(), ref_trainer.grad_arrays()):
-            hp = next(hp for state in units for hp in state.params if hp.sharded is param)
-            start, length = chunk(hp.shape[hp.dim], hp.shard_size, hp.shard_rank)
-            if hp.replicated:  # [Note: no empty chunks on MindSpore]: its own all-reduce, not counted here
-                start, length = 0, hp.shape[hp.dim]
-            np.testing.assert_allclose(grad, np.take(expected, range(start, start + length), axis=hp.dim), **tol,
-                                       err_msg=f"{config}: gradient of {name} at step {step}")
+        assert_shard_grads(trainer, ref_trainer, units, tol, f"{config}, step {step}")
         pool = units[-1].context.flat_buffers
         # the flat buffers of the second step serve the third: no new allocation
         assert step < 2 or [id(b) for b in pool.buffers] == buffers, f"{config}: buffers allocated again"

@@ -23,8 +23,7 @@ from hyper_parallel.core.dtensor import init_device_mesh
 from hyper_parallel.core.fully_shard import fully_shard, hsdp_state
 from hyper_parallel.platform import get_platform
 from tests.collective_counts import count_collectives
-from tests.dtensor._reference import chunk
-from tests.fully_shard._models import N_BLOCKS, Trainer, build, weights
+from tests.fully_shard._models import N_BLOCKS, Trainer, assert_shard_grads, build, weights
 
 # float32 gradients of one step, summed over ranks in another order: a few ulps
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -81,13 +80,7 @@ def trace_prefetch(config: dict) -> dict:
         _, counts = count_collectives(lambda: trainer.backward(_batch(step)[r * per:(r + 1) * per]),
                                       ("all_gather_into_tensor",))
         ref_trainer.backward(_batch(step))
-        for param, grad, expected in zip(trainer.params, trainer.grad_arrays(), ref_trainer.grad_arrays()):
-            hp = next(hp for state in [*states, root] for hp in state.params if hp.sharded is param)
-            start, length = chunk(hp.shape[hp.dim], hp.shard_size, hp.shard_rank)
-            if hp.replicated:  # [Note: no empty chunks on MindSpore]
-                start, length = 0, hp.shape[hp.dim]
-            np.testing.assert_allclose(grad, np.take(expected, range(start, start + length), axis=hp.dim), **TOL,
-                                       err_msg=f"{config}: gradient of {hp.fqn} at step {step}")
+        assert_shard_grads(trainer, ref_trainer, [*states, root], TOL, f"{config}, step {step}")
         trainer.step()
         ref_trainer.step()
     return {"events": events, "all_gathers": counts["all_gather_into_tensor"]}

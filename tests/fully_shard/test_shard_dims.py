@@ -14,8 +14,7 @@ import pytest
 from hyper_parallel.core.dtensor import Shard, init_device_mesh
 from hyper_parallel.core.fully_shard import fully_shard, hsdp_state
 from hyper_parallel.platform import get_platform
-from tests.dtensor._reference import chunk
-from tests.fully_shard._models import Trainer
+from tests.fully_shard._models import Trainer, assert_shard_grads
 
 # float32 gradients summed over ranks in another order than one process's: a few ulps
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -67,13 +66,7 @@ def check_shard_dims(reshard: bool) -> int:
     for step in range(3):
         trainer.backward(_batch(step)[r * per:(r + 1) * per])
         ref.backward(_batch(step))
-        for name, grad, expected in zip(PARAMS, trainer.grad_arrays(), ref.grad_arrays()):
-            hp = next(hp for hp in state.params if tuple(hp.shape) == PARAMS[name][0])
-            start, length = chunk(hp.shape[hp.dim], hp.shard_size, hp.shard_rank)
-            if hp.replicated:  # [Note: no empty chunks on MindSpore]
-                start, length = 0, hp.shape[hp.dim]
-            np.testing.assert_allclose(grad, np.take(expected, range(start, start + length), axis=hp.dim), **TOL,
-                                       err_msg=f"gradient of {name} (Shard({hp.dim})) at step {step}")
+        assert_shard_grads(trainer, ref, [state], TOL, f"step {step}")
         trainer.step()
         ref.step()
     return 1
