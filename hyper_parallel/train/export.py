@@ -252,12 +252,6 @@ def decoder_state(path: Path, manifest: dict[str, Any]) -> tuple[ModelConfig, di
             model's (a missing or extra name, another shape).
     """
     cfg = decoder_sizes(path, manifest)
-    if cfg.moe_experts:
-        # export has no Hugging Face MoE mapping yet; generate and eval would route without the
-        # checkpoint's aux-free balance biases (moe_bias/...), i.e. another model than the trained one
-        raise ValueError(f"checkpoint {str(path)!r} holds a mixture-of-experts decoder (--moe-experts "
-                         f"{cfg.moe_experts}): hyper-parallel export, generate and eval do not read MoE checkpoints "
-                         "yet; resume it with hyper-parallel train --resume, or train a dense model to export")
     params = whole_parameters(path, manifest)
     if any(name.startswith(("model.", "lm_head.")) for name in params):
         raise ValueError(f"checkpoint {str(path)!r} holds a Hugging Face model's parameters (an --hf-config run) but "
@@ -278,18 +272,107 @@ def decoder_state(path: Path, manifest: dict[str, Any]) -> tuple[ModelConfig, di
     return cfg, {name: params[name] for name in expected}
 
 
-def hf_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config.json, {HF name: whole tensor})`` of the checkpoint: the job's decoder as
-    ``LlamaForCausalLM``, or an ``--hf-config`` run's model under its own names and
-    configuration.
+def moe_biases(path: Path, manifest: dict[str, Any], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """``{"layers.{i}.moe": bias [experts]}``: the aux-free balance bias of each MoE block of
+    the checkpoint's decoder ``cfg`` (float32; zeros under ``--moe-balance aux-loss``, which
+    never moves them). They choose the experts ([Note: the job's MoE routing]), so a model
+    without them routes otherwise than the one trained.
 
     Raises:
-        ValueError: see ``decoder_state``.
+        ValueError: an MoE block's bias is not in the checkpoint.
+    """
+    names = [f"layers.{i}.moe" for i in range(cfg.n_layers) if cfg.is_moe_block(i)]
+    keys = {name: f"moe_bias/{name}.expert_bias" for name in names}
+    missing = [key for key in keys.values() if key not in manifest["tensors"]]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} holds a mixture-of-experts decoder without its balance biases "
+                         f"({', '.join(missing[:3])}); it was written by another version: resume and save it with "
+                         "this one")
+    shape = (cfg.moe_experts,)
+    arrays = checkpoint.read_pieces(path, manifest, {key: Box(shape, (0,), shape) for key in keys.values()})
+    return {name: np.asarray(arrays[key], np.float32) for name, key in keys.items()}
+
+
+#: The job's MoE block parameters -> Mixtral's, per block ``{i}`` (and expert ``{e}`` for the
+#: stacked experts, ``[experts, ...]`` split into one tensor each): the per-expert layout
+#: transformers 5 converts on load (to its fused ``gate_up_proj``) and vLLM reads.
+MIXTRAL_NAMES: dict[str, str] = {
+    "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
+    "layers.{i}.moe.experts.w1": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+    "layers.{i}.moe.experts.w2": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
+    "layers.{i}.moe.experts.w3": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
+}
+
+
+def mixtral_state(path: Path, cfg: ModelConfig, params: dict[str, np.ndarray],
+                  biases: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config.json, {HF name: tensor})`` of the job's MoE decoder as
+    ``MixtralForCausalLM``: Llama's attention, norms and embeddings ([Note: the job's
+    decoder as Hugging Face's Llama]), and in every block Mixtral's sparse MoE: a softmax
+    router whose top-k probabilities, renormalised to sum to 1, weight SwiGLU experts, the
+    job's routing when ``top_k > 1`` ([Note: the job's MoE routing]).
+
+    Raises:
+        ValueError: a decoder Mixtral cannot hold: dense blocks between MoE blocks
+            (``--moe-every`` > 1), shared experts, top-1 routing (Mixtral's single gate is
+            1, the job's the probability), or non-zero aux-free balance biases (Mixtral
+            routes by the probabilities alone).
+    """
+    problems = []
+    if cfg.moe_every != 1:
+        problems.append(f"--moe-every {cfg.moe_every} leaves dense blocks between the MoE ones (Mixtral's are all "
+                        "MoE; train with --moe-every 1)")
+    if cfg.moe_shared_experts:
+        problems.append(f"--moe-shared-experts {cfg.moe_shared_experts} (Mixtral has no shared expert; train "
+                        "with --moe-shared-experts 0)")
+    if cfg.moe_top_k == 1:
+        problems.append("--moe-top-k 1 weights each token's expert by its probability, Mixtral by 1 (train "
+                        "with --moe-top-k 2 or more)")
+    moved = [name for name, bias in biases.items() if np.any(bias)]
+    if moved:
+        problems.append(f"the aux-free balance biases of {len(moved)} block(s) ({moved[0]}, ...) are not zero and "
+                        "choose the experts, which Mixtral's router cannot (train with --moe-balance aux-loss)")
+    if problems:
+        raise ValueError(f"checkpoint {str(path)!r} holds a mixture-of-experts decoder that Hugging Face's Mixtral "
+                         f"format cannot hold: {'; '.join(problems)}. hyper-parallel generate and eval read it as "
+                         "it is")
+    config = llama_config(cfg)
+    config.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                   "intermediate_size": cfg.expert_hidden_dim, "num_local_experts": cfg.moe_experts,
+                   "num_experts_per_tok": cfg.moe_top_k, "output_router_logits": False,
+                   "router_aux_loss_coef": cfg.moe_aux_loss_coef, "router_jitter_noise": 0.0,
+                   "sliding_window": None})
+    for key in ("mlp_bias", "attention_bias"):
+        config.pop(key)
+    tensors: dict[str, np.ndarray] = {}
+    for name, value in params.items():
+        block = re.fullmatch(r"layers\.(\d+)\.(moe\..+)", name)
+        pattern = f"layers.{{i}}.{block.group(2)}" if block else None
+        if pattern not in MIXTRAL_NAMES:
+            tensors[hf_name(name)] = value
+            continue
+        target = MIXTRAL_NAMES[pattern].replace("{i}", block.group(1))
+        if "{e}" in target:
+            tensors.update({target.replace("{e}", str(e)): value[e] for e in range(value.shape[0])})
+        else:
+            tensors[target] = value
+    return config, tensors
+
+
+def hf_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config.json, {HF name: whole tensor})`` of the checkpoint: the job's decoder as
+    ``LlamaForCausalLM`` (its MoE decoder as ``MixtralForCausalLM``: ``mixtral_state``), or
+    an ``--hf-config`` run's model under its own names and configuration.
+
+    Raises:
+        ValueError: see ``decoder_state``, ``moe_biases`` and ``mixtral_state``.
     """
     record = manifest.get("model") or {}
     if "hf_config" in record:
         return record["hf_config"], whole_parameters(path, manifest)
     cfg, params = decoder_state(path, manifest)
+    if cfg.moe_experts:
+        return mixtral_state(path, cfg, params, moe_biases(path, manifest, cfg))
     return llama_config(cfg), {hf_name(name): value for name, value in params.items()}
 
 

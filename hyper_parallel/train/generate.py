@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.platform import Platform
-from hyper_parallel.train.export import decoder_sizes, decoder_state, find_checkpoint
+from hyper_parallel.train.export import decoder_sizes, decoder_state, find_checkpoint, moe_biases
 from hyper_parallel.train.model_config import ModelConfig
 
 #: ``--max-new-tokens`` default.
@@ -160,14 +160,18 @@ def load_decoder(p: Platform, path: Path, manifest: dict[str, Any]) -> LoadedDec
     the checkpoint's values (read whole, whatever layout wrote them).
 
     Raises:
-        ValueError: see ``export.decoder_state``.
+        ValueError: see ``export.decoder_state`` and ``export.moe_biases``.
     """
     from hyper_parallel.train.model import build_model
+    from hyper_parallel.train.moe_model import moe_layers
 
     cfg, params = decoder_state(path, manifest)
+    biases = moe_biases(path, manifest, cfg) if cfg.moe_experts else {}
     model = build_model(p, cfg, seed=0)  # initial values, each replaced below
     for name, value in params.items():
         p.set_parameter(model, name, p.make_parameter(p.from_numpy(np.ascontiguousarray(value))))
+    for name, layer in moe_layers(p, model):  # the balance biases choose the experts as in training
+        layer.expert_bias = biases[name].copy()
     return LoadedDecoder(path, int(manifest["step"]), cfg, model)
 
 

@@ -13,7 +13,7 @@ import pytest
 from hyper_parallel.platform import get_platform
 from hyper_parallel.train.cli import build_parser, config_from_args
 from hyper_parallel.train.config import Layout, ModelConfig, TrainConfig
-from hyper_parallel.train.export import decoder_state
+from hyper_parallel.train.export import moe_biases
 from hyper_parallel.train.hf_config import read_hf_config
 from hyper_parallel.train.loop import train
 from hyper_parallel.train.model import build_model, parameter_shapes
@@ -199,10 +199,11 @@ def test_dense_checkpoint_record_is_unchanged() -> None:
     assert ModelConfig(**model_record(moe)) == TINY
 
 
-def test_export_generate_and_hf_config_refuse_moe(tmp_path: Path) -> None:
+def test_moe_checkpoint_without_biases_and_hf_moe_config_refused(tmp_path: Path) -> None:
     manifest = {"model": dataclasses.asdict(TINY), "tensors": {}}
-    with pytest.raises(ValueError, match="holds a mixture-of-experts decoder .* do not read MoE checkpoints yet"):
-        decoder_state(tmp_path, manifest)
+    # export, generate and eval read MoE checkpoints (test_moe_export.py), with their balance biases
+    with pytest.raises(ValueError, match="holds a mixture-of-experts decoder without its balance biases"):
+        moe_biases(tmp_path, manifest, TINY)
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, '
                       '"num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 512, "num_experts": 8}')
