@@ -26,9 +26,10 @@ def test_every_member_is_abstract_typed_and_documented() -> None:
     # framework's optimizer, and ``mesh_device_types`` a function of BACKENDS; 65 with ``stack``,
     # ``clone``, ``dtype_name`` in core/tensor_ops and ``split_group``, ``barrier`` in
     # core/process_groups, each composed from the members once). Compose existing members or
-    # extend one with a keyword argument rather than raising the bound.
+    # extend one with a keyword argument rather than raising the bound. 66 with ``compile_module``
+    # (issue 38: the framework's compiler, torch.compile or mindspore.jit, which no member composes).
     total = len(members) + len(derived)
-    assert total <= 65, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
+    assert total <= 66, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
     assert not set(members) & set(derived)
     for name in derived:
         assert inspect.getdoc(getattr(Platform, name)), f"derived member {name} has no docstring"
