@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The ``hyper-parallel train`` step on torch with and without ``--compile``, beside plain torch
 training the same decoder eagerly and with ``torch.compile`` of each block, in the same run
-(torch-cpu, one rank, float32).
+(torch-cpu, one rank, float32); with ``--world-size 2`` (the default) also the job's tp 2 and
+dp-shard 2 steps with and without ``--compile`` on two gloo ranks.
 
 All four: the ``small`` preset (or ``--model``), seq 128, batch 8, the job's initial weights
 and batches. The job's steps are ``train.loop._train_step`` of ``loop.setup`` (``--compile``:
@@ -18,7 +19,7 @@ Timing: the four alternate step by step (the order rotates every repetition), me
 median of per-repetition ratios. Losses are compared at every step (the same math: 1e-4
 relative).
 
-    python benchmarks/compile_torch.py [--iters 12] [--warmup 3]
+    python benchmarks/compile_torch.py [--iters 12] [--warmup 3] [--world-size 2]
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def plain_step(model: Any) -> Callable[[list[Any]], float]:
     return step
 
 
-def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmup: int) -> list[dict]:
-    """Runs on the one rank: the four steps, alternating; seconds per step and losses."""
+def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmup: int, world: int) -> list[dict]:
+    """Runs on every rank: at one rank the four steps, at two the job's tp 2 and dp-shard 2
+    steps eager and compiled, alternating; this rank's seconds per step and losses."""
     import torch
 
     from hyper_parallel.platform import get_platform
@@ -69,16 +71,19 @@ def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmu
 
     p = get_platform()
     cfg = PRESETS[model_name]
-    runs = {name: loop.setup(TrainConfig(platform="torch-cpu", nproc=1, model=cfg, model_name=model_name,
-                                         layout=Layout(), seq_len=seq_len, batch_size=batch_size, steps=10_000,
-                                         max_norm=MAX_NORM, lr=LR, warmup_steps=0, lr_schedule="constant",
-                                         weight_decay=WEIGHT_DECAY, progress=False, compile=compiled))
-            for name, compiled in (("job", False), ("job compiled", True))}
-    corpus = runs["job"].corpus
-    eager_model, compiled_model = build_model(p, cfg, 0), build_model(p, cfg, 0)
-    for block in compiled_model.layers:
-        block.compile()  # torch's own per-block compile (inductor)
-    plain = {"plain torch": plain_step(eager_model), "plain torch.compile": plain_step(compiled_model)}
+    layouts = {"job": Layout()} if world == 1 else {"job tp 2": Layout(tp=2), "job dp-shard 2": Layout(dp_shard=2)}
+    runs = {name + suffix: loop.setup(TrainConfig(platform="torch-cpu", nproc=world, model=cfg, model_name=model_name,
+                                                  layout=layout, seq_len=seq_len, batch_size=batch_size, steps=10_000,
+                                                  max_norm=MAX_NORM, lr=LR, warmup_steps=0, lr_schedule="constant",
+                                                  weight_decay=WEIGHT_DECAY, progress=False, compile=compiled))
+            for name, layout in layouts.items() for suffix, compiled in (("", False), (" compiled", True))}
+    corpus = next(iter(runs.values())).corpus
+    plain = {}
+    if world == 1:
+        eager_model, compiled_model = build_model(p, cfg, 0), build_model(p, cfg, 0)
+        for block in compiled_model.layers:
+            block.compile()  # torch's own per-block compile (inductor)
+        plain = {"plain torch": plain_step(eager_model), "plain torch.compile": plain_step(compiled_model)}
 
     def plain_call(fn: Callable[[list[Any]], float]) -> Callable[[int], float]:
         def one(step: int) -> float:
@@ -103,15 +108,19 @@ def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmu
     return [{"impl": name, "seconds": seconds[name], "losses": losses[name]} for name in names]
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """Median ms per step and the ratios of each step to the others of its repetition."""
+def summarize(rows: list[dict], world: int) -> list[dict]:
+    """Median ms per step and the ratios of each step to the others of its repetition (a
+    compiled job step also to the same layout's eager step). Rank 0's times: every step
+    ends in collectives that wait for the slowest rank."""
     by_name = {row["impl"]: row["seconds"] for row in rows}
     out = []
     for row in rows:
-        entry = {"impl": row["impl"], "ms": statistics.median(row["seconds"]) * 1e3, "final_loss": row["losses"][-1]}
-        for reference in ("plain torch", "plain torch.compile", "job"):
-            if reference != row["impl"]:
-                key = "ratio_to_" + reference.replace(" ", "_").replace(".", "_")
+        entry = {"impl": row["impl"], "world_size": world, "ms": statistics.median(row["seconds"]) * 1e3,
+                 "final_loss": row["losses"][-1]}
+        references = {"plain torch": "ratio_to_plain_torch", "plain torch.compile": "ratio_to_plain_torch_compile",
+                      row["impl"].removesuffix(" compiled"): "ratio_to_eager"}
+        for reference, key in references.items():
+            if reference != row["impl"] and reference in by_name:
                 entry[key] = statistics.median(a / b for a, b in zip(row["seconds"], by_name[reference]))
         out.append(entry)
     # run_all's summary: the job / plain torch in the same mode
@@ -138,31 +147,34 @@ EXPLANATION = ("Median ms per step, the four steps alternating within each repet
                "torch.compile'd, inductor); plain torch.compile: the same decoder trained by plain torch, each block "
                "`block.compile()`.")
 RATIO_COLUMNS = {"ratio_to_plain_torch": "/ plain torch", "ratio_to_plain_torch_compile": "/ plain torch.compile",
-                 "ratio_to_job": "/ job eager"}
+                 "ratio_to_eager": "/ job eager, same layout"}
 
 
 def markdown(results: list[dict], meta: dict) -> str:
-    title = (f"# --compile on torch beside plain torch (CPU, one rank, float32, model {meta['model']}, "
+    title = (f"# --compile on torch beside plain torch (CPU, float32, model {meta['model']}, "
              f"seq {meta['seq_len']}, batch {meta['batch_size']})")
-    columns = ["step", "ms", *RATIO_COLUMNS.values(), "final loss"]
+    columns = ["step", "ranks", "ms", *RATIO_COLUMNS.values(), "final loss"]
     table = ["| " + " | ".join(columns) + " |", "|---|" + "---:|" * (len(columns) - 1)]
     for e in results:
-        cells = [e["impl"], f"{e['ms']:.1f}", *(ratio_cell(e, key) for key in RATIO_COLUMNS), f"{e['final_loss']:.4f}"]
+        cells = [e["impl"], str(e["world_size"]), f"{e['ms']:.1f}", *(ratio_cell(e, key) for key in RATIO_COLUMNS),
+                 f"{e['final_loss']:.4f}"]
         table.append("| " + " | ".join(cells) + " |")
     return "\n".join([title, "", EXPLANATION, "", *table]) + "\n"
 
 
 def main() -> int:
-    args = step_arguments(__doc__, "compile_torch", iters=12, warmup=3)
+    args = step_arguments(__doc__, "compile_torch", iters=12, warmup=3, world_sizes=(1, 2))
     from hyper_parallel.testing import run_on_ranks
 
-    # The rank imports the rank function by name, which __main__ cannot give it.
+    # The ranks import the rank function by name, which __main__ cannot give them.
     from benchmarks.compile_torch import bench_rank as rank_fn
 
-    rows = run_on_ranks(rank_fn, 1, args.model, args.seq_len, args.batch_size, args.iters, args.warmup,
-                        platform="torch-cpu", timeout_s=3600)[0]
-    check_same_math(rows)
-    results = summarize(rows)
+    results = []
+    for world in (1, 2)[:args.world_size]:
+        rows = run_on_ranks(rank_fn, world, args.model, args.seq_len, args.batch_size, args.iters, args.warmup, world,
+                            platform="torch-cpu", timeout_s=3600)[0]
+        check_same_math(rows)
+        results += summarize(rows, world)
     meta = {"model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size, "iters": args.iters,
             "warmup": args.warmup, "backend": "torch-cpu", "compile_backend": "inductor", **host_meta()}
     write_results(args.out, meta, results, markdown(results, meta))
