@@ -37,7 +37,7 @@ class _Hook:
     """A hook as registered: calls ``run``, the hook itself until ``EagerHooks`` swaps in
     the hook excluded from tracing."""
 
-    __slots__ = ("hook", "run")
+    __slots__ = ("__weakref__", "hook", "run")
 
     def __init__(self, hook: Callable[..., Any]) -> None:
         self.hook: Callable[..., Any] = hook
@@ -56,7 +56,9 @@ class EagerHooks:
     and ``exclude`` swaps in the disabled hook; after it, hooks are disabled at once."""
 
     def __init__(self) -> None:
-        self._pending: weakref.WeakKeyDictionary[Any, list[_Hook]] = weakref.WeakKeyDictionary()
+        # module -> its registered hooks, held weakly: a removed hook (torch drops it) leaves
+        # the set, so hooks registered and removed every step do not pile up
+        self._pending: weakref.WeakKeyDictionary[Any, weakref.WeakSet[_Hook]] = weakref.WeakKeyDictionary()
         self.compiling = False  # a compile_module has run in this process
 
     def wrap(self, module: Any, hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -64,7 +66,7 @@ class EagerHooks:
         if self.compiling:
             return _disabled(hook)
         wrapper = _Hook(hook)
-        self._pending.setdefault(module, []).append(wrapper)
+        self._pending.setdefault(module, weakref.WeakSet()).add(wrapper)
         return wrapper
 
     def exclude(self, root: Any) -> None:
@@ -72,7 +74,7 @@ class EagerHooks:
         and so does every hook registered later."""
         self.compiling = True
         for module in root.modules():
-            for wrapper in self._pending.pop(module, []):
+            for wrapper in list(self._pending.pop(module, ())):
                 wrapper.run = _disabled(wrapper.hook)
 
 
