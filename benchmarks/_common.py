@@ -31,6 +31,26 @@ def add_step_arguments(parser: Any, iters: int, warmup: int) -> None:
     parser.add_argument("--warmup", type=int, default=warmup)
 
 
+def step_arguments(doc: str | None, name: str, iters: int, warmup: int, world_sizes: tuple[int, ...] = ()) -> Any:
+    """The parsed command line of a step benchmark: ``add_step_arguments`` and ``--out``
+    (default ``benchmarks/results/<name>``), with ``doc`` as the help text; with
+    ``world_sizes``, ``--world-size`` among them (default the largest)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_arguments(parser, iters=iters, warmup=warmup)
+    if world_sizes:
+        parser.add_argument("--world-size", type=int, default=max(world_sizes), choices=world_sizes,
+                            help="run the world sizes up to this one")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / name)
+    return parser.parse_args()
+
+
+def ratio_cell(entry: dict[str, Any], key: str) -> str:
+    """A ratio of a results table, two decimals, or empty where ``entry`` has none."""
+    return f"{entry[key]:.2f}" if key in entry else ""
+
+
 def timed(fn: Callable[[], Any], warmup: int, iters: int, barrier: Callable[[], Any]) -> list[float]:
     """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones; every call
     starts right after ``barrier()`` so that the ranks start together."""

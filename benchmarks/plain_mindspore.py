@@ -12,7 +12,9 @@ runs); the plain step is ``PlainDecoder`` + ``mindspore.value_and_grad`` +
 ``mindspore.experimental.optim.AdamW`` (the optimizer the job uses), its attention the
 textbook one a MindSpore user writes: ``softmax(q k^T * scale + causal mask) v``, each
 key/value head broadcast over its group of query heads (grouped-query attention). The compiled row runs the same
-plain step as one ``mindspore.jit`` function (forward, gradients, clipping, AdamW).
+plain step as one ``mindspore.jit`` function (forward, gradients, clipping, AdamW). At one rank the
+job also runs with ``--compile`` (``job compiled``: each block's MLP under ``mindspore.jit``,
+train/compile.py), compared with its PyNative step and the plain jit step.
 
 Timing: the implementations alternate step by step (the order rotates every repetition), so
 load that comes and goes on a shared machine reaches every side of a ratio alike; medians
@@ -57,6 +59,7 @@ run MindSpore's own ops on DTensors (MindFormers'), not these rows.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -67,7 +70,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._common import add_step_arguments, host_meta, write_results  # noqa: E402  (after the path insert)
+from benchmarks._common import add_step_arguments, host_meta, ratio_cell, write_results  # noqa: E402  (after the path insert)
 
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_NORM = 3e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
 
@@ -175,12 +178,14 @@ def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmu
     from hyper_parallel.train.model import initial_weights, rope_tables
 
     cfg = PRESETS[model_name]
-    layouts = {"job": Layout()} if world == 1 else {"job tp 2": Layout(tp=2), "job dp-shard 2": Layout(dp_shard=2)}
+    # (layout, --compile); --compile runs on one rank on MindSpore (train/compile.py)
+    layouts = {"job": (Layout(), False), "job compiled": (Layout(), True)} if world == 1 else \
+        {"job tp 2": (Layout(tp=2), False), "job dp-shard 2": (Layout(dp_shard=2), False)}
     runs = {name: loop.setup(TrainConfig(platform="mindspore-cpu", nproc=world, model=cfg, model_name=model_name,
                                          layout=layout, seq_len=seq_len, batch_size=batch_size, steps=10_000,
                                          max_norm=MAX_NORM, lr=LR, warmup_steps=0, lr_schedule="constant",
-                                         weight_decay=WEIGHT_DECAY, progress=False))
-            for name, layout in layouts.items()}
+                                         weight_decay=WEIGHT_DECAY, progress=False, compile=compiled))
+            for name, (layout, compiled) in layouts.items()}
     corpus = next(iter(runs.values())).corpus
     weights, rope = initial_weights(cfg, 0), rope_tables(cfg)
     plain = {"plain PyNative": plain_step(plain_decoder(cfg, weights, rope), compiled=False)}
@@ -231,14 +236,14 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
     for name, times in slowest.items():
         entry = {"impl": name, "world_size": world, "ms": statistics.median(times) * 1e3,
                  "cpu_ms": statistics.median(rows[name]["cpu_seconds"]) * 1e3, "final_loss": rows[name]["losses"][-1]}
-        for reference in ("plain PyNative", "plain jit"):
+        for reference in ("plain PyNative", "plain jit", "job"):
             if reference in slowest and reference != name:
                 key = "ratio_to_" + reference.replace(" ", "_").lower()
                 entry[key] = statistics.median(a / b for a, b in zip(times, slowest[reference]))
                 entry["cpu_" + key] = statistics.median(
                     a / b for a, b in zip(rows[name]["cpu_seconds"], rows[reference]["cpu_seconds"]))
-        if name.startswith("job"):
-            entry["ratio"] = entry["ratio_to_plain_pynative"]  # run_all's summary: the job / plain, same mode
+        if name.startswith("job"):  # run_all's summary: the job / plain, same mode
+            entry["ratio"] = entry["ratio_to_plain_jit" if name == "job compiled" else "ratio_to_plain_pynative"]
         out.append(entry)
     return out
 
@@ -260,14 +265,16 @@ def markdown(results: list[dict], meta: dict) -> str:
              "Median ms per step (the slowest rank per step at 2 ranks), steps alternating within each "
              "repetition; ratio = median over repetitions of this step / the plain step of that repetition. "
              "The plain step does the whole batch on one rank. CPU: this process's CPU time per step (all its "
-             "threads, rank 0), less sensitive than wall time to other processes' load.", "",
-             "| step | ranks | ms | / plain PyNative | / plain jit | CPU ms | CPU / plain PyNative | final loss |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "threads, rank 0), less sensitive than wall time to other processes' load. job compiled: "
+             "`--compile` (each block's MLP under mindspore.jit, the rest of the step PyNative).", "",
+             "| step | ranks | ms | / plain PyNative | / plain jit | / job PyNative | CPU ms | CPU / plain PyNative "
+             "| final loss |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for e in results:
-        def ratio(key: str) -> str:
-            return f"{e[key]:.2f}" if key in e else ""
+        ratio = functools.partial(ratio_cell, e)
         lines.append(f"| {e['impl']} | {e['world_size']} | {e['ms']:.0f} | {ratio('ratio_to_plain_pynative')} | "
-                     f"{ratio('ratio_to_plain_jit')} | {e['cpu_ms']:.0f} | {ratio('cpu_ratio_to_plain_pynative')} | "
+                     f"{ratio('ratio_to_plain_jit')} | {ratio('ratio_to_job')} | {e['cpu_ms']:.0f} | "
+                     f"{ratio('cpu_ratio_to_plain_pynative')} | "
                      f"{e['final_loss']:.4f} |")
     return "\n".join(lines) + "\n"
 

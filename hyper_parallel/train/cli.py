@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="recompute each decoder block's activations in the backward instead of keeping them "
                          "(less activation memory, one more block forward per step; with --pp in every stage, "
                          "recomputed in each microbatch's backward)")
+    tr.add_argument("--compile", action="store_true",
+                    help="run each decoder block's local compute compiled: torch.compile of each block on torch "
+                         "(one rank, --tp, --dp-shard, --dp-replicate), mindspore.jit of each block's MLP "
+                         "on MindSpore (one rank); other layouts are refused (docs/train_compile.md)")
     tr.add_argument("--eval-every", type=int, default=25, help="validation loss every K steps")
     tr.add_argument("--data", nargs="+", default=[], metavar="PATH",
                     help="text files or folders (default: the standard library's .py files)")
@@ -376,7 +380,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        out=out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
                        progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing,
                        hf_config=args.hf_config, dtype=args.dtype, grad_accum=args.grad_accum, log=tuple(args.log),
-                       init_device=args.init_device)
+                       init_device=args.init_device, compile=args.compile)
 
 
 def parity_report(run: list[dict], reference: list[dict]) -> dict:

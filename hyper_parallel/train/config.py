@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
+from hyper_parallel.train.compile import check_compile
 from hyper_parallel.train.hf_config import model_config, read_hf_config
 from hyper_parallel.train.model_config import PRESETS, ModelConfig
 from hyper_parallel.train.optim import LR_SCHEDULES
@@ -220,6 +221,9 @@ class TrainConfig:
             ``None``: ``meta`` for the job's decoder, ``host`` with ``--hf-config``
             (a Hugging Face model's initial values are its own random draws, which no
             rank can compute piece by piece).
+        compile: run each decoder block's local compute under the framework's compiler
+            (``torch.compile`` / ``mindspore.jit``; [Note: what --compile compiles] in
+            ``train/compile.py``); the layouts it cannot take are refused here.
     """
 
     platform: str = field(default_factory=requested_platform)
@@ -256,10 +260,15 @@ class TrainConfig:
     grad_accum: int = 1
     log: tuple[str, ...] = ()
     init_device: str | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.hf_config is not None:
             self._check_hf()
+        if self.compile:
+            check_compile(self.platform.split("-")[0], self.layout, moe=bool(self.model.moe_experts),
+                          hf_config=self.hf_config is not None,
+                          activation_checkpointing=self.activation_checkpointing)
         self._check_precision_and_knobs()
         self._check_moe()
         if self.platform.split("-")[0] not in ("torch", "mindspore"):

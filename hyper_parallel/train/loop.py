@@ -33,6 +33,7 @@ from hyper_parallel.core.fully_shard import Box, HSDPModule, local_boxes
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train import checkpoint
 from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
+from hyper_parallel.train.compile import apply_compile
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import VALIDATION_STREAM, Batch, Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, ExtraLoggers, MetricsWriter, Progress, plot_losses
@@ -334,6 +335,8 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                                 mp_policy=mp_policy)
         if meta:
             materialize_model(p, cfg.model, cfg.seed, [model])
+        if cfg.compile and not reference:  # the reference runs eagerly: --check-parity checks the compiler
+            apply_compile(p, model)
         names, params = (list(items) for items in zip(*p.named_parameters(model)))
         boxes = local_boxes(model)
     dp_rank, dp_size = data_parallel_coordinate(mesh)

@@ -26,10 +26,12 @@ def test_every_member_is_abstract_typed_and_documented() -> None:
     # framework's optimizer, and ``mesh_device_types`` a function of BACKENDS; 65 with ``stack``,
     # ``clone``, ``dtype_name`` in core/tensor_ops and ``split_group``, ``barrier`` in
     # core/process_groups, each composed from the members once; 66 with ``grouped_matmul``, the
-    # experts' grouped GEMM kernel (issue 36), which no composition of members reaches).
-    # Compose existing members or extend one with a keyword argument rather than raising the bound.
+    # experts' grouped GEMM kernel (issue 36), which no composition of members reaches; 67 with
+    # ``compile_module`` (issue 38: the framework's compiler, torch.compile or mindspore.jit,
+    # which no member composes). Compose existing members or extend one with a keyword
+    # argument rather than raising the bound.
     total = len(members) + len(derived)
-    assert total <= 66, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
+    assert total <= 67, f"the contract has {len(members)} abstract + {len(derived)} derived = {total} members"
     assert not set(members) & set(derived)
     for name in derived:
         assert inspect.getdoc(getattr(Platform, name)), f"derived member {name} has no docstring"

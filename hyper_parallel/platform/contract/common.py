@@ -61,6 +61,8 @@ class Capability(enum.Enum):
     FUSED_ATTENTION = "attention and its backward run by a fused kernel of the framework (not tiled plain ops)"
     OUTPUT_RECOMPUTE = "recompute(output_recompute=True): adjacent recomputed regions merged (MindSpore's own)"
     GROUPED_MATMUL = "grouped_matmul runs one grouped GEMM kernel (not a matmul per group)"
+    COMPILE_AROUND_HOOKS = ("compile_module runs the hooks of the compiled module's submodules eagerly, between "
+                            "compiled pieces (else they are traced into the compiled code)")
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,31 @@ class ModulesSection(ABC):
         """
 
     @abstractmethod
+    def compile_module(self, module: Any) -> RemovableHandle:
+        """Run ``module``'s own forward compiled by the framework's compiler from now on:
+        same inputs, outputs and gradients (up to the compiler's float reordering), with the
+        module's parameters (and the tensors its hooks put in their place) as the compiled
+        code's inputs. Only this module instance changes (its forward becomes an instance
+        attribute, as ``register_forward_hook(replace_forward=True)``); its own pre- and
+        post-forward hooks still run eagerly around the compiled forward, and
+        ``remove()`` restores the eager forward. Compiles at the first call (seconds to
+        minutes), again when the input shapes, dtypes or grad mode change.
+
+        torch: ``torch.compile`` of the forward, backend ``inductor`` (on CPU where a C++
+        compiler is found, else ``aot_eager`` with a warning that names the missing
+        compiler). Every hook registered through this section is excluded from tracing, so
+        the hooks of the module's submodules (tensor parallelism's, context parallelism's)
+        run eagerly between compiled pieces, their collectives included
+        (``Capability.COMPILE_AROUND_HOOKS``). MindSpore: ``mindspore.jit`` of the Cell's
+        ``construct`` (``capture_mode="bytecode"``), which traces submodules' hooks and
+        the Python functions the forward calls: compile only modules of framework
+        operations whose submodules carry no hooks (no capability reported).
+
+        Raises:
+            TypeError: ``module`` is not the framework's module type.
+        """
+
+    @abstractmethod
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
         """Call ``hook(module, grad_output)`` (a tuple) before the module's backward;
         a non-None return replaces ``grad_output``."""

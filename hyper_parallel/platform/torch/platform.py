@@ -25,6 +25,7 @@ from hyper_parallel.platform.saved_tensor_layers import PASS, LayeredHooks, Save
 from hyper_parallel.platform.torch import attention as attn
 from hyper_parallel.platform.torch.backward_hooks import register_output_grad_pre_hook
 from hyper_parallel.platform.torch.collectives import TorchCollectives
+from hyper_parallel.platform.torch.compile import EagerHooks, compile_module, eager_if_compiling
 from hyper_parallel.platform.torch.dtensor import build_dtensor_type
 from hyper_parallel.platform.torch.optim import TorchAdamW
 from hyper_parallel.platform.torch.selective_checkpoint import selective_contexts
@@ -148,6 +149,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         self._device: torch.device = torch.device(self._device_type)
         self._groups: dict[tuple[int, ...], Any] = {}  # sorted global ranks -> ProcessGroup
         self._functions: dict[type, type] = {}  # CustomFunction subclass -> torch Function
+        self._eager_hooks = EagerHooks()  # [Note: hooks stay eager under torch.compile]
 
     # -- types -------------------------------------------------------------------------
     @property
@@ -173,7 +175,7 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
-                Capability.ASYNC_COLLECTIVES, Capability.FUSED_ATTENTION}
+                Capability.ASYNC_COLLECTIVES, Capability.FUSED_ATTENTION, Capability.COMPILE_AROUND_HOOKS}
         if self._device_type in _GROUPED_MM_DTYPES:  # torch_npu: not wired (its kernel has no autograd)
             caps |= {Capability.GROUPED_MATMUL}
         if self._device_type != "cpu":
@@ -280,7 +282,9 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         # its grad_fn through the packed object, a C++ reference cycle that gc cannot
         # break; a graph branch backward never runs (attention's detached row max) then
         # leaks each step. ``detach`` shares storage and version.
-        return LayeredHooks(SavedTensorLayer((take, give), catch_all), torch.autograd.graph.saved_tensors_hooks,
+        # eager: run when a compiled graph saves for backward ([Note: hooks stay eager under torch.compile])
+        hooks = (eager_if_compiling(self._eager_hooks, take), eager_if_compiling(self._eager_hooks, give))
+        return LayeredHooks(SavedTensorLayer(hooks, catch_all), torch.autograd.graph.saved_tensors_hooks,
                             lambda tensor: tensor.detach())
 
     def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
@@ -336,13 +340,17 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
 
     def register_forward_pre_hook(self, module: Any, hook: Callable[..., Any], *,
                                   with_kwargs: bool = False) -> RemovableHandle:
-        return module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+        # eager: [Note: hooks stay eager under torch.compile]
+        return module.register_forward_pre_hook(self._eager_hooks.wrap(module, hook), with_kwargs=with_kwargs)
 
     def register_forward_hook(self, module: Any, hook: Callable[..., Any], *,
                               replace_forward: bool = False) -> RemovableHandle:
         if replace_forward:
             return ForwardReplacement(module, "forward", hook)
-        return module.register_forward_hook(hook)
+        return module.register_forward_hook(self._eager_hooks.wrap(module, hook))
+
+    def compile_module(self, module: Any) -> RemovableHandle:
+        return compile_module(module, self._device_type, self._eager_hooks)
 
     def register_full_backward_pre_hook(self, module: Any, hook: Callable[..., Any]) -> RemovableHandle:
         """On the output tensors' gradients, as FSDP2 hooks them (see [Note: backward

@@ -1,0 +1,93 @@
+"""``--compile``: each decoder block's local compute run by the framework's compiler
+(``Platform.compile_module``), the collectives and hooks at its edges.
+
+[Note: what --compile compiles]
+The job's step stays the PyNative / eager step (``loop._train_step``: forward and backward
+through ``Platform.vjp``, the global gradient norm, AdamW); ``--compile`` compiles decoder
+blocks inside it, after the layout chain (``parallelize``), as torchtitan compiles each
+TransformerBlock:
+
+- torch (``Capability.COMPILE_AROUND_HOOKS``): each whole block, by ``torch.compile``. Its
+  own hooks (fully_shard's unit: all-gather before, reduce-scatter after) run eagerly
+  around it; the hooks inside it (the tensor-parallel styles on its linear layers) run
+  eagerly between compiled pieces, collectives included ([Note: hooks stay eager under
+  torch.compile] in ``platform/torch/compile.py``). Single rank, ``--tp``,
+  ``--dp-shard``, ``--dp-replicate`` and their compositions.
+- MindSpore (no such capability: ``mindspore.jit`` traces submodules' hooks): each block's
+  SwiGLU MLP (``feed_forward``: three GEMMs, the SiLU and the product), MindSpore
+  operations alone. The attention stays in PyNative: it calls core's
+  ``scaled_dot_product_attention``, whose context-parallel frame lookup and custom
+  autograd function the bytecode capture cannot trace. The RMSNorms stay in PyNative too:
+  with the MLP and a norm compiled, MindSpore 2.10's PyNative backward through the jitted
+  graphs fails on the 4-block ``small`` preset ("Number of args excced the number of
+  edges", ``pynative_jit_grad.cc`` ``FilterGradOutput``; the 2-block ``tiny`` one runs),
+  with the MLP alone it does not. Single rank only (``check_compile`` refuses the rest,
+  with the reason).
+
+What neither compiles (refused by ``check_compile``, naming the flag, the layout and the
+fix): ``--cp`` and ``--pp`` (their hooks and stages are not checked under a compiler),
+mixture-of-experts blocks (routing reads token counts on the host), ``--hf-config``
+models, and ``--activation-checkpointing`` (a compiled forward inside the recomputed
+region is not checked). The single-process reference of ``--check-parity`` runs eagerly,
+so it checks the compiled run against PyNative / eager.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyper_parallel.platform import Capability, Platform
+
+#: The parts of a block MindSpore compiles (see [Note: what --compile compiles]).
+MINDSPORE_PARTS = ("feed_forward",)
+
+
+def check_compile(framework: str, layout: Any, *, moe: bool, hf_config: bool, activation_checkpointing: bool) -> None:
+    """Refuse ``--compile`` where the job does not compile ([Note: what --compile
+    compiles]); ``layout`` is the run's ``config.Layout``. Runs in ``TrainConfig``, before
+    any rank starts.
+
+    Raises:
+        ValueError: naming ``--compile``, the layout or flag it cannot take, why, and the fix.
+    """
+    if hf_config:
+        raise ValueError("--compile compiles the job's decoder blocks; a --hf-config model's layers are Hugging "
+                         "Face's, not checked under a compiler: drop --compile or --hf-config")
+    if moe:
+        raise ValueError("--compile cannot compile mixture-of-experts blocks (--moe-experts): their routing reads "
+                         "token counts back to the host each step, which breaks a compiled graph; drop --compile or "
+                         "train a dense model")
+    if activation_checkpointing:
+        raise ValueError("--compile cannot be combined with --activation-checkpointing yet: a compiled block inside "
+                         "the recomputed region is not checked; drop one of them")
+    for flag, degree, why in (("--pp", layout.pp, "pipeline stages are not compiled"),
+                              ("--cp", layout.cp, "context parallelism's attention hooks are not checked under a "
+                                                  "compiler")):
+        if degree > 1:
+            raise ValueError(f"--compile cannot be combined with {flag}={degree} (layout {layout.describe()}): {why}; "
+                             f"drop --compile or {flag}")
+    if framework == "mindspore" and layout.world_size > 1:
+        # mindspore.jit traces the hooks inside what it compiles: the tensor-parallel styles'
+        # on the MLP's linear layers, and fully_shard's gathered weights (put in the
+        # parameters' place) lose part of their gradient under it (platform's compile_module)
+        raise ValueError(f"--compile on MindSpore runs on one rank only, not on layout {layout.describe()}: "
+                         "mindspore.jit traces the tensor-parallel hooks of the MLP's linear layers and does not "
+                         "differentiate fully_shard's gathered weights correctly; drop --compile, or use --compile "
+                         "with --nproc 1 (or with --platform torch on this layout)")
+
+
+def compiled_parts(p: Platform, model: Any) -> list[Any]:
+    """The modules ``apply_compile`` compiles in ``model`` (a parallelized decoder):
+    every block on a platform with ``Capability.COMPILE_AROUND_HOOKS``, else each block's
+    ``MINDSPORE_PARTS`` ([Note: what --compile compiles])."""
+    blocks = list(model.layers)
+    if Capability.COMPILE_AROUND_HOOKS in p.capabilities():
+        return blocks
+    return [getattr(block, name) for block in blocks for name in MINDSPORE_PARTS]
+
+
+def apply_compile(p: Platform, model: Any) -> list[Any]:
+    """Compile ``compiled_parts(p, model)`` in place (``Platform.compile_module``); returns
+    their handles (``remove()`` restores the eager forwards). Compilation itself happens in
+    the first step. No communication."""
+    return [p.compile_module(module) for module in compiled_parts(p, model)]
