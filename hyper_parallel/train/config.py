@@ -421,12 +421,13 @@ class TrainConfig:
             raise ValueError(f"--tp={lay.tp} must divide the shared experts' width {hidden} (--moe-shared-experts "
                              f"{mod.moe_shared_experts} x expert width {mod.expert_hidden_dim}): tensor parallelism "
                              "splits the shared expert like the dense MLP; use a --tp dividing it")
-        # the routing counts are taken in each training forward: a pipeline's forward run again
-        # (MindSpore's recompute of out-of-order backwards) would count its tokens twice
-        if lay.pp > 1:
-            raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --pp={lay.pp} yet: pipeline "
-                             "stages of MoE blocks are not wired into the job (issue 36, items 2-3); use --pp 1 with "
-                             "--dp-shard/--dp-replicate/--tp")
+        if lay.pp > 1 and mod.moe_balance == "aux-loss":
+            # the last stage's loss holds the cross-entropy only: an earlier stage's balance loss
+            # would need its gradient seeded inside that stage's backward (and its value carried
+            # to the last stage for the reported loss), which the job's pipeline does not do
+            raise ValueError(f"--moe-balance aux-loss cannot be combined with --pp={lay.pp} yet: the balance loss of "
+                             "an MoE block on an earlier stage does not reach the last stage's loss; use --moe-balance "
+                             "aux-free with --pp")
         if self.activation_checkpointing and mod.moe_balance == "aux-loss":
             # the balance loss is read off each MoE block after the forward, outside the block's
             # checkpointed region: its gradient would have to reach back into a region whose
@@ -454,13 +455,10 @@ class TrainConfig:
             raise ValueError(f"--ep={lay.ep} must divide --dp-shard={lay.dp_shard}: the expert-parallel ranks are "
                              "borrowed from the sharded data-parallel axis (dp_shard / ep groups of ep ranks, the "
                              f"experts fully_shard'ed over the groups); use an --ep dividing {lay.dp_shard}")
-        others = {"--cp": lay.cp, "--pp": lay.pp}
-        for flag, degree in others.items():
-            if degree > 1:
-                raise ValueError(f"--ep={lay.ep} cannot be combined with {flag}={degree} yet: expert parallelism runs "
-                                 "with --dp-shard, --dp-replicate and --tp only in the job so far (issue 36 item 2); "
-                                 "drop "
-                                 f"{flag} or --ep")
+        if lay.cp > 1:
+            raise ValueError(f"--ep={lay.ep} cannot be combined with --cp={lay.cp} yet: expert parallelism runs with "
+                             "--dp-shard, --dp-replicate, --tp and --pp only in the job so far (issue 36 item 2); drop "
+                             "--cp or --ep")
 
     def _check_hf(self) -> None:
         """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes

@@ -52,6 +52,24 @@ last stage's ranks and handed to every rank by one all-reduce over the world. Th
 validation loss is computed the same way from ``schedule.eval``, the schedule's forwards in
 its order without recording (the same sends and receives of activations as the step's).
 
+[Note: MoE stages]
+A mixture-of-experts decoder (``--moe-experts``) is cut like the dense one: each stage holds
+its blocks' MoE sublayers, under the decoder's names (``layers.{i}.moe``). With ``--ep``
+each stage's routed experts are sharded over the expert-parallel ranks of its pipeline
+coordinate (``parallelize.expert_parallel_meshes``: the ``dp_shard`` axis of that
+coordinate), between TP and CP as in ``parallelize``; the experts are fully_shard'ed over
+the rest of ``dp_shard`` or left out of it (``ep == dp_shard``), and a microbatch's dispatch
+and combine all-to-alls run among the ranks of one coordinate, which run the same action
+list, so every rank of an expert-parallel group issues them in the same order (also those
+of a forward that MindSpore reruns inside an out-of-order backward). The routing counts
+are taken in each microbatch's training forward, not in such a rerun ([Note: forwards
+inside a stage's backward] in ``core/pipeline_parallel/runtime.py``), and summed after the
+step over the data-parallel ranks of every pipeline coordinate (``moe_model.balance_step``,
+one all-reduce over ``pp x dp x cp``), so each stage moves its own layers' aux-free biases
+by the single process's integers, and every rank reports the stats of all the layers.
+``--moe-balance aux-loss`` is refused with ``--pp`` (``TrainConfig``): an earlier stage's
+balance loss does not reach the last stage's loss.
+
 [Note: zero-bubble schedules in train]
 ``--pp-schedule zbh1`` runs ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
 2024; ``ScheduleInterleavedZeroBubble`` with one stage per rank, the loop placement of the
@@ -91,8 +109,9 @@ from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
 from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.precision import apply_mixed_precision
-from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel, apply_fully_shard,
-                                              apply_tensor_parallel, fully_shard_mesh)
+from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel,
+                                              apply_expert_parallel, apply_fully_shard, apply_tensor_parallel,
+                                              expert_parallel_meshes, fully_shard_mesh)
 
 
 @dataclass
@@ -169,11 +188,20 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
                                   cfg.activation_checkpointing)
     else:
         modules = [build_stage(p, cfg.model, model, ranges[s], s == 0, s == num_stages - 1) for s in indices]
-        # the chain of parallelize.py (TP -> CP -> activation checkpointing -> fully_shard), on
-        # every stage module
+        # the chain of parallelize.py (TP -> EP -> CP -> activation checkpointing -> fully_shard),
+        # on every stage module; [Note: MoE stages]
+        experts: list[Any] | None = None
+        experts_mesh = ep_mesh = None
+        if layout.ep > 1:  # the groups once, for every stage (a collective: every rank builds them)
+            ep_mesh, experts_mesh = expert_parallel_meshes(mesh, layout)
+            experts = []
         for module in modules:
             if layout.tp > 1:
                 apply_tensor_parallel(module, mesh["tp"])
+            if ep_mesh is not None:
+                placed = apply_expert_parallel(module, ep_mesh)
+                if experts is not None and experts_mesh is None:  # ep == dp_shard: left out of fully_shard
+                    experts += placed
             if layout.cp > 1:
                 apply_context_parallel(module, cp_mesh, layout)
             if cfg.activation_checkpointing:  # [Note: activation checkpointing in pipeline stages]
@@ -184,7 +212,8 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
         if layout.dp * layout.cp > 1:
             dp_mesh = fully_shard_mesh(mesh, layout)
             for module in modules:
-                apply_fully_shard(module, dp_mesh, mp_policy, cast_root_inputs=False)
+                apply_fully_shard(module, dp_mesh, mp_policy, ignored_params=experts or None,
+                                  experts_mesh=experts_mesh, cast_root_inputs=False)
         elif mp_policy is not None:
             for module in modules:
                 apply_mixed_precision(p, module, mp_policy)
