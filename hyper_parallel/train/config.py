@@ -39,6 +39,9 @@ INIT_DEVICES = ("meta", "host")
 
 #: The schedules with the zero-bubble I/W split of the backward (``weight_grad.py``).
 ZERO_BUBBLE_SCHEDULES = tuple(name for name, entry in SCHEDULES.items() if entry.splits_backward)
+#: the ``--pp-schedule``s ``--ep-overlap`` runs: those that pair a backward with a forward
+#: (``OVERLAP_B_F``) on the fully_shard layouts ``--ep`` needs
+EP_OVERLAP_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 #: Parallel features a layout may need, and whether ``hyper-parallel train`` runs them yet.
 #: A layout that needs one that is not wired into the job is refused before any rank starts;
@@ -93,6 +96,11 @@ class Layout:
     #: axis of its own, so not in ``AXES`` nor the world size): each MoE block's routed
     #: experts are sharded over it and tokens are sent to their experts' ranks.
     ep: int = 1
+    #: ``--ep-overlap``: run each ``OVERLAP_B_F`` pair of ``--pp-schedule`` (one microbatch's
+    #: backward beside the next one's forward) on two threads, the MoE dispatch/combine
+    #: all-to-alls of each beside the other's compute ([Note: the overlap in the job] in
+    #: ``train/pipeline.py``).
+    ep_overlap: bool = False
 
     AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -142,6 +150,8 @@ class Layout:
         parts = [f"{axis}={degree}" for axis, degree in self.degrees().items() if degree > 1]
         if self.ep > 1:
             parts.append(f"ep={self.ep} (of dp_shard)")
+        if self.ep_overlap:
+            parts.append("ep-overlap")
         return " x ".join(parts) if parts else "single rank"
 
     def missing_features(self) -> list[str]:
@@ -414,6 +424,8 @@ class TrainConfig:
         mod, lay = self.model, self.layout
         if lay.ep > 1:
             self._check_expert_parallel()
+        if lay.ep_overlap:
+            self._check_ep_overlap()
         if not mod.moe_experts:
             return
         hidden = mod.moe_shared_experts * mod.expert_hidden_dim
@@ -459,6 +471,34 @@ class TrainConfig:
             raise ValueError(f"--ep={lay.ep} cannot be combined with --cp={lay.cp} yet: expert parallelism runs with "
                              "--dp-shard, --dp-replicate, --tp and --pp only in the job so far (issue 36 item 2); drop "
                              "--cp or --ep")
+
+    def _check_ep_overlap(self) -> None:
+        """``--ep-overlap``: the two-thread pairs need MoE blocks whose dispatch and combine
+        communicate (``--ep`` >= 2), a pipeline schedule with ``OVERLAP_B_F`` pairs, and the
+        layouts whose collectives the pairs keep in one order on every rank."""
+        mod, lay = self.model, self.layout
+        if not mod.moe_experts or lay.ep < 2:
+            what = f"--model {self.model_name} is dense" if not mod.moe_experts else f"--ep={lay.ep}"
+            raise ValueError(f"--ep-overlap overlaps the expert-parallel all-to-alls of an MoE model, but {what}: "
+                             "give an MoE model (--model moe-tiny|moe-small or --moe-experts N) with --ep 2 or more "
+                             "(dispatch and combine communicate nothing without it), or drop --ep-overlap")
+        if lay.pp < 2:
+            raise ValueError(f"--ep-overlap pairs one microbatch's forward with another's backward inside a pipeline "
+                             f"schedule, but --pp={lay.pp}; give --pp 2 or more with --pp-schedule "
+                             f"{' or '.join(EP_OVERLAP_SCHEDULES)}, or drop --ep-overlap")
+        if lay.pp_schedule not in EP_OVERLAP_SCHEDULES:
+            why = ("DualPipeV splits its backwards (a zero-bubble schedule), which cannot be combined with the "
+                   "fully_shard that --ep needs" if lay.pp_schedule == "dualpipev" else
+                   "it has no forward/backward pairs to overlap")
+            raise ValueError(f"--ep-overlap cannot run with --pp-schedule {lay.pp_schedule}: {why}; use --pp-schedule "
+                             f"{' or '.join(EP_OVERLAP_SCHEDULES)}")
+        for flag, value in (("--tp", lay.tp > 1), ("--dp-replicate", lay.dp_replicate > 1),
+                            ("--activation-checkpointing", self.activation_checkpointing)):
+            if value:
+                raise ValueError(f"--ep-overlap cannot be combined with {flag} yet: the two threads' collectives "
+                                 "(tensor-parallel all-reduces, the replicas' all-reduces, the recomputed "
+                                 "dispatches) are not checked to keep one order on every rank; drop "
+                                 f"{flag} or --ep-overlap")
 
     def _check_hf(self) -> None:
         """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes

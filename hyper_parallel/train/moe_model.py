@@ -57,6 +57,7 @@ fully_shard and the scaled sum is already the average.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,6 +246,10 @@ def define_moe(p: Platform) -> type:
             # set by parallelize.apply_expert_parallel: core's dispatch/combine over the ep group
             self.expert_parallel: ExpertParallelMoE | None = None
             self.ep_grad_scale = 1.0
+            # set by the pipeline with --ep-overlap: expert_parallel's dispatch and combine wrapped
+            # by CommComputeOverlap ([Note: the overlap in the job] in train/pipeline.py)
+            self.dispatch: Callable[[Any, RoutingPlan], Any] | None = None
+            self.combine: Callable[[Any, RoutingPlan], Any] | None = None
 
         def forward(self, x: Any) -> Any:
             b, s, d = x.shape[0], x.shape[1], x.shape[2]
@@ -269,9 +274,9 @@ def define_moe(p: Platform) -> type:
                     self.counts.aux_loss += float(p.to_numpy(p.detach(self.aux_loss)))
             ep, rows = self.expert_parallel, plan.permute(flat)
             if ep is not None:  # all-to-all to the experts' ranks (core's MoE) and back below
-                rows = ep.dispatch(rows, plan)
+                rows = (self.dispatch or ep.dispatch)(rows, plan)
             done = self.experts(rows, plan, ep, self.ep_grad_scale)
-            out = plan.unpermute(done if ep is None else ep.combine(done, plan))
+            out = plan.unpermute(done if ep is None else (self.combine or ep.combine)(done, plan))
             if self.has_shared:
                 out = out + self.shared_expert(flat)
             return out.reshape(b, s, d)

@@ -70,6 +70,35 @@ by the single process's integers, and every rank reports the stats of all the la
 ``--moe-balance aux-loss`` is refused with ``--pp`` (``TrainConfig``): an earlier stage's
 balance loss does not reach the last stage's loss.
 
+[Note: the overlap in the job]
+``--ep-overlap`` (with ``--ep`` >= 2 and ``--pp-schedule 1f1b | interleaved-1f1b``: ``TrainConfig``)
+builds the schedule with ``overlap_b_f=True``: each steady-state backward is paired with the
+next forward (``OVERLAP_B_F``), and ``CommComputeOverlap.run`` runs the two on two threads.
+Every MoE layer of a stage calls its expert-parallel dispatch and combine through the
+overlap's ``wrap_dispatch`` / ``wrap_combine`` (the stage's last MoE layer with
+``is_last_layer``), so the threads meet at the ``A``/``B``/``C``/``D`` hooks ([Note: A/B/C/D
+rendezvous] in ``core/pipeline_parallel/hook_coordinator.py``): the dispatch or combine
+all-to-all of one microbatch is issued, then the other's expert or attention compute runs
+while it is in flight. Two rules keep every rank's collectives in one order, which the
+fully_shard units of a stage (one group for their all-gathers, the expert-parallel group
+inside it) need:
+
+- the coordinator holds the forward's tail ([Note: serial tails]): each segment of the
+  two threads runs alone, in the same order on every rank;
+- fully_shard's gradient sync is off during the step (``set_requires_gradient_sync``)
+  and on for each stage's last backward, which no schedule pairs (every forward of the
+  rank precedes it; checked when the schedule is built): a paired forward starts its stage
+  (the root's pre-forward collects what an earlier backward left unreduced) while the
+  paired backward of the same stage is still running, so no reduce-scatter may be in
+  flight then. Each unit accumulates its full gradient over the microbatches and
+  reduce-scatters the sum once.
+
+The values are the run without ``--ep-overlap``'s, up to float32 summation order: the
+per-microbatch reduce-scatters of that run become one reduce-scatter of the summed
+gradient here (the microbatches' routing, losses and everything else are computed by the
+same operations on the same tensors). A stage with no MoE block has no hooks: its
+pair runs one after the other (the forward waits for the backward to finish).
+
 [Note: zero-bubble schedules in train]
 ``--pp-schedule zbh1`` runs ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
 2024; ``ScheduleInterleavedZeroBubble`` with one stage per rank, the loop placement of the
@@ -102,11 +131,14 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor import DeviceMesh
-from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
-from hyper_parallel.core.pipeline_parallel import SCHEDULES, PipelineSchedule, PipelineStage
+from hyper_parallel.core.fully_shard import HSDPModule, MixedPrecisionPolicy
+from hyper_parallel.core.pipeline_parallel import (SCHEDULES, CommComputeOverlap, HookCoordinator, PipelineSchedule,
+                                                   PipelineStage)
+from hyper_parallel.core.pipeline_parallel.schedules.actions import ActionType
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
+from hyper_parallel.train.moe_model import moe_layers
 from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.precision import apply_mixed_precision
 from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel,
@@ -132,6 +164,7 @@ class Pipeline:
     # seeds the backward with it (--dtype fp16: [Note: dynamic loss scaling]); train_step
     # sets it for its step and reports the unscaled mean
     loss_scale: float = 1.0
+    overlap: bool = False       # --ep-overlap: [Note: the overlap in the job]
 
     @property
     def has_first(self) -> bool:
@@ -227,9 +260,48 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
         scale = built[0].loss_scale
         return loss if scale == 1.0 else loss * scale
 
-    schedule: PipelineSchedule = entry.schedule_class(stages, layout.microbatches, loss_fn)
-    built.append(Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, entry.placement))
+    if layout.ep_overlap:
+        schedule: PipelineSchedule = _overlapped_schedule(p, entry.schedule_class, modules, stages,
+                                                          layout.microbatches, loss_fn)
+    else:
+        schedule = entry.schedule_class(stages, layout.microbatches, loss_fn)
+    built.append(Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, entry.placement,
+                          overlap=layout.ep_overlap))
     return built[0]
+
+
+def _overlapped_schedule(p: Platform, schedule_class: type, modules: list[Any], stages: list[PipelineStage],
+                         microbatches: int, loss_fn: Callable[[Any, Any], Any]) -> PipelineSchedule:
+    """``schedule_class`` (1F1B or interleaved 1F1B) with its ``OVERLAP_B_F`` pairs run on two
+    threads, the MoE layers of ``modules`` hooked to them, and fully_shard's gradient sync
+    turned on for each stage's last backward ([Note: the overlap in the job]).
+
+    Raises:
+        RuntimeError: the schedule pairs a stage's last backward (the rule above would
+            reduce-scatter while a paired forward runs)."""
+    overlap = CommComputeOverlap(HookCoordinator(hold_forward_tail=True))
+    for module in modules:
+        layers = moe_layers(p, module)
+        for i, (_, layer) in enumerate(layers):
+            assert layer.expert_parallel is not None, "TrainConfig: --ep-overlap needs --ep"
+            layer.dispatch = overlap.wrap_dispatch(layer.expert_parallel.dispatch)
+            layer.combine = overlap.wrap_combine(layer.expert_parallel.combine, is_last_layer=i == len(layers) - 1)
+    schedule: PipelineSchedule = schedule_class(stages, microbatches, loss_fn, overlap_b_f=True, overlap=overlap)
+    last = microbatches - 1
+    for action in schedule.actions:
+        if action.type is ActionType.OVERLAP_B_F and action.sub_actions[0].microbatch_index == last:
+            raise RuntimeError(f"{schedule_class.__name__}: the pair {action} holds stage "
+                               f"{action.sub_actions[0].stage_index}'s last backward; --ep-overlap reduces the "
+                               "gradients there and needs it outside the pairs")
+    by_index = dict(zip((stage.stage_index for stage in stages), modules))
+
+    def backward(action: Any, ctx: Any) -> None:
+        if action.microbatch_index == last and isinstance(by_index[action.stage_index], HSDPModule):
+            by_index[action.stage_index].set_requires_gradient_sync(True)  # reduce the summed gradients
+        ctx.schedule._stage_dict[action.stage_index].backward_one_chunk(action.microbatch_index)
+
+    schedule.register_custom_function(ActionType.B, backward)
+    return schedule
 
 
 def train_step(pipe: Pipeline, tensors: list[Any], loss_scale: float = 1.0) -> float | None:
@@ -240,10 +312,15 @@ def train_step(pipe: Pipeline, tensors: list[Any], loss_scale: float = 1.0) -> f
     on the rank of the last stage (the mean over this rank's tokens: microbatches are
     equal), ``None`` elsewhere."""
     pipe.loss_scale = loss_scale
+    sharded = [module for module in pipe.modules if isinstance(module, HSDPModule)] if pipe.overlap else []
+    for module in sharded:  # on again for each stage's last backward: [Note: the overlap in the job]
+        module.set_requires_gradient_sync(False)
     try:
         mean = _mean_loss(pipe, tensors, pipe.schedule.step)
     finally:
         pipe.loss_scale = 1.0
+        for module in sharded:
+            module.set_requires_gradient_sync(True)
     return None if mean is None else mean / loss_scale
 
 

@@ -10,13 +10,15 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.platform import get_platform
-from hyper_parallel.train.config import PRESETS, TrainConfig
+from hyper_parallel.train.config import PRESETS, Layout, TrainConfig
 from hyper_parallel.train.data import rank_batch
 from hyper_parallel.train.loop import _batch_tensors, setup, train
 from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.pipeline import train_step
-from tests.train._moe_ranks import _first_step_gradients, compare_with_reference
+from tests.train._moe_ranks import (GRAD_ATOL_OF_MAX, GRAD_RTOL, LOSS_RTOL, MOE_FIELDS, _first_step_gradients,
+                                    compare_with_reference)
 from tests.train._parity_ranks import layout_config
+from tests.train._ranks import losses
 
 
 def moe_pipeline_config(out: str, degrees: dict, moe_every: int = 1, n_layers: int = 2) -> TrainConfig:
@@ -24,8 +26,11 @@ def moe_pipeline_config(out: str, degrees: dict, moe_every: int = 1, n_layers: i
     ``moe_every``-th one MoE (1: each stage holds an MoE block; 2: block 0 dense, so the first
     stage of two holds none), on the pipeline layout ``degrees``, three steps."""
     model = dataclasses.replace(PRESETS["moe-tiny"], moe_every=moe_every, n_layers=n_layers)
-    tag = f"moe-every{moe_every}-layers{n_layers}-{degrees.get('pp_schedule', '1f1b')}"
-    return layout_config(f"{out}/{tag}", degrees, model=model, model_name="moe-tiny")
+    tag = (f"moe-every{moe_every}-layers{n_layers}-{degrees.get('pp_schedule', '1f1b')}"
+           f"{'-overlap' if degrees.get('ep_overlap') else ''}")
+    layout = Layout(**degrees)  # a batch of 4 sequences, or one per data-parallel rank and microbatch
+    return layout_config(f"{out}/{tag}", degrees, model=model, model_name="moe-tiny",
+                         batch_size=max(4, layout.dp * layout.microbatches))
 
 
 def _pipeline_first_step_gradients(cfg: TrainConfig) -> tuple[dict[str, np.ndarray], Any]:
@@ -83,3 +88,42 @@ def check_moe_pipeline_parity(out: str, cases: list[tuple[dict, int, int]]) -> l
             np.testing.assert_array_equal(bias, ref_bias[name], err_msg=f"{what}: {name} balance bias")
         results.append({"losses": curve, "bias_norms": [r["moe_bias_norm"] for r in rows]})
     return results
+
+
+def check_overlap_matches_plain(out: str, degrees: dict, moe_every: int = 1, n_layers: int = 2) -> dict:
+    """``degrees`` with ``ep_overlap`` against the same pipeline without it: the schedule
+    has ``OVERLAP_B_F`` pairs (the two threads ran), the first step's gradients of this
+    rank's pieces agree to float32 summation order (``GRAD_*``: the overlap reduce-scatters
+    each unit's summed gradient once where the plain run reduce-scatters per microbatch,
+    [Note: the overlap in the job]), and three steps' losses and gradient norms to
+    ``LOSS_RTOL``, routing counts and balance biases exactly. Returns the largest relative
+    difference of the gradients and of the losses."""
+    overlapped = moe_pipeline_config(out, {**degrees, "ep_overlap": True}, moe_every, n_layers)
+    plain = moe_pipeline_config(f"{out}/plain", degrees, moe_every, n_layers)
+    runs = {}
+    for cfg in (overlapped, plain):
+        grads, boxes = _pipeline_first_step_gradients(cfg)
+        run = setup(cfg)
+        if cfg is overlapped:
+            assert any(a.type.name == "OVERLAP_B_F" for a in run.pipe.schedule.actions), run.pipe.schedule.actions
+        rows = train(cfg, write_outputs=False, run=run)
+        if cfg is overlapped and run.moe:  # this rank's MoE stages met at the dispatch/combine hooks
+            assert run.pipe.schedule.overlap.coordinator.paired > 0, "the overlapped pairs never met at a hook"
+        runs[cfg is overlapped] = (grads, rows, {name: layer.expert_bias.copy() for name, layer in run.moe})
+    (grads, rows, bias), (ref_grads, ref_rows, ref_bias) = runs[True], runs[False]
+    what = f"{overlapped.layout.describe()} {overlapped.layout.pp_schedule}"
+    grad_diff = 0.0
+    for name, grad in grads.items():
+        scale = float(np.abs(ref_grads[name]).max())
+        np.testing.assert_allclose(grad, ref_grads[name], rtol=GRAD_RTOL, atol=GRAD_ATOL_OF_MAX * scale,
+                                   err_msg=f"{what}: step-1 gradient of {name} vs the run without --ep-overlap")
+        grad_diff = max(grad_diff, float(np.abs(grad - ref_grads[name]).max()) / scale)
+    for field in (*MOE_FIELDS, "moe_bias_norm"):
+        assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+    for name in ref_bias:
+        np.testing.assert_array_equal(bias[name], ref_bias[name], err_msg=f"{what}: {name} balance bias")
+    curve, ref_curve = losses(rows), losses(ref_rows)
+    np.testing.assert_allclose(curve, ref_curve, rtol=LOSS_RTOL, atol=0, err_msg=f"{what}: losses vs without overlap")
+    np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
+                               atol=0, err_msg=f"{what}: gradient norms vs without overlap")
+    return {"grad_max_rel_diff": grad_diff, "loss_max_rel_diff": float(np.max(np.abs(curve / ref_curve - 1)))}
