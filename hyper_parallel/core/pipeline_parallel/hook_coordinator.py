@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 
 FORWARD, BACKWARD = "forward", "backward"
 #: hooks after which a side's next segment communicates (see [Note: A/B/C/D rendezvous])
@@ -99,6 +100,8 @@ class HookCoordinator:
         self._issued: dict[str, int] = {FORWARD: 0, BACKWARD: 0}  # rendezvous whose communication is issued
         #: rendezvous the two sides met at, over every pairing so far (0: the hooks never paired)
         self.paired: int = 0
+        #: seconds each side spent blocked waiting for the other, over every pairing so far
+        self.waited_s: dict[str, float] = {FORWARD: 0.0, BACKWARD: 0.0}
 
     def begin(self, forward_thread: int, backward_thread: int) -> None:
         """Start a pairing: hooks on ``forward_thread`` (a thread ident) are the forward
@@ -227,7 +230,10 @@ class HookCoordinator:
         self._rendezvous(side, name)
 
     def _wait(self, ready: object, side: str, what: str) -> None:
-        if not self._cond.wait_for(ready, timeout=self.timeout_s):  # type: ignore[arg-type]
+        began = time.perf_counter()
+        met = self._cond.wait_for(ready, timeout=self.timeout_s)  # type: ignore[arg-type]
+        self.waited_s[side] += time.perf_counter() - began
+        if not met:
             self._done[side] = True
             self._cond.notify_all()
             raise RuntimeError(f"HookCoordinator: the {side} thread waited {self.timeout_s} s for {what}; the other "
