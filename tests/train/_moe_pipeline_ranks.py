@@ -16,7 +16,7 @@ from hyper_parallel.train.loop import _batch_tensors, setup, train
 from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.pipeline import train_step
 from tests.train._moe_ranks import (GRAD_ATOL_OF_MAX, GRAD_RTOL, LOSS_RTOL, MOE_FIELDS, _first_step_gradients,
-                                    compare_with_reference)
+                                    compare_with_reference, resume_in_one_process)
 from tests.train._parity_ranks import layout_config
 from tests.train._ranks import losses
 
@@ -127,3 +127,11 @@ def check_overlap_matches_plain(out: str, degrees: dict, moe_every: int = 1, n_l
     np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
                                atol=0, err_msg=f"{what}: gradient norms vs without overlap")
     return {"grad_max_rel_diff": grad_diff, "loss_max_rel_diff": float(np.max(np.abs(curve / ref_curve - 1)))}
+
+
+def check_pipeline_resume_in_one_process(out: str, degrees: dict) -> list[float]:
+    """A checkpoint of the MoE pipeline ``degrees`` (an MoE block on each stage; each stage's
+    ranks write its layers' pieces and balance biases) resumed in one process (resharded:
+    every stage on one rank) as one process would have continued
+    (``_moe_ranks.resume_in_one_process``)."""
+    return resume_in_one_process(moe_pipeline_config(out, degrees))

@@ -175,7 +175,14 @@ def check_resume_across_expert_parallel_degrees(out: str) -> list[float]:
     uninterrupted to step 4. The losses agree to ``LOSS_RTOL`` (the first two steps ran in
     another layout: float32 sums in other orders, see ``check_moe_parity``) and the balance
     biases exactly (integer routing counts). Returns the resumed losses."""
-    cfg = moe_config(out, {"dp_shard": 2, "ep": 2}, "aux-free").replace(steps=2)
+    return resume_in_one_process(moe_config(out, {"dp_shard": 2, "ep": 2}, "aux-free"))
+
+
+def resume_in_one_process(cfg: TrainConfig) -> list[float]:
+    """``cfg`` for 2 steps (its checkpoint at step 2), then on every rank alone a resume of
+    it to step 4 against the single process run uninterrupted to step 4, as
+    ``check_resume_across_expert_parallel_degrees`` describes. Returns the resumed losses."""
+    cfg = cfg.replace(steps=2)
     train(cfg)  # writes its checkpoint at step 2 (collective)
     p = get_platform()
     alone = cfg.replace(steps=4, resume=True, out=f"{cfg.out}/resumed{p.rank()}", checkpoint_dir=str(cfg.checkpoint_path))

@@ -16,7 +16,8 @@ from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args
 from tests.train._moe_ranks import LOSS_RTOL
 from tests.train._ranks import TEST_DATA
-from tests.train._moe_pipeline_ranks import check_moe_pipeline_parity, check_overlap_matches_plain
+from tests.train._moe_pipeline_ranks import (check_moe_pipeline_parity, check_overlap_matches_plain,
+                                              check_pipeline_resume_in_one_process)
 
 
 def test_two_stage_pipelines_match_single_process(run_on_ranks, tmp_path: Path) -> None:
@@ -35,6 +36,16 @@ def test_expert_parallel_pipeline_matches_single_process(run_on_ranks, tmp_path:
     fully_shard'ed over them, against the single process as above."""
     cases = [({"pp": 2, "dp_shard": 2, "ep": 2, "microbatches": 2}, 1, 2)]
     results = run_on_ranks(check_moe_pipeline_parity, str(tmp_path), cases, world_size=4, timeout_s=900)
+    for other in results[1:]:
+        assert other == results[0]
+
+
+def test_pipeline_checkpoint_resumes_in_one_process(run_on_ranks, tmp_path: Path) -> None:
+    """A pp 2 x dp-shard 2 x ep 2 checkpoint (each stage's pieces and balance biases written by
+    its ranks) resumes in one process as the uninterrupted single process continues: losses
+    to float32 order, biases exactly."""
+    results = run_on_ranks(check_pipeline_resume_in_one_process, str(tmp_path),
+                           {"pp": 2, "dp_shard": 2, "ep": 2, "microbatches": 2}, world_size=4, timeout_s=900)
     for other in results[1:]:
         assert other == results[0]
 
