@@ -112,7 +112,8 @@ building stages ``r`` and ``2 pp - 1 - r`` (the schedule gives its stages the V 
 backward starts on the rank that ran stage 0. ``interleaved-zero-bubble`` runs ZB-H1 on two
 loop-placed stages per rank, ``dualpipev`` DualPipeV (``ScheduleDualPipeV``, V-placed like ZB-V;
 its forward/backward pairs run on two threads, which meet at no hook in this model, so each
-pair runs one after the other). Checkpoints are placement-free (each rank saves its
+pair runs one after the other; ``--ep-overlap``, which would hook them, needs the fully_shard
+that DualPipeV's split backwards refuse: [Note: the overlap in the job]). Checkpoints are placement-free (each rank saves its
 stages' parameters under the decoder's names), so a ZB-V run resumes like any other. Under
 tensor parallelism the split
 layers are the TP-hooked projections, whose weights are the local shards, so ``W`` lands
@@ -195,8 +196,11 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     context parallelism on its blocks' attention over ``cp_mesh``, each block checkpointed
     with ``cfg.activation_checkpointing``, fully_shard over the data-parallel (x cp)
     submesh; see ``[Note: pipeline stages and the other axes]``) and
-    build the ``--pp-schedule`` over them. ``mp_policy``: ``--dtype``'s mixed precision
-    (``None``: float32), given to fully_shard or hooked by ``apply_mixed_precision`` as
+    build the ``--pp-schedule`` over them. An MoE model's experts are sharded over ``--ep``
+    ranks of each stage's pipeline coordinate after TP ([Note: MoE stages]); with
+    ``--ep-overlap`` the schedule's ``OVERLAP_B_F`` pairs run on two threads hooked to the
+    stages' dispatch/combine ([Note: the overlap in the job]). ``mp_policy``: ``--dtype``'s
+    mixed precision (``None``: float32), given to fully_shard or hooked by ``apply_mixed_precision`` as
     ``parallelize`` does. ``cp_mesh``: ``context_parallel_mesh(mesh,
     layout)``, the mesh the loader shards sequences over (required when ``cp > 1``).
     Collectives: broadcasts of the tensor-parallel shards, creation of the data-parallel
