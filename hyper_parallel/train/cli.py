@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="expert-parallel degree of an MoE model: its routed experts sharded over N of the "
                           "--dp-shard ranks (N divides --dp-shard; fully_shard shards them over the rest), tokens sent "
                           "to their experts by all-to-all")
+    lay.add_argument("--ep-overlap", action="store_true",
+                     help="with --ep and --pp (--pp-schedule 1f1b or interleaved-1f1b): run each pair of one "
+                          "microbatch's backward and the next one's forward on two threads, the MoE dispatch/combine "
+                          "all-to-alls of each beside the other's compute")
     lay.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree")
     lay.add_argument("--pp-schedule", default="1f1b",
                      help="pipeline schedule (the core's schedule table): " + "; ".join(
@@ -364,7 +368,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         degrees = {DEFAULT_LAYOUT_AXIS: nproc}
     microbatches = args.microbatches if args.microbatches is not None else degrees.get("pp", 1)
     layout = Layout(**degrees, cp_mode=args.cp_mode, pp_schedule=args.pp_schedule, microbatches=microbatches,
-                    ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange, ep=args.ep)
+                    ulysses_degree=args.ulysses_degree, cp_kv_exchange=args.cp_kv_exchange, ep=args.ep,
+                    ep_overlap=args.ep_overlap)
     name = args.model if not sizes else f"{args.model}+custom"
     if args.hf_config is not None and (sizes or args.tie_embeddings or args.model != "small"):
         raise ValueError("--hf-config takes the model from the Hugging Face configuration (TrainConfig derives its "

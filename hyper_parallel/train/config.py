@@ -40,6 +40,9 @@ INIT_DEVICES = ("meta", "host")
 
 #: The schedules with the zero-bubble I/W split of the backward (``weight_grad.py``).
 ZERO_BUBBLE_SCHEDULES = tuple(name for name, entry in SCHEDULES.items() if entry.splits_backward)
+#: the ``--pp-schedule``s ``--ep-overlap`` runs: those that pair a backward with a forward
+#: (``OVERLAP_B_F``) on the fully_shard layouts ``--ep`` needs
+EP_OVERLAP_SCHEDULES = ("1f1b", "interleaved-1f1b")
 
 #: Parallel features a layout may need, and whether ``hyper-parallel train`` runs them yet.
 #: A layout that needs one that is not wired into the job is refused before any rank starts;
@@ -94,6 +97,11 @@ class Layout:
     #: axis of its own, so not in ``AXES`` nor the world size): each MoE block's routed
     #: experts are sharded over it and tokens are sent to their experts' ranks.
     ep: int = 1
+    #: ``--ep-overlap``: run each ``OVERLAP_B_F`` pair of ``--pp-schedule`` (one microbatch's
+    #: backward beside the next one's forward) on two threads, the MoE dispatch/combine
+    #: all-to-alls of each beside the other's compute ([Note: the overlap in the job] in
+    #: ``train/pipeline.py``).
+    ep_overlap: bool = False
 
     AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -143,6 +151,8 @@ class Layout:
         parts = [f"{axis}={degree}" for axis, degree in self.degrees().items() if degree > 1]
         if self.ep > 1:
             parts.append(f"ep={self.ep} (of dp_shard)")
+        if self.ep_overlap:
+            parts.append("ep-overlap")
         return " x ".join(parts) if parts else "single rank"
 
     def missing_features(self) -> list[str]:
@@ -423,6 +433,8 @@ class TrainConfig:
         mod, lay = self.model, self.layout
         if lay.ep > 1:
             self._check_expert_parallel()
+        if lay.ep_overlap:
+            self._check_ep_overlap()
         if not mod.moe_experts:
             return
         hidden = mod.moe_shared_experts * mod.expert_hidden_dim
@@ -430,12 +442,13 @@ class TrainConfig:
             raise ValueError(f"--tp={lay.tp} must divide the shared experts' width {hidden} (--moe-shared-experts "
                              f"{mod.moe_shared_experts} x expert width {mod.expert_hidden_dim}): tensor parallelism "
                              "splits the shared expert like the dense MLP; use a --tp dividing it")
-        # the routing counts are taken in each training forward: a pipeline's forward run again
-        # (MindSpore's recompute of out-of-order backwards) would count its tokens twice
-        if lay.pp > 1:
-            raise ValueError(f"--moe-experts {mod.moe_experts} cannot be combined with --pp={lay.pp} yet: pipeline "
-                             "stages of MoE blocks are not wired into the job (issue 36, items 2-3); use --pp 1 with "
-                             "--dp-shard/--dp-replicate/--tp")
+        if lay.pp > 1 and mod.moe_balance == "aux-loss":
+            # the last stage's loss holds the cross-entropy only: an earlier stage's balance loss
+            # would need its gradient seeded inside that stage's backward (and its value carried
+            # to the last stage for the reported loss), which the job's pipeline does not do
+            raise ValueError(f"--moe-balance aux-loss cannot be combined with --pp={lay.pp} yet: the balance loss of "
+                             "an MoE block on an earlier stage does not reach the last stage's loss; use --moe-balance "
+                             "aux-free with --pp")
         if self.activation_checkpointing and mod.moe_balance == "aux-loss":
             # the balance loss is read off each MoE block after the forward, outside the block's
             # checkpointed region: its gradient would have to reach back into a region whose
@@ -463,13 +476,38 @@ class TrainConfig:
             raise ValueError(f"--ep={lay.ep} must divide --dp-shard={lay.dp_shard}: the expert-parallel ranks are "
                              "borrowed from the sharded data-parallel axis (dp_shard / ep groups of ep ranks, the "
                              f"experts fully_shard'ed over the groups); use an --ep dividing {lay.dp_shard}")
-        others = {"--cp": lay.cp, "--pp": lay.pp}
-        for flag, degree in others.items():
-            if degree > 1:
-                raise ValueError(f"--ep={lay.ep} cannot be combined with {flag}={degree} yet: expert parallelism runs "
-                                 "with --dp-shard, --dp-replicate and --tp only in the job so far (issue 36 item 2); "
-                                 "drop "
-                                 f"{flag} or --ep")
+        if lay.cp > 1:
+            raise ValueError(f"--ep={lay.ep} cannot be combined with --cp={lay.cp} yet: expert parallelism runs with "
+                             "--dp-shard, --dp-replicate, --tp and --pp only in the job so far (issue 36 item 2); drop "
+                             "--cp or --ep")
+
+    def _check_ep_overlap(self) -> None:
+        """``--ep-overlap``: the two-thread pairs need MoE blocks whose dispatch and combine
+        communicate (``--ep`` >= 2), a pipeline schedule with ``OVERLAP_B_F`` pairs, and the
+        layouts whose collectives the pairs keep in one order on every rank."""
+        mod, lay = self.model, self.layout
+        if not mod.moe_experts or lay.ep < 2:
+            what = f"--model {self.model_name} is dense" if not mod.moe_experts else f"--ep={lay.ep}"
+            raise ValueError(f"--ep-overlap overlaps the expert-parallel all-to-alls of an MoE model, but {what}: "
+                             "give an MoE model (--model moe-tiny|moe-small or --moe-experts N) with --ep 2 or more "
+                             "(dispatch and combine communicate nothing without it), or drop --ep-overlap")
+        if lay.pp < 2:
+            raise ValueError(f"--ep-overlap pairs one microbatch's forward with another's backward inside a pipeline "
+                             f"schedule, but --pp={lay.pp}; give --pp 2 or more with --pp-schedule "
+                             f"{' or '.join(EP_OVERLAP_SCHEDULES)}, or drop --ep-overlap")
+        if lay.pp_schedule not in EP_OVERLAP_SCHEDULES:
+            why = ("DualPipeV splits its backwards (a zero-bubble schedule), which cannot be combined with the "
+                   "fully_shard that --ep needs" if lay.pp_schedule == "dualpipev" else
+                   "it has no forward/backward pairs to overlap")
+            raise ValueError(f"--ep-overlap cannot run with --pp-schedule {lay.pp_schedule}: {why}; use --pp-schedule "
+                             f"{' or '.join(EP_OVERLAP_SCHEDULES)}")
+        for flag, value in (("--tp", lay.tp > 1), ("--dp-replicate", lay.dp_replicate > 1),
+                            ("--activation-checkpointing", self.activation_checkpointing)):
+            if value:
+                raise ValueError(f"--ep-overlap cannot be combined with {flag} yet: the two threads' collectives "
+                                 "(tensor-parallel all-reduces, the replicas' all-reduces, the recomputed "
+                                 "dispatches) are not checked to keep one order on every rank; drop "
+                                 f"{flag} or --ep-overlap")
 
     def _check_hf(self) -> None:
         """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes

@@ -76,7 +76,8 @@ class _Run:
     dtype: str = "fp32"  # --dtype, resolved (precision.resolve_dtype)
     scaler: LossScaler = field(default_factory=lambda: LossScaler(enabled=False))  # fp16: [Note: dynamic loss scaling]
     sync_units: list[Any] = field(default_factory=list)  # the fully_shard units (--grad-accum turns their sync off)
-    moe: list[tuple[str, Any]] = field(default_factory=list)  # the MoE sublayers (moe_model.moe_layers)
+    moe: list[tuple[str, Any]] = field(default_factory=list)  # this rank's MoE sublayers (moe_model.moe_layers)
+    balance_group: Any = None  # the ranks balance_step sums the routing counts over (None: this rank alone)
 
 
 def _scalar(p: Platform, value: float) -> Any:
@@ -351,9 +352,17 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
     sync_units = [module for _, module in p.named_modules(model) if isinstance(module, HSDPModule)] \
         if pipe is None else []
-    moe = moe_layers(p, model) if pipe is None and cfg.hf_config is None else []
+    moe: list[tuple[str, Any]] = []
+    balance_group = dp_group
+    if cfg.hf_config is None and cfg.model.moe_experts:
+        moe = moe_layers(p, model) if pipe is None else [layer for module in pipe.modules
+                                                         for layer in moe_layers(p, module)]
+        if pipe is not None:  # [Note: MoE stages] in pipeline.py: every stage's layers in one all-reduce
+            assert mesh is not None
+            balance_group = mesh["pp", "dp_replicate", "dp_shard", "cp"].flatten("pp_dp_cp").get_group()
     return _Run(p, cfg, layout, mesh, model, params, optimizer, corpus, rank, world, dp_rank, dp_size, dp_group,
-                cp_mesh, pipe, names, boxes, grad_norm, dtype, LossScaler(enabled=dtype == "fp16"), sync_units, moe)
+                cp_mesh, pipe, names, boxes, grad_norm, dtype, LossScaler(enabled=dtype == "fp16"), sync_units, moe,
+                balance_group)
 
 
 def _announce(run: _Run, loaded: checkpoint.Loaded) -> None:
@@ -434,8 +443,10 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
                                    "peak_memory_bytes": _peak_memory(run), "dtype": run.dtype}
             if run.scaler.enabled:  # the scale the next step's backward is seeded with
                 row["loss_scale"] = run.scaler.scale
-            if run.moe:  # before validation: it routes with the step's updated balance bias
-                row.update(balance_step(p, run.moe, run.dp_group, cfg.model).row())
+            # every rank of an MoE model, also a pipeline rank whose stages hold no MoE block (the
+            # all-reduce spans every stage); before validation: it routes with the updated biases
+            if cfg.model.moe_experts and cfg.hf_config is None:
+                row.update(balance_step(p, run.moe, run.balance_group, cfg.model).row())
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 row["val_loss"] = _validation_loss(run)
             rows.append(row)

@@ -57,6 +57,7 @@ fully_shard and the scaled sum is already the average.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,7 @@ from hyper_parallel.core.activation_checkpoint import CheckpointPhase, checkpoin
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.expert_parallel import MoE as ExpertParallelMoE
 from hyper_parallel.core.expert_parallel import RoutingPlan
+from hyper_parallel.core.pipeline_parallel import in_stage_backward
 from hyper_parallel.core.tensor_ops import stack
 from hyper_parallel.platform import Activation, Platform
 from hyper_parallel.platform.contract.common import CustomFunction
@@ -244,6 +246,10 @@ def define_moe(p: Platform) -> type:
             # set by parallelize.apply_expert_parallel: core's dispatch/combine over the ep group
             self.expert_parallel: ExpertParallelMoE | None = None
             self.ep_grad_scale = 1.0
+            # set by the pipeline with --ep-overlap: expert_parallel's dispatch and combine wrapped
+            # by CommComputeOverlap ([Note: the overlap in the job] in train/pipeline.py)
+            self.dispatch: Callable[[Any, RoutingPlan], Any] | None = None
+            self.combine: Callable[[Any, RoutingPlan], Any] | None = None
 
         def forward(self, x: Any) -> Any:
             b, s, d = x.shape[0], x.shape[1], x.shape[2]
@@ -253,10 +259,14 @@ def define_moe(p: Platform) -> type:
             self.aux_loss = None
             if self.balance == "aux-loss":
                 self.aux_loss = sequence_aux_loss(p, probs, chosen, b) * self.aux_coef
-            # training forwards only (validation leaves the step's counts alone), and not the
-            # recomputation of --activation-checkpointing (the same decisions a second time);
-            # counted here, before the experts: a recomputation runs at least this far
-            if p.grad_enabled() and checkpoint_phase() is not CheckpointPhase.RECOMPUTE:
+            # training forwards only (validation leaves the step's counts alone), and not a
+            # rerun of one (the same decisions a second time): the recomputation of
+            # --activation-checkpointing, or a pipeline stage's forward run again inside its
+            # backward (MindSpore's out-of-order backwards: [Note: forwards inside a stage's
+            # backward] in core/pipeline_parallel/runtime.py); counted here, before the
+            # experts: a recomputation runs at least this far
+            if (p.grad_enabled() and checkpoint_phase() is not CheckpointPhase.RECOMPUTE
+                    and not in_stage_backward()):
                 self.counts.tokens += plan.send_counts
                 self.counts.rows += chosen.size
                 self.counts.forwards += 1
@@ -264,9 +274,9 @@ def define_moe(p: Platform) -> type:
                     self.counts.aux_loss += float(p.to_numpy(p.detach(self.aux_loss)))
             ep, rows = self.expert_parallel, plan.permute(flat)
             if ep is not None:  # all-to-all to the experts' ranks (core's MoE) and back below
-                rows = ep.dispatch(rows, plan)
+                rows = (self.dispatch or ep.dispatch)(rows, plan)
             done = self.experts(rows, plan, ep, self.ep_grad_scale)
-            out = plan.unpermute(done if ep is None else ep.combine(done, plan))
+            out = plan.unpermute(done if ep is None else (self.combine or ep.combine)(done, plan))
             if self.has_shared:
                 out = out + self.shared_expert(flat)
             return out.reshape(b, s, d)
@@ -304,39 +314,61 @@ class BalanceStats:
         return out
 
 
+def moe_layer_names(cfg: ModelConfig) -> list[str]:
+    """The names of every MoE sublayer of ``cfg``'s decoder (``layers.{i}.moe``), in order:
+    a pipeline stage holds some of them, under the same names."""
+    return [f"layers.{i}.moe" for i in range(cfg.n_layers) if cfg.is_moe_block(i)]
+
+
 def balance_step(p: Platform, layers: list[tuple[str, Any]], group: Any, cfg: ModelConfig) -> BalanceStats:
-    """After a step's backward: sum every MoE layer's counts over ``group`` (the data- and
-    context-parallel ranks; ``None``: this rank alone) with one all-reduce (float64, exact
-    for counts below 2^53), move each ``aux-free`` bias by ``moe_bias_rate * sign(mean load -
-    load)`` ([Note: balance across layouts]), reset the counts and return the step's stats.
-    Every rank of ``group`` must call it with the same layers (they hold the same blocks).
+    """After a step's backward: sum every MoE layer's counts over ``group`` with one
+    all-reduce (float64, exact for counts below 2^53), move each ``aux-free`` bias by
+    ``moe_bias_rate * sign(mean load - load)`` ([Note: balance across layouts]), reset the
+    counts and return the step's stats over all the model's MoE layers (``moe_layer_names``).
+
+    ``layers``: this rank's MoE sublayers (all of them, or a pipeline rank's stages').
+    ``group``: the data- and context-parallel ranks (``None``: this rank alone); with
+    pipeline parallelism those of every pipeline coordinate together (no tensor-parallel
+    axis, whose ranks route the same tokens), so that each layer's slots hold the sum
+    over the ranks of its stage and zeros from the others. Each layer's current bias rides
+    along, with the count of ranks holding it (the same bias on each: their sum divided by
+    that count is exact), so every rank computes every layer's new bias and the stats of
+    all layers, the layers of other stages included. Every rank of ``group`` must call it.
 
     Raises:
-        RuntimeError: a layer routed no training forward since the last call.
+        RuntimeError: a layer of ``layers`` routed no training forward since the last call.
     """
-    width = cfg.moe_experts + 3
-    local = np.zeros(len(layers) * width, np.float64)
-    for i, (name, layer) in enumerate(layers):
+    experts = cfg.moe_experts
+    names = moe_layer_names(cfg)
+    # per layer: tokens [experts], rows, aux-loss sum, forwards, holders, bias [experts]
+    width = 2 * experts + 4
+    local = np.zeros(len(names) * width, np.float64)
+    for name, layer in layers:
         c = layer.counts
         if not c.forwards:
             raise RuntimeError(f"{name}: balance_step without a training forward since the last one; call it once "
                                "per optimizer step, after the backward")
-        local[i * width:(i + 1) * width] = [*c.tokens, c.rows, c.aux_loss, c.forwards]
+        i = names.index(name)
+        local[i * width:(i + 1) * width] = [*c.tokens, c.rows, c.aux_loss, c.forwards, 1.0, *layer.expert_bias]
         c.reset()
     total = local if group is None else p.to_numpy(p.all_reduce(p.from_numpy(local), "sum", group=group).wait())
+    mine = dict(layers)
     per_layer_max, dropped, aux, biases = [], 0, 0.0, []
-    for i, (_, layer) in enumerate(layers):
+    for i, name in enumerate(names):
         block = total[i * width:(i + 1) * width]
-        tokens, rows, aux_sum, forwards = block[:cfg.moe_experts], block[-3], block[-2], block[-1]
+        tokens, (rows, aux_sum, forwards, holders) = block[:experts], block[experts:experts + 4]
+        bias = (block[experts + 4:] / holders).astype(np.float32)  # h equal float32 values: exact
         per_layer_max.append(int(tokens.max()))
         dropped += int(round(rows - tokens.sum()))
         aux += aux_sum / forwards
         if cfg.moe_balance == "aux-free":
             # float32 arithmetic on identical integers: every layout's bias is the single process's, bit for bit
-            layer.expert_bias += np.float32(cfg.moe_bias_rate) * np.sign(tokens.mean() - tokens).astype(np.float32)
-        biases.append(layer.expert_bias)
+            bias += np.float32(cfg.moe_bias_rate) * np.sign(tokens.mean() - tokens).astype(np.float32)
+        if name in mine:
+            mine[name].expert_bias[:] = bias
+        biases.append(bias)
     # every layer routes the same rows: the mean is one layer's rows over the experts
-    mean = float(total[:cfg.moe_experts].sum() / cfg.moe_experts)
+    mean = float(total[:experts].sum() / experts)
     bias_norm = float(np.linalg.norm(np.concatenate(biases))) if cfg.moe_balance == "aux-free" else None
     return BalanceStats(max(per_layer_max), mean, dropped, bias_norm,
                         aux if cfg.moe_balance == "aux-loss" else None, per_layer_max)

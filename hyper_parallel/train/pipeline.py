@@ -52,6 +52,53 @@ last stage's ranks and handed to every rank by one all-reduce over the world. Th
 validation loss is computed the same way from ``schedule.eval``, the schedule's forwards in
 its order without recording (the same sends and receives of activations as the step's).
 
+[Note: MoE stages]
+A mixture-of-experts decoder (``--moe-experts``) is cut like the dense one: each stage holds
+its blocks' MoE sublayers, under the decoder's names (``layers.{i}.moe``). With ``--ep``
+each stage's routed experts are sharded over the expert-parallel ranks of its pipeline
+coordinate (``parallelize.expert_parallel_meshes``: the ``dp_shard`` axis of that
+coordinate), between TP and CP as in ``parallelize``; the experts are fully_shard'ed over
+the rest of ``dp_shard`` or left out of it (``ep == dp_shard``), and a microbatch's dispatch
+and combine all-to-alls run among the ranks of one coordinate, which run the same action
+list, so every rank of an expert-parallel group issues them in the same order (also those
+of a forward that MindSpore reruns inside an out-of-order backward). The routing counts
+are taken in each microbatch's training forward, not in such a rerun ([Note: forwards
+inside a stage's backward] in ``core/pipeline_parallel/runtime.py``), and summed after the
+step over the data-parallel ranks of every pipeline coordinate (``moe_model.balance_step``,
+one all-reduce over ``pp x dp x cp``), so each stage moves its own layers' aux-free biases
+by the single process's integers, and every rank reports the stats of all the layers.
+``--moe-balance aux-loss`` is refused with ``--pp`` (``TrainConfig``): an earlier stage's
+balance loss does not reach the last stage's loss.
+
+[Note: the overlap in the job]
+``--ep-overlap`` (with ``--ep`` >= 2 and ``--pp-schedule 1f1b | interleaved-1f1b``: ``TrainConfig``)
+builds the schedule with ``overlap_b_f=True``: each steady-state backward is paired with the
+next forward (``OVERLAP_B_F``), and ``CommComputeOverlap.run`` runs the two on two threads.
+Every MoE layer of a stage calls its expert-parallel dispatch and combine through the
+overlap's ``wrap_dispatch`` / ``wrap_combine`` (the stage's last MoE layer with
+``is_last_layer``), so the threads meet at the ``A``/``B``/``C``/``D`` hooks ([Note: A/B/C/D
+rendezvous] in ``core/pipeline_parallel/hook_coordinator.py``): the dispatch or combine
+all-to-all of one microbatch is issued, then the other's expert or attention compute runs
+while it is in flight. Two rules keep every rank's collectives in one order, which the
+fully_shard units of a stage (one group for their all-gathers, the expert-parallel group
+inside it) need:
+
+- the coordinator holds the forward's tail ([Note: serial tails]): each segment of the
+  two threads runs alone, in the same order on every rank;
+- fully_shard's gradient sync is off during the step (``set_requires_gradient_sync``)
+  and on for each stage's last backward, which no schedule pairs (every forward of the
+  rank precedes it; checked when the schedule is built): a paired forward starts its stage
+  (the root's pre-forward collects what an earlier backward left unreduced) while the
+  paired backward of the same stage is still running, so no reduce-scatter may be in
+  flight then. Each unit accumulates its full gradient over the microbatches and
+  reduce-scatters the sum once.
+
+The values are the run without ``--ep-overlap``'s, up to float32 summation order: the
+per-microbatch reduce-scatters of that run become one reduce-scatter of the summed
+gradient here (the microbatches' routing, losses and everything else are computed by the
+same operations on the same tensors). A stage with no MoE block has no hooks: its
+pair runs one after the other (the forward waits for the backward to finish).
+
 [Note: zero-bubble schedules in train]
 ``--pp-schedule zbh1`` runs ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR
 2024; ``ScheduleInterleavedZeroBubble`` with one stage per rank, the loop placement of the
@@ -65,7 +112,8 @@ building stages ``r`` and ``2 pp - 1 - r`` (the schedule gives its stages the V 
 backward starts on the rank that ran stage 0. ``interleaved-zero-bubble`` runs ZB-H1 on two
 loop-placed stages per rank, ``dualpipev`` DualPipeV (``ScheduleDualPipeV``, V-placed like ZB-V;
 its forward/backward pairs run on two threads, which meet at no hook in this model, so each
-pair runs one after the other). Checkpoints are placement-free (each rank saves its
+pair runs one after the other; ``--ep-overlap``, which would hook them, needs the fully_shard
+that DualPipeV's split backwards refuse: [Note: the overlap in the job]). Checkpoints are placement-free (each rank saves its
 stages' parameters under the decoder's names), so a ZB-V run resumes like any other. Under
 tensor parallelism the split
 layers are the TP-hooked projections, whose weights are the local shards, so ``W`` lands
@@ -84,15 +132,19 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor import DeviceMesh
-from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
-from hyper_parallel.core.pipeline_parallel import SCHEDULES, PipelineSchedule, PipelineStage
+from hyper_parallel.core.fully_shard import HSDPModule, MixedPrecisionPolicy
+from hyper_parallel.core.pipeline_parallel import (SCHEDULES, CommComputeOverlap, HookCoordinator, PipelineSchedule,
+                                                   PipelineStage)
+from hyper_parallel.core.pipeline_parallel.schedules.actions import ActionType
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
+from hyper_parallel.train.moe_model import moe_layers
 from hyper_parallel.train.optim import local_tensor
 from hyper_parallel.train.precision import apply_mixed_precision
-from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel, apply_fully_shard,
-                                              apply_tensor_parallel, fully_shard_mesh)
+from hyper_parallel.train.parallelize import (apply_activation_checkpointing, apply_context_parallel,
+                                              apply_expert_parallel, apply_fully_shard, apply_tensor_parallel,
+                                              expert_parallel_meshes, fully_shard_mesh)
 
 
 @dataclass
@@ -113,6 +165,7 @@ class Pipeline:
     # seeds the backward with it (--dtype fp16: [Note: dynamic loss scaling]); train_step
     # sets it for its step and reports the unscaled mean
     loss_scale: float = 1.0
+    overlap: bool = False       # --ep-overlap: [Note: the overlap in the job]
 
     @property
     def has_first(self) -> bool:
@@ -143,8 +196,11 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     context parallelism on its blocks' attention over ``cp_mesh``, each block checkpointed
     with ``cfg.activation_checkpointing``, fully_shard over the data-parallel (x cp)
     submesh; see ``[Note: pipeline stages and the other axes]``) and
-    build the ``--pp-schedule`` over them. ``mp_policy``: ``--dtype``'s mixed precision
-    (``None``: float32), given to fully_shard or hooked by ``apply_mixed_precision`` as
+    build the ``--pp-schedule`` over them. An MoE model's experts are sharded over ``--ep``
+    ranks of each stage's pipeline coordinate after TP ([Note: MoE stages]); with
+    ``--ep-overlap`` the schedule's ``OVERLAP_B_F`` pairs run on two threads hooked to the
+    stages' dispatch/combine ([Note: the overlap in the job]). ``mp_policy``: ``--dtype``'s
+    mixed precision (``None``: float32), given to fully_shard or hooked by ``apply_mixed_precision`` as
     ``parallelize`` does. ``cp_mesh``: ``context_parallel_mesh(mesh,
     layout)``, the mesh the loader shards sequences over (required when ``cp > 1``).
     Collectives: broadcasts of the tensor-parallel shards, creation of the data-parallel
@@ -169,11 +225,20 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
                                   cfg.activation_checkpointing)
     else:
         modules = [build_stage(p, cfg.model, model, ranges[s], s == 0, s == num_stages - 1) for s in indices]
-        # the chain of parallelize.py (TP -> CP -> activation checkpointing -> fully_shard), on
-        # every stage module
+        # the chain of parallelize.py (TP -> EP -> CP -> activation checkpointing -> fully_shard),
+        # on every stage module; [Note: MoE stages]
+        experts: list[Any] | None = None
+        experts_mesh = ep_mesh = None
+        if layout.ep > 1:  # the groups once, for every stage (a collective: every rank builds them)
+            ep_mesh, experts_mesh = expert_parallel_meshes(mesh, layout)
+            experts = []
         for module in modules:
             if layout.tp > 1:
                 apply_tensor_parallel(module, mesh["tp"])
+            if ep_mesh is not None:
+                placed = apply_expert_parallel(module, ep_mesh)
+                if experts is not None and experts_mesh is None:  # ep == dp_shard: left out of fully_shard
+                    experts += placed
             if layout.cp > 1:
                 apply_context_parallel(module, cp_mesh, layout)
             if cfg.activation_checkpointing:  # [Note: activation checkpointing in pipeline stages]
@@ -184,7 +249,8 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
         if layout.dp * layout.cp > 1:
             dp_mesh = fully_shard_mesh(mesh, layout)
             for module in modules:
-                apply_fully_shard(module, dp_mesh, mp_policy, cast_root_inputs=False)
+                apply_fully_shard(module, dp_mesh, mp_policy, ignored_params=experts or None,
+                                  experts_mesh=experts_mesh, cast_root_inputs=False)
         elif mp_policy is not None:
             for module in modules:
                 apply_mixed_precision(p, module, mp_policy)
@@ -198,9 +264,48 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
         scale = built[0].loss_scale
         return loss if scale == 1.0 else loss * scale
 
-    schedule: PipelineSchedule = entry.schedule_class(stages, layout.microbatches, loss_fn)
-    built.append(Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, entry.placement))
+    if layout.ep_overlap:
+        schedule: PipelineSchedule = _overlapped_schedule(p, entry.schedule_class, modules, stages,
+                                                          layout.microbatches, loss_fn)
+    else:
+        schedule = entry.schedule_class(stages, layout.microbatches, loss_fn)
+    built.append(Pipeline(p, modules, stages, indices, num_stages, schedule, group, rank, size, entry.placement,
+                          overlap=layout.ep_overlap))
     return built[0]
+
+
+def _overlapped_schedule(p: Platform, schedule_class: type, modules: list[Any], stages: list[PipelineStage],
+                         microbatches: int, loss_fn: Callable[[Any, Any], Any]) -> PipelineSchedule:
+    """``schedule_class`` (1F1B or interleaved 1F1B) with its ``OVERLAP_B_F`` pairs run on two
+    threads, the MoE layers of ``modules`` hooked to them, and fully_shard's gradient sync
+    turned on for each stage's last backward ([Note: the overlap in the job]).
+
+    Raises:
+        RuntimeError: the schedule pairs a stage's last backward (the rule above would
+            reduce-scatter while a paired forward runs)."""
+    overlap = CommComputeOverlap(HookCoordinator(hold_forward_tail=True))
+    for module in modules:
+        layers = moe_layers(p, module)
+        for i, (_, layer) in enumerate(layers):
+            assert layer.expert_parallel is not None, "TrainConfig: --ep-overlap needs --ep"
+            layer.dispatch = overlap.wrap_dispatch(layer.expert_parallel.dispatch)
+            layer.combine = overlap.wrap_combine(layer.expert_parallel.combine, is_last_layer=i == len(layers) - 1)
+    schedule: PipelineSchedule = schedule_class(stages, microbatches, loss_fn, overlap_b_f=True, overlap=overlap)
+    last = microbatches - 1
+    for action in schedule.actions:
+        if action.type is ActionType.OVERLAP_B_F and action.sub_actions[0].microbatch_index == last:
+            raise RuntimeError(f"{schedule_class.__name__}: the pair {action} holds stage "
+                               f"{action.sub_actions[0].stage_index}'s last backward; --ep-overlap reduces the "
+                               "gradients there and needs it outside the pairs")
+    by_index = dict(zip((stage.stage_index for stage in stages), modules))
+
+    def backward(action: Any, ctx: Any) -> None:
+        if action.microbatch_index == last and isinstance(by_index[action.stage_index], HSDPModule):
+            by_index[action.stage_index].set_requires_gradient_sync(True)  # reduce the summed gradients
+        ctx.schedule._stage_dict[action.stage_index].backward_one_chunk(action.microbatch_index)
+
+    schedule.register_custom_function(ActionType.B, backward)
+    return schedule
 
 
 def train_step(pipe: Pipeline, tensors: list[Any], loss_scale: float = 1.0) -> float | None:
@@ -211,10 +316,15 @@ def train_step(pipe: Pipeline, tensors: list[Any], loss_scale: float = 1.0) -> f
     on the rank of the last stage (the mean over this rank's tokens: microbatches are
     equal), ``None`` elsewhere."""
     pipe.loss_scale = loss_scale
+    sharded = [module for module in pipe.modules if isinstance(module, HSDPModule)] if pipe.overlap else []
+    for module in sharded:  # on again for each stage's last backward: [Note: the overlap in the job]
+        module.set_requires_gradient_sync(False)
     try:
         mean = _mean_loss(pipe, tensors, pipe.schedule.step)
     finally:
         pipe.loss_scale = 1.0
+        for module in sharded:
+            module.set_requires_gradient_sync(True)
     return None if mean is None else mean / loss_scale
 
 

@@ -92,6 +92,30 @@ def _first_step_gradients(cfg: TrainConfig, reference: bool = False,
     return out
 
 
+def compare_with_reference(what: str, grads: dict[str, np.ndarray], boxes: dict[str, Any],
+                           ref_grads: dict[str, np.ndarray], rows: list[dict], ref_rows: list[dict]) -> list[float]:
+    """This rank's pieces ``grads`` (``boxes``) of the first step's gradients against the
+    reference's whole ``ref_grads`` (``GRAD_*``), the losses, the last validation loss and
+    the global gradient norms against the reference's rows (``LOSS_RTOL``), and the routing
+    counts (``MOE_FIELDS``) exactly: integers summed over the ranks. Returns the losses and
+    the validation loss."""
+    for name, grad in grads.items():
+        box = boxes[name]
+        expected = ref_grads[name][tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
+        scale = float(np.abs(ref_grads[name]).max())
+        assert scale > 0, f"{name}: the reference's gradient is zero: the test would not see a wrong one"
+        np.testing.assert_allclose(grad, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL_OF_MAX * scale,
+                                   err_msg=f"{what}: step-1 gradient of {name} vs single process")
+    curve = [*losses(rows).tolist(), rows[-1]["val_loss"]]
+    ref_curve = [*losses(ref_rows).tolist(), ref_rows[-1]["val_loss"]]
+    np.testing.assert_allclose(curve, ref_curve, rtol=LOSS_RTOL, atol=0, err_msg=f"{what}: losses vs single process")
+    np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
+                               atol=0, err_msg=f"{what}: global gradient norms vs single process")
+    for field in MOE_FIELDS:
+        assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+    return curve
+
+
 def check_moe_parity(out: str, cases: list[tuple]) -> list[dict]:
     """Each ``(degrees, balance[, changes])`` of ``cases`` (``moe_config``'s arguments;
     ``changes["initial_bias"]``: every MoE layer's starting balance bias, ``SKEWED_BIAS``
@@ -127,20 +151,7 @@ def check_moe_parity(out: str, cases: list[tuple]) -> list[dict]:
         ref_grads = _first_step_gradients(cfg, reference=True, bias=case["initial_bias"])
         ref_run = _setup(cfg, True, case["initial_bias"])
         ref_rows = train(cfg, reference=True, write_outputs=False, run=ref_run)
-        for name, grad in case["grads"].items():
-            box = case["boxes"][name]
-            expected = ref_grads[name][tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
-            scale = float(np.abs(ref_grads[name]).max())
-            assert scale > 0, f"{name}: the reference's gradient is zero: the test would not see a wrong one"
-            np.testing.assert_allclose(grad, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL_OF_MAX * scale,
-                                       err_msg=f"{what}: step-1 gradient of {name} vs single process")
-        curve = [*losses(rows).tolist(), rows[-1]["val_loss"]]
-        ref_curve = [*losses(ref_rows).tolist(), ref_rows[-1]["val_loss"]]
-        np.testing.assert_allclose(curve, ref_curve, rtol=LOSS_RTOL, atol=0, err_msg=f"{what}: losses vs single process")
-        np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
-                                   atol=0, err_msg=f"{what}: global gradient norms vs single process")
-        for field in MOE_FIELDS:  # integers summed over the data-parallel ranks: exact
-            assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+        curve = compare_with_reference(what, case["grads"], case["boxes"], ref_grads, rows, ref_rows)
         assert all(r["moe_dropped_tokens"] == 0 for r in rows), what
         if case["initial_bias"] is not None:  # the skew is real: expert 0 took every token's first slot
             assert rows[0]["moe_tokens_per_expert_max"] == cfg.batch_size * cfg.seq_len, (what, rows[0])
@@ -164,7 +175,14 @@ def check_resume_across_expert_parallel_degrees(out: str) -> list[float]:
     uninterrupted to step 4. The losses agree to ``LOSS_RTOL`` (the first two steps ran in
     another layout: float32 sums in other orders, see ``check_moe_parity``) and the balance
     biases exactly (integer routing counts). Returns the resumed losses."""
-    cfg = moe_config(out, {"dp_shard": 2, "ep": 2}, "aux-free").replace(steps=2)
+    return resume_in_one_process(moe_config(out, {"dp_shard": 2, "ep": 2}, "aux-free"))
+
+
+def resume_in_one_process(cfg: TrainConfig) -> list[float]:
+    """``cfg`` for 2 steps (its checkpoint at step 2), then on every rank alone a resume of
+    it to step 4 against the single process run uninterrupted to step 4, as
+    ``check_resume_across_expert_parallel_degrees`` describes. Returns the resumed losses."""
+    cfg = cfg.replace(steps=2)
     train(cfg)  # writes its checkpoint at step 2 (collective)
     p = get_platform()
     alone = cfg.replace(steps=4, resume=True, out=f"{cfg.out}/resumed{p.rank()}", checkpoint_dir=str(cfg.checkpoint_path))

@@ -160,7 +160,6 @@ def _args(*flags: str) -> TrainConfig:
     (["--model", "moe-tiny", "--moe-every", "3"], "--moe-every=3 must be in [1, n_layers=2]"),
     (["--model", "moe-tiny", "--moe-experts", "1"], "--moe-experts=1 must be 0 (dense) or at least 2"),
     (["--model", "moe-tiny", "--moe-bias-rate", "-1"], "--moe-bias-rate=-1.0 must be a finite number >= 0"),
-    (["--model", "moe-tiny", "--pp", "2", "--nproc", "2"], "cannot be combined with --pp=2 yet"),
     (["--model", "moe-tiny", "--cp", "2", "--nproc", "2", "--moe-balance", "aux-loss"],
      "--moe-balance aux-loss cannot be combined with --cp=2"),
     (["--model", "moe-tiny", "--activation-checkpointing", "--moe-balance", "aux-loss"],

@@ -5,11 +5,11 @@ runtime that executes the action lists (GPipe, 1F1B, interleaved 1F1B)."""
 from hyper_parallel.core.pipeline_parallel.messages import TensorSpec
 from hyper_parallel.core.pipeline_parallel.named_schedules import (Schedule1F1B, ScheduleGPipe,
                                                                    ScheduleInterleaved1F1B)
-from hyper_parallel.core.pipeline_parallel.runtime import PipelineSchedule
+from hyper_parallel.core.pipeline_parallel.runtime import PipelineSchedule, in_stage_backward
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 
 __all__ = ["PipelineSchedule", "PipelineStage", "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B",
-           "TensorSpec"]
+           "TensorSpec", "in_stage_backward"]
 
 from hyper_parallel.core.pipeline_parallel.comm_compute_overlap import CommComputeOverlap  # noqa: E402
 from hyper_parallel.core.pipeline_parallel.hook_coordinator import HookCoordinator, HookRole  # noqa: E402

@@ -35,12 +35,24 @@ runs hooks. The forward passes its ``D_LAST`` before its closing and stops coord
 there (``is_enabled()`` is then false, which is how MindFormers' callback skips its
 closing); ``notify_dispatched`` marks this side's latest communication as issued, which
 releases a computing partner as the side's next rendezvous would.
+
+[Note: serial tails] Outside the paired segments both threads run free: the backward
+after its last rendezvous (the layers before the first MoE layer), the forward after its
+``D_LAST`` (the layers after the last one). Work there that is ordered across ranks (a
+fully_shard unit's all-gather, issued on a group the other thread also uses) would then
+be issued in an order that differs from rank to rank. ``hold_forward_tail=True`` keeps one
+order: the forward, at its ``D_LAST``, marks itself past its hooks (the backward's hooks
+stop waiting for it) and waits until the backward has finished, then runs its tail. Every
+segment then runs on one thread at a time, in the same order on every rank; only the
+communication issued before each switch (the combine before ``D_LAST``, the dispatch and
+combine of the paired segments) runs under the other thread's compute.
 """
 
 from __future__ import annotations
 
 import enum
 import threading
+import time
 
 FORWARD, BACKWARD = "forward", "backward"
 #: hooks after which a side's next segment communicates (see [Note: A/B/C/D rendezvous])
@@ -72,10 +84,13 @@ class HookCoordinator:
     Args:
         timeout_s: the longest a thread waits for its partner; past it the waiting
             thread raises ``RuntimeError`` (a partner stuck in a collective, say).
+        hold_forward_tail: the forward waits at its ``D_LAST`` until the backward has
+            finished ([Note: serial tails]).
     """
 
-    def __init__(self, timeout_s: float = 300.0) -> None:
+    def __init__(self, timeout_s: float = 300.0, *, hold_forward_tail: bool = False) -> None:
         self.timeout_s = timeout_s
+        self.hold_forward_tail = hold_forward_tail
         self._cond = threading.Condition()
         self._threads: dict[str, int | None] = {FORWARD: None, BACKWARD: None}  # thread ident per side
         self._arrived: dict[str, int] = {FORWARD: 0, BACKWARD: 0}  # rendezvous reached per side
@@ -83,6 +98,10 @@ class HookCoordinator:
         self._done: dict[str, bool] = {FORWARD: True, BACKWARD: True}  # side no longer coordinating
         self._closing: dict[str, bool] = {FORWARD: False, BACKWARD: False}  # side past its hooks
         self._issued: dict[str, int] = {FORWARD: 0, BACKWARD: 0}  # rendezvous whose communication is issued
+        #: rendezvous the two sides met at, over every pairing so far (0: the hooks never paired)
+        self.paired: int = 0
+        #: seconds each side spent blocked waiting for the other, over every pairing so far
+        self.waited_s: dict[str, float] = {FORWARD: 0.0, BACKWARD: 0.0}
 
     def begin(self, forward_thread: int, backward_thread: int) -> None:
         """Start a pairing: hooks on ``forward_thread`` (a thread ident) are the forward
@@ -201,12 +220,20 @@ class HookCoordinator:
             return
         if name == "D_LAST":
             if side == FORWARD:
+                if self.hold_forward_tail:  # [Note: serial tails]
+                    with self._cond:
+                        self._closing[FORWARD] = True
+                        self._cond.notify_all()
+                        self._wait(lambda: self._done[BACKWARD], FORWARD, "the backward thread to finish")
                 self.finish(FORWARD)
             return  # the backward's first hook: nothing precedes it to pair with
         self._rendezvous(side, name)
 
     def _wait(self, ready: object, side: str, what: str) -> None:
-        if not self._cond.wait_for(ready, timeout=self.timeout_s):  # type: ignore[arg-type]
+        began = time.perf_counter()
+        met = self._cond.wait_for(ready, timeout=self.timeout_s)  # type: ignore[arg-type]
+        self.waited_s[side] += time.perf_counter() - began
+        if not met:
             self._done[side] = True
             self._cond.notify_all()
             raise RuntimeError(f"HookCoordinator: the {side} thread waited {self.timeout_s} s for {what}; the other "
@@ -223,6 +250,8 @@ class HookCoordinator:
                        f"rendezvous {k}")
             if self._arrived[other] < k:  # the other side stopped, or is past its hooks
                 return
+            if side == FORWARD:  # counted once per rendezvous
+                self.paired += 1
             mine, theirs = name in _COMM_NEXT[side], self._names[other][k - 1] in _COMM_NEXT[other]
             if mine == theirs:
                 self._done[side] = True

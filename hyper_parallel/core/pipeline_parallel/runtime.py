@@ -27,8 +27,10 @@ unless ``scale_grads=True``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, ClassVar
 
@@ -46,6 +48,33 @@ from hyper_parallel.core.pipeline_parallel.weight_grad import Capture
 from hyper_parallel.platform import Work
 
 A = ActionType
+
+#: [Note: forwards inside a stage's backward] A stage's forward can run again inside its
+#: backward: MindSpore's out-of-order backwards re-record it ([Note: out-of-order
+#: backwards] in ``platform/mindspore/autograd.py``), and a checkpointed block recomputes.
+#: The math is the same forward's; a model's per-forward bookkeeping (an MoE layer's
+#: routing counts) must not count it a second time, so the runtime marks every backward it
+#: runs (``B``, ``I``, ``W``) and ``in_stage_backward`` tells a forward it is such a rerun.
+#: A context variable: per thread, so the forward of an ``OVERLAP_B_F`` pair, on the other
+#: thread, is not marked.
+_IN_STAGE_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar("hyper_parallel_stage_backward",
+                                                                          default=False)
+
+
+def in_stage_backward() -> bool:
+    """True while this thread runs a pipeline stage's backward (``B``, ``I`` or ``W``): a
+    forward running now reruns one already counted ([Note: forwards inside a stage's
+    backward])."""
+    return _IN_STAGE_BACKWARD.get()
+
+
+@contextlib.contextmanager
+def _stage_backward() -> Iterator[None]:
+    token = _IN_STAGE_BACKWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_STAGE_BACKWARD.reset(token)
 #: loss_fn(last stage's output for one microbatch, that microbatch's target) -> scalar tensor
 LossFn = Callable[[Any, Any], Any]
 Microbatch = tuple[tuple[Any, ...], dict[str, Any]]
@@ -627,7 +656,7 @@ class _StepState:
         if capture is not None and part == "input":
             capture.deferring = True  # split linear layers store (x, grad_y) for W
         try:
-            with self._recording(s, capture):
+            with self._recording(s, capture), _stage_backward():
                 input_grads, param_grads = backward(grads_out, part=part)
         finally:
             if capture is not None:
@@ -654,7 +683,7 @@ class _StepState:
         params = [param for _, param in stage.named_params]
         grads: list[Any] = [None] * len(params)
         if backward is not None:
-            with self._recording(s, capture):
+            with self._recording(s, capture), _stage_backward():
                 grads = list(backward(grads_out, part="weight")[1])
         if capture is not None and stage.weight_split is not None:
             landed = stage.weight_split.land(capture, params)
