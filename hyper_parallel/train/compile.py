@@ -21,11 +21,11 @@ TransformerBlock:
   with the MLP and a norm compiled, MindSpore 2.10's PyNative backward through the jitted
   graphs fails on the 4-block ``small`` preset ("Number of args excced the number of
   edges", ``pynative_jit_grad.cc`` ``FilterGradOutput``; the 2-block ``tiny`` one runs),
-  with the MLP alone it does not. Single rank only (``check_compile`` refuses the rest,
-  with the reason).
+  with the MLP alone it does not. Single rank only (``check_compile_layout`` refuses the
+  rest on every rank, before the first collective, with the reason).
 
-What neither compiles (refused by ``check_compile``, naming the flag, the layout and the
-fix): ``--cp`` and ``--pp`` (their hooks and stages are not checked under a compiler),
+What neither compiles (refused by ``check_compile`` before any rank starts, naming the flag,
+the layout and the fix): ``--cp`` and ``--pp`` (their hooks and stages are not checked under a compiler),
 mixture-of-experts blocks (routing reads token counts on the host), ``--hf-config``
 models, and ``--activation-checkpointing`` (a compiled forward inside the recomputed
 region is not checked). The single-process reference of ``--check-parity`` runs eagerly,
@@ -42,10 +42,11 @@ from hyper_parallel.platform import Capability, Platform
 MINDSPORE_PARTS = ("feed_forward",)
 
 
-def check_compile(framework: str, layout: Any, *, moe: bool, hf_config: bool, activation_checkpointing: bool) -> None:
-    """Refuse ``--compile`` where the job does not compile ([Note: what --compile
-    compiles]); ``layout`` is the run's ``config.Layout``. Runs in ``TrainConfig``, before
-    any rank starts.
+def check_compile(layout: Any, *, moe: bool, hf_config: bool, activation_checkpointing: bool) -> None:
+    """Refuse ``--compile`` where the job compiles on neither framework ([Note: what
+    --compile compiles]); ``layout`` is the run's ``config.Layout``. Runs in
+    ``TrainConfig``, before any rank starts (what depends on the platform's compiler:
+    ``check_compile_layout``).
 
     Raises:
         ValueError: naming ``--compile``, the layout or flag it cannot take, why, and the fix.
@@ -66,14 +67,25 @@ def check_compile(framework: str, layout: Any, *, moe: bool, hf_config: bool, ac
         if degree > 1:
             raise ValueError(f"--compile cannot be combined with {flag}={degree} (layout {layout.describe()}): {why}; "
                              f"drop --compile or {flag}")
-    if framework == "mindspore" and layout.world_size > 1:
-        # mindspore.jit traces the hooks inside what it compiles: the tensor-parallel styles'
-        # on the MLP's linear layers, and fully_shard's gathered weights (put in the
-        # parameters' place) lose part of their gradient under it (platform's compile_module)
-        raise ValueError(f"--compile on MindSpore runs on one rank only, not on layout {layout.describe()}: "
-                         "mindspore.jit traces the tensor-parallel hooks of the MLP's linear layers and does not "
+
+
+def check_compile_layout(p: Platform, layout: Any) -> None:
+    """Refuse ``--compile`` on more than one rank where the platform's compiler traces the
+    hooks inside what it compiles (no ``Capability.COMPILE_AROUND_HOOKS``: MindSpore's jit
+    traces the tensor-parallel styles' hooks of the MLP's linear layers, and fully_shard's
+    gathered weights, put in the parameters' place, lose part of their gradient under it;
+    the platform's ``compile_module``). Runs on every rank at the start of ``loop.setup``,
+    before the first collective: the capability is the platform's, which the launching
+    process does not build.
+
+    Raises:
+        ValueError: naming ``--compile``, the platform, the layout and the fix.
+    """
+    if layout.world_size > 1 and Capability.COMPILE_AROUND_HOOKS not in p.capabilities():
+        raise ValueError(f"--compile on {p.name} runs on one rank only, not on layout {layout.describe()}: its "
+                         "compiler traces the tensor-parallel hooks of the MLP's linear layers and does not "
                          "differentiate fully_shard's gathered weights correctly; drop --compile, or use --compile "
-                         "with --nproc 1 (or with --platform torch on this layout)")
+                         "with --nproc 1 (or with a platform whose compiler runs hooks eagerly: torch)")
 
 
 def compiled_parts(p: Platform, model: Any) -> list[Any]:

@@ -276,7 +276,7 @@ class TrainConfig:
         if self.hf_config is not None:
             self._check_hf()
         if self.compile:
-            check_compile(self.platform.split("-")[0], self.layout, moe=bool(self.model.moe_experts),
+            check_compile(self.layout, moe=bool(self.model.moe_experts),
                           hf_config=self.hf_config is not None,
                           activation_checkpointing=self.activation_checkpointing)
         self._check_precision_and_knobs()

@@ -33,7 +33,7 @@ from hyper_parallel.core.fully_shard import Box, HSDPModule, local_boxes
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train import checkpoint
 from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
-from hyper_parallel.train.compile import apply_compile
+from hyper_parallel.train.compile import apply_compile, check_compile_layout
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import VALIDATION_STREAM, Batch, Corpus, rank_batch
 from hyper_parallel.train.metrics import PLOT_FILE, ExtraLoggers, MetricsWriter, Progress, plot_losses
@@ -291,6 +291,8 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     (the single-process reference of ``--check-parity`` and of the tests)."""
     p = get_platform()
     layout = Layout() if reference else cfg.layout
+    if cfg.compile and not reference:  # on every rank, before the first collective
+        check_compile_layout(p, layout)
     mesh = build_mesh(p, layout)
     rank, world = (0, 1) if mesh is None else (p.rank(), p.world_size())
     pipe = None

@@ -19,6 +19,7 @@ from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args
 from hyper_parallel.train.config import PRESETS, Layout, TrainConfig
 from tests.train._compile_ranks import compiled_and_eager
+from tests.train._ranks import tiny_config
 
 STEPS = 3
 
@@ -77,16 +78,32 @@ def _config(framework: str, degrees: dict, **changes: object) -> TrainConfig:
     return TrainConfig(**values)
 
 
-@pytest.mark.parametrize("framework,degrees", [(f, d) for f, layouts in REFUSED.items() for d in layouts])
-def test_refusals(framework: str, degrees: dict) -> None:
-    """A layout a framework does not compile is refused when the config is built (before
-    any rank starts), naming --compile, the layout and the fix."""
+def refused_setup(out: str, degrees: dict) -> str:
+    """``loop.setup`` of a ``--compile`` run on ``degrees``: the message of the ValueError
+    every rank raises before its first collective."""
+    from hyper_parallel.train.loop import setup
+
     layout = Layout(**degrees)
-    with pytest.raises(ValueError, match="--compile") as raised:
-        _config(framework, degrees)
-    message = str(raised.value)
-    assert layout.describe() in message and "drop --compile" in message, message
-    assert "--nproc 1" in message, message
+    try:
+        setup(tiny_config(out, nproc=layout.world_size, layout=layout, steps=1, compile=True))
+    except ValueError as err:
+        return str(err)
+    raise AssertionError(f"--compile on {degrees} was not refused")
+
+
+@pytest.mark.parametrize("degrees", [d for layouts in REFUSED.values() for d in layouts],
+                         ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
+def test_refusals(run_on_ranks, tmp_path: Path, degrees: dict) -> None:
+    """A layout the platform's compiler cannot take (no ``COMPILE_AROUND_HOOKS``) is refused
+    on every rank before the first collective, naming --compile, the layout and the fix."""
+    framework = framework_of(selected_platform())
+    if _compiles(framework, degrees):
+        pytest.skip(f"{framework} compiles {degrees}: test_compiled_matches_eager runs it")
+    layout = Layout(**degrees)
+    messages = run_on_ranks(refused_setup, str(tmp_path), degrees, world_size=layout.world_size, timeout_s=300)
+    for message in messages:
+        assert "--compile" in message and layout.describe() in message and "drop --compile" in message, message
+        assert "--nproc 1" in message, message
 
 
 @pytest.mark.parametrize("framework", ["torch", "mindspore"])
@@ -116,7 +133,3 @@ def test_command_line_flag() -> None:
     assert config_from_args(args).compile
     args = parser.parse_args(["train", "--platform", "torch", "--nproc", "2", "--tp", "2", "--model", "tiny"])
     assert not config_from_args(args).compile
-    args = parser.parse_args(["train", "--platform", "mindspore", "--nproc", "2", "--tp", "2", "--model", "tiny",
-                              "--compile"])
-    with pytest.raises(ValueError, match="--compile on MindSpore runs on one rank only"):
-        config_from_args(args)
