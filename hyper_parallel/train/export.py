@@ -281,8 +281,9 @@ def moe_biases(path: Path, manifest: dict[str, Any], cfg: ModelConfig) -> dict[s
     Raises:
         ValueError: an MoE block's bias is not in the checkpoint.
     """
-    names = [f"layers.{i}.moe" for i in range(cfg.n_layers) if cfg.is_moe_block(i)]
-    keys = {name: f"moe_bias/{name}.expert_bias" for name in names}
+    from hyper_parallel.train.moe_model import moe_layer_names
+
+    keys = {name: f"moe_bias/{name}.expert_bias" for name in moe_layer_names(cfg)}
     missing = [key for key in keys.values() if key not in manifest["tensors"]]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} holds a mixture-of-experts decoder without its balance biases "
