@@ -18,17 +18,29 @@ its consequences. A rank that raised also has ``rank_N.error`` (its traceback, w
 The child dies with its supervisor (``PR_SET_PDEATHSIG``, Linux), so killing either process
 of a rank ends both; torchrun's and ``launch.py``'s group kills reach both anyway (one
 process group). All ranks of a launch are on this host, so their wall times compare.
+
+[Note: stacks of a hung run]
+A run that exceeds ``--timeout`` has no failed rank: every rank waits, most of them in a
+collective for one that is somewhere else. Killing them leaves nothing to say where. So
+each rank arms faulthandler's watchdog (``stacks_on_timeout``: a native thread, which
+writes even while the rank's threads are blocked inside a collective's native code) to
+write every thread's Python stack to ``<out>/.ranks/rank_N.stacks`` a few seconds before
+the timeout, and the launcher quotes each rank's innermost frames (``hung_report``) before
+it kills the group. The watchdog needs no signal from the launcher, so it works the same
+under torchrun and msrun.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +59,40 @@ def exit_path(run_dir: Path, rank: int) -> Path:
 
 def error_path(run_dir: Path, rank: int) -> Path:
     return run_dir / ERROR_DIR / f"rank_{rank}.error"
+
+
+def stacks_path(run_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes every thread's Python stack when the run outlives its
+    ``--timeout`` ([Note: stacks of a hung run])."""
+    return run_dir / ERROR_DIR / f"rank_{rank}.stacks"
+
+
+#: seconds before ``--timeout`` at which a rank dumps its stacks (at most a tenth of the timeout)
+STACK_DUMP_LEAD_S = 10.0
+
+
+@contextlib.contextmanager
+def stacks_on_timeout(run_dir: Path, rank: int, timeout_s: float) -> Iterator[None]:
+    """While inside, a rank still running shortly before ``timeout_s`` (seconds from now)
+    writes every thread's Python stack to ``stacks_path`` ([Note: stacks of a hung run])."""
+    path = stacks_path(run_dir, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dump = path.open("w")
+    except OSError:  # an unwritable --out fails the run later, with its own message
+        yield
+        return
+    with dump:
+        faulthandler.dump_traceback_later(max(timeout_s - min(STACK_DUMP_LEAD_S, timeout_s / 10), 1.0),
+                                          file=dump, exit=False)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    with contextlib.suppress(OSError):
+        if path.stat().st_size == 0:
+            path.unlink()
+            path.parent.rmdir()  # only when empty: a failed rank's files stay
 
 
 #: ``"exit code 1"`` / ``"killed by signal 9 (SIGKILL)"`` (the harness's wording: ``platform/launch``)
@@ -141,6 +187,36 @@ def _line(e: RankExit) -> str:
                 "killer, or a crash in native code)")
     parts = [part for part in (e.how, f"traceback: {e.traceback}" if e.traceback else None) if part]
     return f"rank {e.rank} failed: {e.error}" + (f" ({'; '.join(parts)})" if parts else "")
+
+
+def _innermost(dump: str, frames: int = 4) -> list[str]:
+    """The innermost ``frames`` frames of each thread in a faulthandler dump (it writes the
+    innermost first), as ``thread: frame <- frame ...`` lines, the current thread first."""
+    lines, thread, taken = [], "", []
+    for line in [*dump.splitlines(), ""]:
+        if not line.startswith("  "):
+            if thread and taken:
+                lines.append(f"{thread} {' <- '.join(taken)}")
+            thread, taken = line.strip().rstrip(":").replace(" (most recent call first)", ""), []
+        elif len(taken) < frames:
+            taken.append(line.strip().removeprefix("File "))
+    return lines
+
+
+def hung_report(run_dir: Path) -> str:
+    """Where each rank was when the run timed out: the innermost frames of every thread,
+    from the stacks the ranks wrote ([Note: stacks of a hung run]); ``""`` if none did."""
+    parts = []
+    folder = run_dir / ERROR_DIR
+    paths = folder.glob("rank_*.stacks") if folder.is_dir() else []
+    for path in sorted(paths, key=lambda path: int(path.stem.split("_")[1])):
+        rank = int(path.stem.split("_")[1])
+        dump = ""
+        with contextlib.suppress(OSError):
+            dump = path.read_text()
+        if dump.strip():
+            parts.append(f"rank {rank} ({path}):\n" + "\n".join(f"  {line}" for line in _innermost(dump)))
+    return "where the ranks were at the timeout (innermost frame first):\n" + "\n".join(parts) if parts else ""
 
 
 def report(run_dir: Path) -> str:

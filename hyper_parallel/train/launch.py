@@ -10,7 +10,8 @@ Which processes and which environment: ``platform/launch.py``, shared with the t
 Every process is started in its own session, so a kill reaches everything it started.
 A rank that fails, or a run past ``timeout_s``, kills the whole group; the error names the
 first rank to fail and how (exit code or signal), then the others' errors as its
-consequences ([Note: the first rank to fail] in ``exits.py``).
+consequences ([Note: the first rank to fail] in ``exits.py``); past the timeout it quotes
+where each rank was ([Note: stacks of a hung run]).
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ from pathlib import Path
 
 from hyper_parallel.platform.launch import common_env, launch_commands
 from hyper_parallel.train.config import TrainConfig
-from hyper_parallel.train.exits import ERROR_DIR, describe_exit, report
+from hyper_parallel.train.exits import ERROR_DIR, describe_exit, hung_report, report
 
 #: seconds a MindSpore scheduler may outlive its workers before it is stopped
 SCHEDULER_GRACE_S = 10.0
+#: seconds the launcher waits past --timeout for the ranks' stack dumps ([Note: stacks of
+#: a hung run] in exits.py: a rank that started late dumps a little late)
+STACKS_WAIT_S = 3.0
+#: seconds the processes of a stopped run get to end on SIGTERM before SIGKILL
+TERM_GRACE_S = 20.0
 
 
 class LaunchError(RuntimeError):
@@ -49,12 +55,28 @@ def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdin=subprocess.DEVNULL)  # noqa: S603
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop every process of the run. SIGTERM first: torchrun starts each rank in a
+    session of its own, which a kill of torchrun's group does not reach, and stops its
+    ranks itself on SIGTERM (each rank's supervisor ends on it, and its child with it:
+    ``exits.supervise``); what is left after ``TERM_GRACE_S`` is SIGKILLed."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + TERM_GRACE_S
+    for proc in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    for proc in running:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
 
 
 def _commands(cfg: TrainConfig, config_path: Path) -> list[tuple[str, list[str], dict[str, str], bool]]:
@@ -100,7 +122,8 @@ def launch(cfg: TrainConfig) -> None:
                 return
             if time.monotonic() > deadline:
                 running = [label for label, code in codes.items() if code is None]
-                detail = report(cfg.run_dir)
+                time.sleep(STACKS_WAIT_S)  # the ranks' stack dumps come due about now
+                detail = "\n".join(part for part in (report(cfg.run_dir), hung_report(cfg.run_dir)) if part)
                 raise LaunchError(f"the run exceeded --timeout {cfg.timeout_s:g} s; killed every process "
                                   f"({', '.join(running)} still running)" + (f"\n{detail}" if detail else ""))
             time.sleep(0.2)
@@ -110,5 +133,4 @@ def launch(cfg: TrainConfig) -> None:
         for proc in [proc for _, proc, scheduler in procs if scheduler]:  # it returns once every worker has left; give it a moment
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=SCHEDULER_GRACE_S if all(p.poll() == 0 for _, p in workers) else 0.1)
-        for _, proc, _ in procs:
-            _kill(proc)
+        _kill([proc for _, proc, _ in procs])

@@ -20,7 +20,7 @@ from typing import Any
 
 from hyper_parallel.platform.launch import run_scheduler
 from hyper_parallel.train.config import TrainConfig
-from hyper_parallel.train.exits import ERROR_DIR, supervise
+from hyper_parallel.train.exits import ERROR_DIR, stacks_on_timeout, supervise
 from hyper_parallel.train.exits import error_path as _error_path
 from hyper_parallel.core.process_groups import barrier
 
@@ -65,15 +65,22 @@ def error_path(cfg: TrainConfig, rank: int) -> Path:
 
 def run_rank(cfg: TrainConfig) -> list[dict[str, Any]]:
     """Join the world the launcher set up, train, leave. Returns the metrics rows."""
-    import hyper_parallel as hp
-
     if os.environ.get("MS_ROLE") == "MS_SCHED":  # msrun-style scheduler process
         run_scheduler()
         return []
+    rank = launcher_rank() or 0
+    # a run past --timeout leaves each rank's stacks for the launcher's report
+    # ([Note: stacks of a hung run] in exits.py)
+    with stacks_on_timeout(cfg.run_dir, rank, cfg.timeout_s):
+        return _run_worker(cfg, rank)
+
+
+def _run_worker(cfg: TrainConfig, rank: int) -> list[dict[str, Any]]:
+    import hyper_parallel as hp
+
     # on MindSpore CPU, init_process_group launches operations blocking ([Note: MindSpore
     # CPU ranks launch blocking] in platform/launch.py)
     p = hp.init(cfg.platform)
-    rank = launcher_rank() or 0
     try:
         if p.device_type != "cpu":
             p.set_device(int(os.environ.get("LOCAL_RANK", "0")))

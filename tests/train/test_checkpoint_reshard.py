@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +18,11 @@ from hyper_parallel.testing import run_on_ranks as run_on_fresh_ranks
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import main
 from hyper_parallel.train.metrics import read_metrics
+from tests.train._cli import run_cli
 from tests.train._parity_ranks import CROSS_FRAMEWORK_RTOL
 from tests.train._ranks import TEST_DATA
 from tests.train._reshard_ranks import check_format_2_resume, check_reshard_chains, framework_leg, full_tensors
 
-REPO = Path(__file__).resolve().parents[2]
 
 #: (model, layouts): each layout resumes the previous one's checkpoint. tp 2 x dp-shard 2
 #: -> dp-shard 4 (tensor-parallel boxes into uneven fully_shard rows) -> dp-replicate 2 x cp 2
@@ -47,14 +45,12 @@ def test_resume_in_another_layout(run_on_ranks, tmp_path: Path) -> None:
 
 def _launch(tmp_path: Path, out: Path, flags: list[str]) -> subprocess.CompletedProcess:
     """``hyper-parallel train`` from a shell on ``tiny`` for 3 steps, a checkpoint every step."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    args = ["train", "--platform", selected_platform(), *flags, "--model", "tiny", "--steps", "3", "--seq-len", "32",
-            "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--eval-every", "3", "--checkpoint-every", "1",
-            "--out", str(out), "--no-progress", "--data", *TEST_DATA]
-    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+    # --timeout 150 (a launch takes about 25 s): a hung launch is reported with its ranks'
+    # stacks within the test's own 600 s, which three launches share
+    return run_cli(["train", "--platform", selected_platform(), *flags, "--model", "tiny", "--steps", "3",
+                    "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--eval-every", "3",
+                    "--checkpoint-every", "1", "--out", str(out), "--no-progress", "--data", *TEST_DATA], tmp_path,
+                   timeout_s=150)
 
 
 def _losses(out: Path) -> list[float]:

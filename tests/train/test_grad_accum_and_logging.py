@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +15,10 @@ from hyper_parallel.testing.rendezvous import selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.metrics import TENSORBOARD_DIR, ExtraLoggers
+from tests.train._cli import run_cli
 from tests.train._precision_ranks import grad_accum_parity
 from tests.train._ranks import TEST_DATA
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_grad_accum_matches_one_process_and_reduces_once(run_on_ranks, tmp_path: Path) -> None:
@@ -69,13 +66,10 @@ def test_tensorboard_events_hold_the_metrics(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     args = ["train", "--platform", selected_platform(), "--nproc", "1", "--dp-shard", "1", "--model", "tiny",
             "--steps", "3", "--seq-len", "32", "--batch-size", "4", "--grad-accum", "2", "--eval-every", "3",
             "--out", str(out), "--no-progress", "--log", "tensorboard", "--data", *TEST_DATA]
-    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_cli(args, tmp_path)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(out / TENSORBOARD_DIR))
     events.Reload()

@@ -13,17 +13,15 @@ however the other ranks fail after it ([Note: the first rank to fail] in train/e
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from hyper_parallel.testing.rendezvous import selected_platform
+from tests.train._cli import run_cli
 from tests.train._ranks import TEST_DATA
 
-REPO = Path(__file__).resolve().parents[2]
 
 #: The injected module. ``RANK`` is torchrun's; ``MS_NODE_ID`` the MindSpore worker's.
 SITECUSTOMIZE = '''
@@ -32,6 +30,7 @@ import importlib.machinery
 import os
 import signal
 import sys
+import time
 
 RANK = os.environ.get("RANK") or (os.environ.get("MS_NODE_ID") if os.environ.get("MS_ROLE") == "MS_WORKER" else None)
 
@@ -58,6 +57,8 @@ class _FailStepTwo(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 raise RuntimeError("injected failure at step 2")
             if step == 2 and ACTION == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == 2 and ACTION == "hang":
+                time.sleep(3600)
             return train_step(run, step)
 
         module._train_step = failing
@@ -68,23 +69,25 @@ if RANK == FAILING_RANK:
 '''
 
 
-def _launch_failing(tmp_path: Path, rank: int, action: str, layout: list[str]) -> tuple[int, str, float, Path]:
+def _launch_failing(tmp_path: Path, rank: int, action: str, layout: list[str],
+                    timeout_s: int = 600) -> tuple[int, str, float, Path]:
     """``hyper-parallel train`` on the selected backend with rank ``rank`` failing at step 2
-    (``action``: ``"raise"`` or ``"sigkill"``): exit status, output tail, seconds, --out."""
+    (``action``: ``"raise"``, ``"sigkill"`` or ``"hang"``): exit status, output tail,
+    seconds, --out."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(f"FAILING_RANK = {str(rank)!r}\nACTION = {action!r}\n" + SITECUSTOMIZE)
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(inject), os.environ.get("PYTHONPATH", "")])}
-    # --timeout 600: on MindSpore the node timeout is then 600 s too, so only the launcher
-    # noticing the failed process can end the run promptly
+    # MindSpore's node timeout at least 600 s (it is --timeout unless set), so only the
+    # launcher noticing the failed process, or its own --timeout, can end the run
+    env = {"PYTHONPATH": str(inject), "MS_NODE_TIMEOUT": "600", "MS_HEARTBEAT_RETRY_TIMEOUT": "600"}
     args = ["train", "--platform", selected_platform(), *layout, "--model", "tiny", "--steps", "4", "--seq-len", "16",
-            "--checkpoint-every", "0", "--timeout", "600", "--out", str(out), "--no-progress", "--data", *TEST_DATA]
+            "--checkpoint-every", "0", "--timeout", str(timeout_s), "--out", str(out), "--no-progress", "--data",
+            *TEST_DATA]
     began = time.monotonic()
-    # a hung launch is killed by pytest's subprocess timeout (the launcher's own group kill
-    # is what is under test, so it cannot be the only bound)
-    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=tmp_path)
+    # a hung launcher would be killed by run_cli's subprocess bound (the launcher's own group
+    # kill is what is under test, so it cannot be the only bound)
+    done = run_cli(args, tmp_path, env=env, check=False, timeout_s=timeout_s)
     return done.returncode, done.stdout[-4000:] + done.stderr[-4000:], time.monotonic() - began, out
 
 
@@ -133,4 +136,24 @@ def test_killed_rank_is_named_first(tmp_path: Path) -> None:
     assert elapsed < 300, f"the failure took {elapsed:.0f} s to report"
     record = (out / ".ranks" / "rank_2.exit").read_text()
     assert f'"exit_code": -{int(signal.SIGKILL)}' in record, record
+    _no_process_left(out)
+
+
+def test_hung_rank_is_shown_where_it_waits(tmp_path: Path) -> None:
+    """2 ranks (dp-shard 2): rank 1 stops at step 2 (a sleep: a rank stuck outside any
+    collective) and rank 0 blocks in the step's first collective. Nothing fails, so only
+    --timeout (60 s) ends the run: the launcher kills every process and quotes where each
+    rank was from the stacks the ranks wrote just before the timeout ([Note: stacks of a
+    hung run] in train/exits.py): rank 1 in the injected sleep, rank 0 elsewhere."""
+    code, text, elapsed, out = _launch_failing(tmp_path, 1, "hang", ["--nproc", "2", "--batch-size", "2"],
+                                               timeout_s=60)
+    assert code == 1, text
+    assert "the run exceeded --timeout 60 s" in text, text
+    assert "where the ranks were at the timeout (innermost frame first):" in text, text
+    where = text[text.index("where the ranks were"):]
+    rank_1 = where[where.index("rank 1 ("):]
+    assert "sitecustomize.py" in rank_1 and "in failing" in rank_1, text
+    rank_0 = where[where.index("rank 0 ("):where.index("rank 1 (")]
+    assert "in failing" not in rank_0 and "hyper_parallel" in rank_0, text
+    assert elapsed < 200, f"the timeout took {elapsed:.0f} s to report"
     _no_process_left(out)

@@ -5,15 +5,13 @@ and the refusals of what does not compose."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train.cli import build_parser, config_from_args
+from tests.train._cli import run_cli
 from tests.train._moe_ranks import LOSS_RTOL
 from tests.train._ranks import TEST_DATA
 from tests.train._moe_pipeline_ranks import (check_moe_pipeline_parity, check_overlap_matches_plain,
@@ -86,7 +84,6 @@ def test_ep_overlap_on_eight_ranks(run_on_ranks, tmp_path: Path) -> None:
                  world_size=8, timeout_s=900)
 
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_command_line_run_with_ep_overlap(tmp_path: Path) -> None:
@@ -95,14 +92,11 @@ def test_command_line_run_with_ep_overlap(tmp_path: Path) -> None:
     microbatches, and ``--check-parity`` against one process (``LOSS_RTOL``, as the
     harness's parity); the rows carry every layer's routing stats."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     args = ["train", "--platform", selected_platform(), "--model", "moe-tiny", "--moe-every", "1", "--pp", "2",
             "--dp-shard", "2", "--ep", "2", "--microbatches", "4", "--ep-overlap", "--steps", "3", "--seq-len", "32",
             "--batch-size", "8", "--warmup-steps", "2", "--eval-every", "3", "--checkpoint-every", "0",
             "--out", str(out), "--no-progress", "--check-parity", "--data", *TEST_DATA]
-    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_cli(args, tmp_path)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(len(row["moe_tokens_per_expert_max_by_layer"]) == 2 and row["moe_dropped_tokens"] == 0 for row in rows)

@@ -9,9 +9,6 @@ float16 (its CPU Gather kernel takes no bfloat16, which the command line refuses
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +20,10 @@ from hyper_parallel.train.cli import build_parser, config_from_args
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.precision import (DEFAULT_ACCELERATOR, DEFAULT_CPU, LossScaler, mixed_precision_policy,
                                             resolve_dtype)
+from tests.train._cli import run_cli
 from tests.train._precision_ranks import checkpointed_dtype, dtype_parity, loss_scaling, pipeline_dtype
 from tests.train._ranks import TEST_DATA
 
-REPO = Path(__file__).resolve().parents[2]
 
 #: The low-precision dtypes each framework's CPU kernels take (the probe of
 #: ``preflight.check_dtype`` refuses the others).
@@ -121,13 +118,10 @@ def test_command_line_run_in_low_precision(tmp_path: Path, layout: list[str]) ->
 
     platform, dtype = selected_platform(), _dtypes()[0]
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     args = ["train", "--platform", platform, "--nproc", "2", *layout, "--dtype", dtype, "--model", "tiny", "--steps", "4",
             "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "2", "--eval-every", "4", "--out", str(out),
             "--no-progress", "--check-parity", "--data", *TEST_DATA]
-    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_cli(args, tmp_path)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4] and rows[-1]["loss"] < rows[0]["loss"]
     assert all(("loss_scale" in row) == (dtype == "fp16") and row["dtype"] == dtype for row in rows)
@@ -171,13 +165,10 @@ def test_resume_in_another_dtype(tmp_path: Path) -> None:
     float32 run resumes in the backend's low-precision dtype (and its rows say so)."""
     platform, dtype = selected_platform(), _dtypes()[0]
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     common = ["train", "--platform", platform, "--nproc", "2", "--dp-shard", "2", "--model", "tiny", "--seq-len", "32",
               "--batch-size", "4", "--out", str(out), "--no-progress", "--data", *TEST_DATA]
     for extra in (["--steps", "2"], ["--steps", "4", "--resume", "--dtype", dtype]):
-        done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *common, *extra], env=env,
-                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        done = run_cli([*common, *extra], tmp_path)
     assert "continuing from checkpoint" in done.stderr and f"done: step 4 ({dtype})" in done.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(row["step"], row["dtype"]) for row in rows] == [(1, "fp32"), (2, "fp32"), (3, dtype), (4, dtype)]

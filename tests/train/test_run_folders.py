@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +22,9 @@ from hyper_parallel.testing.rendezvous import selected_platform
 from hyper_parallel.train import checkpoint, run_folder
 from hyper_parallel.train.cli import build_parser, config_from_args, main
 from hyper_parallel.train.config import TrainConfig
+from tests.train._cli import run_cli
 from tests.train._ranks import TEST_DATA
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _save(root: Path, step: int, run: str, keep: int = checkpoint.KEEP) -> Path:
@@ -154,11 +153,7 @@ def test_keep_checkpoints_default_is_checkpoint_keep() -> None:
 
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=cwd)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+    return run_cli(args, cwd)
 
 
 def test_two_runs_into_the_default_folder_then_export_and_resume_lose_nothing(tmp_path: Path) -> None:

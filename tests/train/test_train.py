@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +22,11 @@ from hyper_parallel.testing import run_on_ranks as run_on_fresh_ranks
 from hyper_parallel.testing.rendezvous import framework_of, selected_platform
 from hyper_parallel.train import checkpoint
 from hyper_parallel.train.cli import build_parser, config_from_args, main, parity_report
+from tests.train._cli import run_cli
 from tests.train._parity_ranks import CROSS_FRAMEWORK_RTOL, run_losses
 from tests.train._ranks import (TEST_DATA, check_data_parallel_parity, check_dp_shard_parity_and_resume,
                                 check_layout_parity, check_pipeline_parity, reference_losses)
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -209,14 +206,11 @@ def test_command_line_run(run_on_ranks, tmp_path: Path, flags: list[str], ranks:
     2e-5 relative)."""
     platform = selected_platform()
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     every = (steps + 1) // 2  # an evaluation and a checkpoint midway and at the end
     args = ["train", "--platform", platform, *flags, "--model", "tiny", "--steps", str(steps), "--seq-len", "32",
             "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2", "--eval-every", str(every),
             "--checkpoint-every", str(every), "--out", str(out), "--no-progress", "--data", *TEST_DATA]
-    done = subprocess.run([sys.executable, "-m", "hyper_parallel.train.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_cli(args, tmp_path)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
     assert all(len(row["peak_memory_bytes"]) == ranks and min(row["peak_memory_bytes"]) > 0 for row in rows)
