@@ -22,10 +22,11 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-from hyper_parallel.platform.launch import common_env, launch_commands
+from hyper_parallel.platform.launch import common_env, launch_commands, port_in_use
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.exits import ERROR_DIR, describe_exit, hung_report, report
 
@@ -34,6 +35,9 @@ SCHEDULER_GRACE_S = 10.0
 #: seconds the launcher waits past --timeout for the ranks' stack dumps ([Note: stacks of
 #: a hung run] in exits.py: a rank that started late dumps a little late)
 STACKS_WAIT_S = 3.0
+#: starts of a MindSpore run whose scheduler finds its port taken (``free_port`` picks a
+#: port that another process can take before the scheduler binds it)
+PORT_ATTEMPTS = 3
 #: seconds the processes of a stopped run get to end on SIGTERM before SIGKILL
 TERM_GRACE_S = 20.0
 
@@ -97,17 +101,48 @@ def launch(cfg: TrainConfig) -> None:
     """Run ``cfg`` on ``cfg.nproc`` local ranks and wait for them.
 
     Raises:
-        LaunchError: a rank failed (named, with its last error line) or the run exceeded
+        LaunchError: a rank failed (named, with its last error line), MindSpore's
+            scheduler failed (not for a taken port: then the run starts again on
+            another, at most ``PORT_ATTEMPTS`` times), or the run exceeded
             ``cfg.timeout_s`` (every process is killed first).
     """
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(cfg.run_dir / ERROR_DIR, ignore_errors=True)
     config_path = cfg.run_dir / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=1))
-    specs = _commands(cfg, config_path)
+    deadline = time.monotonic() + cfg.timeout_s
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        shutil.rmtree(cfg.run_dir / ERROR_DIR, ignore_errors=True)
+        try:
+            _run(cfg, _commands(cfg, config_path), deadline)
+            return
+        except _PortTaken as taken:
+            if attempt == PORT_ATTEMPTS:
+                raise LaunchError(f"MindSpore's scheduler could not listen on port {taken.port}, nor on "
+                                  f"{PORT_ATTEMPTS - 1} other free ports after it: another process took each before "
+                                  "the scheduler bound it; retry the run") from None
+            print(f"hyper-parallel train: port {taken.port} was taken before MindSpore's scheduler bound it; "
+                  "starting the run again on another port", file=sys.stderr, flush=True)
+
+
+class _PortTaken(Exception):
+    """MindSpore's scheduler exited because another process holds its port."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(port)
+        self.port = port
+
+
+def _run(cfg: TrainConfig, specs: list[tuple[str, list[str], dict[str, str], bool]], deadline: float) -> None:
+    """One start of the run's processes, watched until the workers end (see ``launch``).
+
+    Raises:
+        _PortTaken: MindSpore's scheduler found its port taken (its workers would wait for
+            it until the node timeout, which is --timeout).
+    """
     procs = [(label, _spawn(cmd, env), scheduler) for label, cmd, env, scheduler in specs]
     workers = [(label, proc) for label, proc, scheduler in procs if not scheduler]
-    deadline = time.monotonic() + cfg.timeout_s
+    schedulers = [(proc, int(env["MS_SCHED_PORT"])) for (_, proc, scheduler), (_, _, env, _) in zip(procs, specs)
+                  if scheduler]
     try:
         while True:
             codes = {label: proc.poll() for label, proc in workers}
@@ -120,6 +155,13 @@ def launch(cfg: TrainConfig) -> None:
                 raise LaunchError(f"the run failed: {names}" + (f"\n{detail}" if detail else ""))
             if all(code == 0 for code in codes.values()):
                 return
+            for proc, port in schedulers:  # the workers would wait for a failed scheduler until the node timeout
+                code = proc.poll()
+                if code not in (None, 0):
+                    if port_in_use(port):
+                        raise _PortTaken(port)
+                    raise LaunchError(f"MindSpore's scheduler ended ({describe_exit(code)}) before the ranks "
+                                      "finished (its output is above); killed every process")
             if time.monotonic() > deadline:
                 running = [label for label, code in codes.items() if code is None]
                 time.sleep(STACKS_WAIT_S)  # the ranks' stack dumps come due about now
@@ -130,7 +172,7 @@ def launch(cfg: TrainConfig) -> None:
     except KeyboardInterrupt:
         raise LaunchError("interrupted; killed every process of the run") from None
     finally:
-        for proc in [proc for _, proc, scheduler in procs if scheduler]:  # it returns once every worker has left; give it a moment
+        for proc, _ in schedulers:  # it returns once every worker has left; give it a moment
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=SCHEDULER_GRACE_S if all(p.poll() == 0 for _, p in workers) else 0.1)
         _kill([proc for _, proc, _ in procs])

@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from hyper_parallel.testing.rendezvous import selected_platform
 from tests.train._cli import run_cli
 from tests.train._ranks import TEST_DATA
@@ -157,3 +159,32 @@ def test_hung_rank_is_shown_where_it_waits(tmp_path: Path) -> None:
     assert "in failing" not in rank_0 and "hyper_parallel" in rank_0, text
     assert elapsed < 200, f"the timeout took {elapsed:.0f} s to report"
     _no_process_left(out)
+
+
+def test_taken_scheduler_port_starts_the_run_again(tmp_path: Path, monkeypatch, capfd) -> None:
+    """MindSpore: another process holds the port picked for the scheduler (``free_port``
+    can only pick a port free at that moment). The scheduler exits at once and its workers
+    would wait for it until the node timeout (the run's --timeout): the launcher sees the
+    scheduler's exit and the taken port, and starts the run again on another port."""
+    if not selected_platform().startswith("mindspore"):
+        pytest.skip("torchrun binds its own rendezvous port; the scheduler is MindSpore's")
+    import socket
+
+    from hyper_parallel.platform import launch as platform_launch
+    from hyper_parallel.train.launch import launch
+    from tests.train._ranks import tiny_config
+
+    with socket.socket() as holder:
+        holder.bind((platform_launch.HOST, 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        picks = iter([taken])
+        free_port = platform_launch.free_port
+        monkeypatch.setattr(platform_launch, "free_port",
+                            lambda host=platform_launch.HOST: next(picks, 0) or free_port(host))
+        cfg = tiny_config(str(tmp_path / "run"), steps=1, eval_every=1, timeout_s=300, platform=selected_platform())
+        began = time.monotonic()
+        launch(cfg)
+    assert f"port {taken} was taken before MindSpore's scheduler bound it" in capfd.readouterr().err
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+    assert time.monotonic() - began < 200, "the run waited for the dead scheduler"
