@@ -146,3 +146,19 @@ def test_explicit_calls_outside_a_pairing() -> None:
     # first rendezvous that never comes (timeout_s=1 would raise)
     CommComputeOverlap(coordinator, timeout_s=5.0).run(bracketed_forward,
                                                        lambda: coordinator.rendezvous(HookRole.COMPUTE))
+
+
+def test_forward_tail_held_where_the_framework_needs_it() -> None:
+    """[Note: serial tails]: by default the forward's tail waits for the backward wherever
+    the platform cannot record and run a backward on two threads at once (MindSpore), and
+    releasing it there is refused; torch runs the tails concurrently unless asked."""
+    from hyper_parallel.platform import Capability, get_platform
+
+    concurrent = Capability.CONCURRENT_RECORD_AND_BACKWARD in get_platform().capabilities()
+    assert HookCoordinator().hold_forward_tail is (not concurrent)
+    assert HookCoordinator(hold_forward_tail=True).hold_forward_tail is True
+    if concurrent:
+        assert HookCoordinator(hold_forward_tail=False).hold_forward_tail is False
+    else:
+        with pytest.raises(ValueError, match=r"hold_forward_tail=False\) on .*cannot record the forward's tail"):
+            HookCoordinator(hold_forward_tail=False)

@@ -46,6 +46,12 @@ stop waiting for it) and waits until the backward has finished, then runs its ta
 segment then runs on one thread at a time, in the same order on every rank; only the
 communication issued before each switch (the combine before ``D_LAST``, the dispatch and
 combine of the paired segments) runs under the other thread's compute.
+The second reason to hold the tail is the framework's: MindSpore's PyNative records a
+forward and replays a backward through one executor, and a forward tail recorded while
+the backward thread replays corrupts gradients (rarely: once in several CI runs of
+MindFormers' callback, every rank's gradients off; MindFormers' own callback notes the
+same of a chunk's head). So the tail is held by default wherever the platform lacks
+``Capability.CONCURRENT_RECORD_AND_BACKWARD``, and cannot be released there.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
+
+from hyper_parallel.platform import Capability, get_platform
 
 FORWARD, BACKWARD = "forward", "backward"
 #: hooks after which a side's next segment communicates (see [Note: A/B/C/D rendezvous])
@@ -85,12 +93,23 @@ class HookCoordinator:
         timeout_s: the longest a thread waits for its partner; past it the waiting
             thread raises ``RuntimeError`` (a partner stuck in a collective, say).
         hold_forward_tail: the forward waits at its ``D_LAST`` until the backward has
-            finished ([Note: serial tails]).
+            finished ([Note: serial tails]). ``None`` (default): where the platform
+            needs it (no ``Capability.CONCURRENT_RECORD_AND_BACKWARD``: MindSpore);
+            ``True`` also where collectives in the tails must keep one order.
+
+    Raises:
+        ValueError: ``hold_forward_tail=False`` on a platform that cannot record and
+            run a backward on two threads at once.
     """
 
-    def __init__(self, timeout_s: float = 300.0, *, hold_forward_tail: bool = False) -> None:
+    def __init__(self, timeout_s: float = 300.0, *, hold_forward_tail: bool | None = None) -> None:
+        concurrent = Capability.CONCURRENT_RECORD_AND_BACKWARD in get_platform().capabilities()
+        if hold_forward_tail is False and not concurrent:
+            raise ValueError(f"HookCoordinator(hold_forward_tail=False) on {get_platform().name}: this framework "
+                             "cannot record the forward's tail while the other thread runs its backward (gradients "
+                             "come out corrupted); leave hold_forward_tail out (or pass True)")
         self.timeout_s = timeout_s
-        self.hold_forward_tail = hold_forward_tail
+        self.hold_forward_tail = not concurrent if hold_forward_tail is None else hold_forward_tail
         self._cond = threading.Condition()
         self._threads: dict[str, int | None] = {FORWARD: None, BACKWARD: None}  # thread ident per side
         self._arrived: dict[str, int] = {FORWARD: 0, BACKWARD: 0}  # rendezvous reached per side

@@ -63,6 +63,8 @@ class Capability(enum.Enum):
     GROUPED_MATMUL = "grouped_matmul runs one grouped GEMM kernel (not a matmul per group)"
     COMPILE_AROUND_HOOKS = ("compile_module runs the hooks of the compiled module's submodules eagerly, between "
                             "compiled pieces (else they are traced into the compiled code)")
+    CONCURRENT_RECORD_AND_BACKWARD = ("one thread may record a forward while another runs a backward (torch's "
+                                      "autograd; MindSpore's PyNative corrupts gradients then)")
 
 
 @dataclass(frozen=True)

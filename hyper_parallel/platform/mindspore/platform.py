@@ -120,7 +120,10 @@ class MindSporePlatform(
         attention is a tiled FlashAttention-2 in MindSpore operations (no
         FlashAttentionScore kernel on CPU), and no GroupedMatmul kernel either (one matmul per
         expert). ``mindspore.recompute``'s
-        ``output_recompute`` runs everywhere."""
+        ``output_recompute`` runs everywhere. No CONCURRENT_RECORD_AND_BACKWARD anywhere:
+        PyNative's recording and a backward's replay share one executor, and running them
+        on two threads at once corrupts gradients (MindFormers' overlap callback says the
+        same; [Note: serial tails] in core's ``hook_coordinator``)."""
         if self._device_type == "ascend":
             return frozenset({
                 Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,

@@ -175,7 +175,8 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
     def capabilities(self) -> frozenset[Capability]:
         caps = {Capability.NATIVE_ALL_TO_ALL, Capability.NATIVE_REDUCE_SCATTER,
                 Capability.NATIVE_ALL_GATHER_INTO_TENSOR, Capability.NATIVE_BATCH_P2P,
-                Capability.ASYNC_COLLECTIVES, Capability.FUSED_ATTENTION, Capability.COMPILE_AROUND_HOOKS}
+                Capability.ASYNC_COLLECTIVES, Capability.FUSED_ATTENTION, Capability.COMPILE_AROUND_HOOKS,
+                Capability.CONCURRENT_RECORD_AND_BACKWARD}
         if self._device_type in _GROUPED_MM_DTYPES:  # torch_npu: not wired (its kernel has no autograd)
             caps |= {Capability.GROUPED_MATMUL}
         if self._device_type != "cpu":
