@@ -476,10 +476,6 @@ class TrainConfig:
             raise ValueError(f"--ep={lay.ep} must divide --dp-shard={lay.dp_shard}: the expert-parallel ranks are "
                              "borrowed from the sharded data-parallel axis (dp_shard / ep groups of ep ranks, the "
                              f"experts fully_shard'ed over the groups); use an --ep dividing {lay.dp_shard}")
-        if lay.cp > 1:
-            raise ValueError(f"--ep={lay.ep} cannot be combined with --cp={lay.cp} yet: expert parallelism runs with "
-                             "--dp-shard, --dp-replicate, --tp and --pp only in the job so far (issue 36 item 2); drop "
-                             "--cp or --ep")
 
     def _check_ep_overlap(self) -> None:
         """``--ep-overlap``: the two-thread pairs need MoE blocks whose dispatch and combine

@@ -31,6 +31,8 @@ import dataclasses
 import fnmatch
 from typing import Any
 
+import numpy as np
+
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
 from hyper_parallel.core.context_parallel import ContextParallel
 from hyper_parallel.core.dtensor import DeviceMesh, Shard, distribute_parameter, init_device_mesh
@@ -142,19 +144,28 @@ def expert_parallel_meshes(mesh: DeviceMesh, layout: Layout) -> tuple[DeviceMesh
     into ``(dp_shard / ep, ep)`` (a second mesh over the same ranks, ``ep`` on the inner,
     closest ranks, as torchtitan borrows it), so that each rank's ``dp_shard`` coordinate
     is ``outer * ep + inner`` and its data share is unchanged. The routed experts are
-    sharded over ``ep`` and fully_shard'ed over the outer ``dp_shard / ep`` ranks, which
-    hold the same experts, with ``--dp-replicate`` on the 2-D ``(dp_replicate, dp_shard /
-    ep)`` mesh (HSDP: the replicas all-reduce the experts' gradients); ``None`` when
-    ``ep == dp_shard`` without replicas (no other rank holds the same experts). With
-    ``--tp`` both are per tensor-parallel coordinate. Collective: builds the groups."""
-    if layout.ep == layout.dp_shard and layout.dp_replicate == 1:
+    sharded over ``ep`` and fully_shard'ed over every other rank that holds the same
+    experts and sees other tokens: the outer ``dp_shard / ep`` ranks and, with ``--cp``,
+    the context-parallel ranks (the other parts of the same sequences), merged into one
+    shard axis ``experts_shard`` so that the experts' gradients are averaged over ``dp_shard
+    x cp`` like every other parameter's; with ``--dp-replicate`` on the 2-D
+    ``(dp_replicate, experts_shard)`` mesh (HSDP: the replicas all-reduce the experts'
+    gradients). ``None`` when ``ep == dp_shard`` without replicas or ``--cp`` (no other
+    rank holds the same experts). With ``--tp`` both are per tensor-parallel coordinate.
+    Collective: builds the groups."""
+    if layout.ep == layout.dp_shard and layout.dp_replicate == 1 and layout.cp == 1:
         return mesh["dp_shard"], None
-    split = init_device_mesh(mesh.device_type, (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep,
-                                                layout.ep, layout.cp, layout.tp),
-                             mesh_dim_names=("pp", "dp_replicate", "dp_shard_out_ep", "ep", "cp", "tp"))
+    outer = layout.dp_shard // layout.ep
+    ranks = np.arange(layout.world_size).reshape(layout.pp, layout.dp_replicate, outer, layout.ep, layout.cp,
+                                                 layout.tp)
+    # the outer dp_shard and cp axes are not adjacent in the job's row-major order (ep lies
+    # between): move them last and merge them into one axis of their ranks
+    ranks = ranks.transpose(0, 1, 3, 5, 2, 4).reshape(layout.pp, layout.dp_replicate, layout.ep, layout.tp,
+                                                      outer * layout.cp)
+    split = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "ep", "tp", "experts_shard"))
     if layout.dp_replicate > 1:  # HSDP for the experts too: replicas all-reduce their gradients
-        return split["ep"], split["dp_replicate", "dp_shard_out_ep"]
-    return split["ep"], split["dp_shard_out_ep"]
+        return split["ep"], split["dp_replicate", "experts_shard"]
+    return split["ep"], split["experts_shard"]
 
 
 def apply_expert_parallel(model: Any, ep_mesh: DeviceMesh) -> list[Any]:

@@ -52,13 +52,14 @@ def moe_config(out: str, degrees: dict, balance: str, **changes: object) -> Trai
 def moe_local_shape(name: str, shape: tuple[int, ...], cfg: TrainConfig, rank: int) -> tuple[int, ...]:
     """``local_shape``, except for the routed experts under ``--ep``: ``experts / ep`` whole
     experts on each rank (its ``dp_shard`` coordinate modulo ``ep``), then fully_shard's
-    chunk of those over the other ``dp_shard / ep`` ranks (``expert_parallel_meshes``)."""
+    chunk of those over the other ``dp_shard / ep`` ranks times the ``cp`` ranks, outer
+    ``dp_shard`` coordinate first (``expert_parallel_meshes``)."""
     lay = cfg.layout
     if lay.ep == 1 or ".moe.experts." not in name:
         return local_shape(name, shape, lay, rank)
     coords = dict(zip(Layout.AXES, np.unravel_index(rank, tuple(lay.degrees().values()))))
-    outer = int(coords["dp_shard"]) // lay.ep
-    return (chunk_bounds(shape[0] // lay.ep, lay.dp_shard // lay.ep, outer)[1], *shape[1:])
+    shard = int(coords["dp_shard"]) // lay.ep * lay.cp + int(coords["cp"])
+    return (chunk_bounds(shape[0] // lay.ep, lay.dp_shard // lay.ep * lay.cp, shard)[1], *shape[1:])
 
 
 #: An initial balance bias that makes expert 0 every token's choice (router probabilities

@@ -50,11 +50,14 @@ def test_four_rank_layouts_match_single_process(run_on_ranks, tmp_path: Path) ->
     x dp-shard 2 (the expert-parallel groups per tensor-parallel coordinate, the experts
     replicated over tp), dp-shard 2 x cp 2 (ring attention; each rank routes its half of
     every sequence, the counts summed over dp x cp), HSDP (dp-replicate 2 x dp-shard 2) and
-    ep 2 x HSDP (the experts' gradients all-reduced over the replicas), against the single
+    ep 2 x HSDP (the experts' gradients all-reduced over the replicas), ep 2 x dp-shard 2 x
+    cp 2 (each expert-parallel group routes its halves of the sequences; the experts
+    fully_shard'ed over the cp ranks, which hold the same experts), against the single
     process, as ``test_layouts_match_single_process``."""
     cases = [({"dp_shard": 4, "ep": 2}, "aux-free"), ({"dp_shard": 2, "tp": 2, "ep": 2}, "aux-free"),
              ({"dp_shard": 2, "cp": 2, "cp_mode": "ring"}, "aux-free"), ({"dp_replicate": 2, "dp_shard": 2}, "aux-free"),
-             ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "aux-free")]
+             ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "aux-free"),
+             ({"dp_shard": 2, "cp": 2, "cp_mode": "ring", "ep": 2}, "aux-free")]
     results = run_on_ranks(check_moe_parity, str(tmp_path), cases, world_size=4, timeout_s=900)
     for other in results[1:]:
         assert other == results[0]
@@ -168,8 +171,6 @@ def _args(*flags: str) -> TrainConfig:
                                                        "model, but --model small is dense"),
     (["--model", "moe-tiny", "--ep", "3", "--dp-shard", "3", "--nproc", "3"], "--ep=3 must divide --moe-experts=4"),
     (["--model", "moe-tiny", "--ep", "4", "--dp-shard", "2", "--nproc", "2"], "--ep=4 must divide --dp-shard=2"),
-    (["--model", "moe-tiny", "--ep", "2", "--dp-shard", "2", "--cp", "2", "--nproc", "4"],
-     "--ep=2 cannot be combined with --cp=2 yet"),
     (["--model", "moe-tiny", "--ep", "0"], "--ep=0 must be a positive integer"),
     (["--model", "moe-tiny", "--moe-hidden-dim", "36", "--tp", "8", "--nproc", "8", "--n-heads", "8",
       "--n-kv-heads", "8"], "--tp=8 must divide the shared experts' width 36"),
