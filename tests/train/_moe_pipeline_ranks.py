@@ -21,16 +21,18 @@ from tests.train._parity_ranks import layout_config
 from tests.train._ranks import losses
 
 
-def moe_pipeline_config(out: str, degrees: dict, moe_every: int = 1, n_layers: int = 2) -> TrainConfig:
+def moe_pipeline_config(out: str, degrees: dict, moe_every: int = 1, n_layers: int = 2,
+                        activation_checkpointing: bool = False) -> TrainConfig:
     """``moe-tiny`` (4 experts, top-2, a shared expert; aux-free) with ``n_layers`` blocks, every
     ``moe_every``-th one MoE (1: each stage holds an MoE block; 2: block 0 dense, so the first
     stage of two holds none), on the pipeline layout ``degrees``, three steps."""
     model = dataclasses.replace(PRESETS["moe-tiny"], moe_every=moe_every, n_layers=n_layers)
     tag = (f"moe-every{moe_every}-layers{n_layers}-{degrees.get('pp_schedule', '1f1b')}"
-           f"{'-overlap' if degrees.get('ep_overlap') else ''}")
+           f"{'-overlap' if degrees.get('ep_overlap') else ''}{'-ckpt' if activation_checkpointing else ''}")
     layout = Layout(**degrees)  # a batch of 4 sequences, or one per data-parallel rank and microbatch
     return layout_config(f"{out}/{tag}", degrees, model=model, model_name="moe-tiny",
-                         batch_size=max(4, layout.dp * layout.microbatches))
+                         batch_size=max(4, layout.dp * layout.microbatches),
+                         activation_checkpointing=activation_checkpointing)
 
 
 def _pipeline_first_step_gradients(cfg: TrainConfig) -> tuple[dict[str, np.ndarray], Any]:
@@ -51,7 +53,8 @@ def _pipeline_first_step_gradients(cfg: TrainConfig) -> tuple[dict[str, np.ndarr
 
 
 def check_moe_pipeline_parity(out: str, cases: list[tuple[dict, int, int]]) -> list[dict]:
-    """Each ``(degrees, moe_every, n_layers)`` of ``cases`` (``moe_pipeline_config``) on this
+    """Each ``(degrees, moe_every, n_layers[, activation_checkpointing])`` of ``cases``
+    (``moe_pipeline_config``) on this
     world against the single process on the same seed and data: this rank's piece of the
     first step's gradients (its stages' parameters; ``GRAD_*`` of ``_moe_ranks``), the
     losses, the validation loss and the global gradient norms (``LOSS_RTOL``: the pipeline's
@@ -61,8 +64,8 @@ def check_moe_pipeline_parity(out: str, cases: list[tuple[dict, int, int]]) -> l
     and the aux-free biases of this rank's layers after the run. Every rank runs the
     references after all the layouts' collectives. Returns each case's losses and biases."""
     got = []
-    for degrees, moe_every, n_layers in cases:
-        cfg = moe_pipeline_config(out, degrees, moe_every, n_layers)
+    for degrees, moe_every, n_layers, *checkpointing in cases:
+        cfg = moe_pipeline_config(out, degrees, moe_every, n_layers, bool(checkpointing and checkpointing[0]))
         assert cfg.layout.world_size == get_platform().world_size() and cfg.layout.pp > 1, degrees
         grads, boxes = _pipeline_first_step_gradients(cfg)
         run = setup(cfg)
@@ -90,7 +93,8 @@ def check_moe_pipeline_parity(out: str, cases: list[tuple[dict, int, int]]) -> l
     return results
 
 
-def check_overlap_matches_plain(out: str, degrees: dict, moe_every: int = 1, n_layers: int = 2) -> dict:
+def check_overlap_matches_plain(out: str, degrees: dict, moe_every: int = 1, n_layers: int = 2,
+                                activation_checkpointing: bool = False) -> dict:
     """``degrees`` with ``ep_overlap`` against the same pipeline without it: the schedule
     has ``OVERLAP_B_F`` pairs (the two threads ran), the first step's gradients of this
     rank's pieces agree to float32 summation order (``GRAD_*``: the overlap reduce-scatters
@@ -98,8 +102,9 @@ def check_overlap_matches_plain(out: str, degrees: dict, moe_every: int = 1, n_l
     [Note: the overlap in the job]), and three steps' losses and gradient norms to
     ``LOSS_RTOL``, routing counts and balance biases exactly. Returns the largest relative
     difference of the gradients and of the losses."""
-    overlapped = moe_pipeline_config(out, {**degrees, "ep_overlap": True}, moe_every, n_layers)
-    plain = moe_pipeline_config(f"{out}/plain", degrees, moe_every, n_layers)
+    overlapped = moe_pipeline_config(out, {**degrees, "ep_overlap": True}, moe_every, n_layers,
+                                     activation_checkpointing)
+    plain = moe_pipeline_config(f"{out}/plain", degrees, moe_every, n_layers, activation_checkpointing)
     runs = {}
     for cfg in (overlapped, plain):
         grads, boxes = _pipeline_first_step_gradients(cfg)
