@@ -497,11 +497,6 @@ class TrainConfig:
                    "it has no forward/backward pairs to overlap")
             raise ValueError(f"--ep-overlap cannot run with --pp-schedule {lay.pp_schedule}: {why}; use --pp-schedule "
                              f"{' or '.join(EP_OVERLAP_SCHEDULES)}")
-        for flag, value in (("--tp", lay.tp > 1), ("--dp-replicate", lay.dp_replicate > 1)):
-            if value:
-                raise ValueError(f"--ep-overlap cannot be combined with {flag} yet: the two threads' collectives "
-                                 "(tensor-parallel all-reduces, the replicas' all-reduces) are not checked to keep "
-                                 f"one order on every rank; drop {flag} or --ep-overlap")
 
     def _check_hf(self) -> None:
         """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes

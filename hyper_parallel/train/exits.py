@@ -191,7 +191,7 @@ def _line(e: RankExit) -> str:
 
 def _innermost(dump: str, frames: int = 4) -> list[str]:
     """The innermost ``frames`` frames of each thread in a faulthandler dump (it writes the
-    innermost first), as ``thread: frame <- frame ...`` lines, the current thread first."""
+    innermost first), as ``thread: frame <- frame ...`` lines in the dump's order."""
     lines, thread, taken = [], "", []
     for line in [*dump.splitlines(), ""]:
         if not line.startswith("  "):
