@@ -212,7 +212,9 @@ class TrainConfig:
             every stage, recomputed inside each microbatch's backward).
         hf_config: a Hugging Face ``config.json`` or model folder: train that model
             (``train/hf_model.py``) instead of the job's decoder; ``model`` then holds its
-            sizes (``hf_config.model_config``).
+            sizes (``hf_config.model_config``). A mixture of experts that the job's MoE
+            decoder computes exactly (Mixtral, ``hf_moe``) trains as that decoder
+            (``hf_module`` false), on either framework.
         dtype: the compute dtype, ``fp32``, ``bf16`` or ``fp16`` (``precision.DTYPES``; the
             parameters and AdamW's state stay float32, gradients are reduced in float32,
             fp16 scales the loss: [Note: the job's mixed precision] in ``precision``);
@@ -276,8 +278,7 @@ class TrainConfig:
         if self.hf_config is not None:
             self._check_hf()
         if self.compile:
-            check_compile(self.layout, moe=bool(self.model.moe_experts),
-                          hf_config=self.hf_config is not None,
+            check_compile(self.layout, moe=bool(self.model.moe_experts), hf_config=self.hf_module,
                           activation_checkpointing=self.activation_checkpointing)
         self._check_precision_and_knobs()
         self._check_moe()
@@ -402,7 +403,7 @@ class TrainConfig:
         if self.dtype is not None:
             resolve_dtype(self.dtype, "cpu")  # the value (ValueError naming --dtype)
         if self.dtype not in (None, "fp32"):
-            if self.hf_config is not None:
+            if self.hf_module:
                 raise ValueError(f"--dtype {self.dtype} applies to the job's decoder; --hf-config trains in "
                                  "float32: use --dtype fp32 (or leave --dtype out on CPU)")
         if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
@@ -414,7 +415,7 @@ class TrainConfig:
         if self.init_device not in (None, *INIT_DEVICES):
             raise ValueError(f"--init-device={self.init_device!r} is not a build device; use one of "
                              f"{', '.join(INIT_DEVICES)}")
-        if self.init_device == "meta" and self.hf_config is not None:
+        if self.init_device == "meta" and self.hf_module:
             raise ValueError("--init-device meta builds the job's decoder; a --hf-config model draws its initial "
                              "values whole (Hugging Face's own init), so it builds on the host: leave --init-device "
                              "out or use --init-device host")
@@ -510,15 +511,21 @@ class TrainConfig:
                                  f"{flag} or --ep-overlap")
 
     def _check_hf(self) -> None:
-        """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes
-        the sizes of its configuration (``hf_config.model_config``), which the layout is
-        checked against."""
+        """``--hf-config``: ``model`` becomes the sizes of its configuration
+        (``hf_config.model_config``), which the layout is checked against; a torch model
+        (``transformers``), installed, unless it maps to the job's MoE decoder (``hf_moe``)."""
         import importlib.util
 
         source = read_hf_config(self.hf_config)
         # frozen dataclass: the derived sizes are recorded once, here, before any rank starts
         object.__setattr__(self, "model", model_config(source, self.seq_len))
         object.__setattr__(self, "model_name", f"hf:{source.model_type}")
+        if not self.hf_module:  # the job's own decoder: any platform, no transformers
+            if source.weights_dir is not None:
+                raise ValueError(f"--hf-config={self.hf_config!r}: the folder holds weights, which the job's MoE "
+                                 "decoder does not load yet; give the config.json alone (the job's random init on "
+                                 "--seed)")
+            return
 
         if self.platform.split("-")[0] != "torch":
             raise ValueError(f"--hf-config trains a Hugging Face transformers model, a torch module: it needs "
@@ -581,9 +588,16 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def hf_module(self) -> bool:
+        """Whether the run trains ``transformers``' own model (a torch module: ``hf_model``):
+        a dense ``--hf-config``. False without ``--hf-config`` and for an MoE one, which maps
+        to the job's decoder (``hf_config.model_config`` gives experts in that case only)."""
+        return self.hf_config is not None and not self.model.moe_experts
+
+    @property
     def build_on_meta(self) -> bool:
         """Whether the model is built on the meta device (``init_device`` resolved)."""
-        return (self.init_device or ("host" if self.hf_config is not None else "meta")) == "meta"
+        return (self.init_device or ("host" if self.hf_module else "meta")) == "meta"
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

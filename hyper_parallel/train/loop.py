@@ -297,7 +297,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     rank, world = (0, 1) if mesh is None else (p.rank(), p.world_size())
     pipe = None
     # --dtype (the default by device; float32 with --hf-config: TrainConfig)
-    dtype = resolve_dtype(cfg.dtype, p.device_type) if cfg.hf_config is None else "fp32"
+    dtype = resolve_dtype(cfg.dtype, p.device_type) if not cfg.hf_module else "fp32"
     mp_policy = mixed_precision_policy(dtype)
     # the attention hooks and the loader's sequence shards use this one mesh
     cp_mesh = context_parallel_mesh(mesh, layout)
@@ -307,7 +307,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     scope = p.module_types().meta_device() if meta else contextlib.nullcontext()
     if layout.pp > 1:
         assert mesh is not None
-        if cfg.hf_config is not None:
+        if cfg.hf_module:
             from hyper_parallel.train.hf_model import load_hf_model
 
             whole = load_hf_model(cfg.hf_config, cfg.seed)
@@ -322,7 +322,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
         # the stages keep the decoder's parameter names (model.build_stage), in pipe.parameters() order
         names = [name for module in pipe.modules for name, _ in p.named_parameters(module)]
         boxes = {name: box for module in pipe.modules for name, box in local_boxes(module).items()}
-    elif cfg.hf_config is not None:
+    elif cfg.hf_module:
         from hyper_parallel.train.hf_model import build_hf_model
 
         model = build_hf_model(p, cfg.hf_config, cfg.seed, mesh, layout, cp_mesh,
@@ -348,7 +348,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                 if mesh is not None and dp_size * layout.cp > 1 else None)
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
-    if cfg.hf_config is None and not meta:
+    if not cfg.hf_module and not meta:
         # each rank its pieces, in place: [Note: the job's initial weights]
         optimizer.load_parameter_values(initial_pieces(cfg.model, cfg.seed, boxes, names))
     grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
@@ -356,7 +356,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
         if pipe is None else []
     moe: list[tuple[str, Any]] = []
     balance_group = dp_group
-    if cfg.hf_config is None and cfg.model.moe_experts:
+    if cfg.model.moe_experts:  # the job's MoE decoder (hf_module: dense)
         moe = moe_layers(p, model) if pipe is None else [layer for module in pipe.modules
                                                          for layer in moe_layers(p, module)]
         if pipe is not None:  # [Note: MoE stages] in pipeline.py: every stage's layers in one all-reduce
@@ -447,7 +447,7 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
                 row["loss_scale"] = run.scaler.scale
             # every rank of an MoE model, also a pipeline rank whose stages hold no MoE block (the
             # all-reduce spans every stage); before validation: it routes with the updated biases
-            if cfg.model.moe_experts and cfg.hf_config is None:
+            if cfg.model.moe_experts:
                 row.update(balance_step(p, run.moe, run.balance_group, cfg.model).row())
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 row["val_loss"] = _validation_loss(run)

@@ -35,7 +35,7 @@ def model_record(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.model.moe_experts:
         for name in MOE_DEFAULTS:
             del record[name]
-    if cfg.hf_config is not None:
+    if cfg.hf_module:  # an MoE --hf-config is the job's decoder: its record, exported as Mixtral
         record["hf_config"] = recorded_config(read_hf_config(cfg.hf_config))
     return record
 

@@ -196,3 +196,20 @@ def resume_in_one_process(cfg: TrainConfig) -> list[float]:
     for (name, layer), (_, ref) in zip(resumed_run.moe, whole_run.moe):
         np.testing.assert_array_equal(layer.expert_bias, ref.expert_bias, err_msg=f"{name} balance bias")
     return losses(resumed).tolist()
+
+
+def check_hf_moe_parity(out: str, hf_config: str, degrees: dict) -> list[float]:
+    """An MoE ``--hf-config`` (the job's MoE decoder: ``hf_moe``) on the layout ``degrees``
+    over this world against the single process, 3 steps, as ``check_moe_parity`` compares
+    (``compare_with_reference``). Returns the losses and the validation loss."""
+    from tests.train._ranks import tiny_config
+
+    cfg = tiny_config(f"{out}/hf_moe", nproc=get_platform().world_size(), layout=Layout(**degrees), steps=3,
+                      eval_every=3, hf_config=hf_config)
+    grads = _first_step_gradients(cfg)
+    run = setup(cfg)
+    rows = train(cfg, write_outputs=False, run=run)
+    ref_grads = _first_step_gradients(cfg, reference=True)
+    ref_rows = train(cfg, reference=True, write_outputs=False)
+    return compare_with_reference(f"--hf-config {cfg.layout.describe()}", grads, run.boxes, ref_grads, rows,
+                                  ref_rows)
