@@ -17,6 +17,7 @@ from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
 from hyper_parallel.train.compile import check_compile
 from hyper_parallel.train.hf_config import model_config, read_hf_config
+from hyper_parallel.train.hf_weights import PretrainedWeights
 from hyper_parallel.train.model_config import PRESETS, ModelConfig
 from hyper_parallel.train.optim import LR_SCHEDULES
 from hyper_parallel.train.precision import resolve_dtype
@@ -521,10 +522,8 @@ class TrainConfig:
         object.__setattr__(self, "model", model_config(source, self.seq_len))
         object.__setattr__(self, "model_name", f"hf:{source.model_type}")
         if not self.hf_module:  # the job's own decoder: any platform, no transformers
-            if source.weights_dir is not None:
-                raise ValueError(f"--hf-config={self.hf_config!r}: the folder holds weights, which the job's MoE "
-                                 "decoder does not load yet; give the config.json alone (the job's random init on "
-                                 "--seed)")
+            if source.weights_dir is not None:  # the files' headers, here, before any rank starts
+                PretrainedWeights.open(source.weights_dir, self.model)
             return
 
         if self.platform.split("-")[0] != "torch":

@@ -16,7 +16,7 @@ Hugging Face's Llama] in ``export.py`` for attention, norms, RoPE, head):
   probability (so that its router keeps a gradient). Ties between probabilities (a set of
   measure zero) may break otherwise: numpy's stable argsort against ``torch.topk``.
 - experts: ``w2(silu(w1 x) * w3 x)``, ``w1`` the gate; the job's experts' ``w1``/``w3``/``w2``
-  (``export.MIXTRAL_NAMES``). No shared expert, every block MoE.
+  (``hf_names.MIXTRAL_NAMES``). No shared expert, every block MoE.
 - ``router_jitter_noise`` > 0 multiplies the block's input by uniform noise while training:
   refused. ``sliding_window`` set: Mistral's windowed attention, the job's is full causal:
   refused (``null`` is the same model for sequences no longer than the window). Attention or

@@ -36,6 +36,7 @@ from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
 from hyper_parallel.train.compile import apply_compile, check_compile_layout
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import VALIDATION_STREAM, Batch, Corpus, rank_batch
+from hyper_parallel.train.hf_weights import pretrained_source
 from hyper_parallel.train.metrics import PLOT_FILE, ExtraLoggers, MetricsWriter, Progress, plot_losses
 from hyper_parallel.train.model import build_model, initial_pieces, materialize_model
 from hyper_parallel.train.moe_model import balance_step, moe_layers
@@ -305,6 +306,8 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     # its pieces alone (materialize_model); host: whole, cut, pieces written in place below
     meta = cfg.build_on_meta
     scope = p.module_types().meta_device() if meta else contextlib.nullcontext()
+    # an MoE --hf-config folder's weights in place of the seed's draw (None: the draw)
+    source = None if cfg.hf_module else pretrained_source(cfg.hf_config, cfg.model)
     if layout.pp > 1:
         assert mesh is not None
         if cfg.hf_module:
@@ -317,7 +320,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                 whole = build_model(p, cfg.model, cfg.seed, values=False, meta=meta)
                 pipe = build_pipeline(p, cfg, whole, mesh, cp_mesh, mp_policy)
             if meta:
-                materialize_model(p, cfg.model, cfg.seed, pipe.modules)
+                materialize_model(p, cfg.model, cfg.seed, pipe.modules, source)
         model, params = pipe.modules, pipe.parameters()
         # the stages keep the decoder's parameter names (model.build_stage), in pipe.parameters() order
         names = [name for module in pipe.modules for name, _ in p.named_parameters(module)]
@@ -337,7 +340,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                                 cp_mesh, activation_checkpointing=cfg.activation_checkpointing and not reference,
                                 mp_policy=mp_policy)
         if meta:
-            materialize_model(p, cfg.model, cfg.seed, [model])
+            materialize_model(p, cfg.model, cfg.seed, [model], source)
         if cfg.compile and not reference:  # the reference runs eagerly: --check-parity checks the compiler
             apply_compile(p, model)
         names, params = (list(items) for items in zip(*p.named_parameters(model)))
@@ -350,7 +353,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
     if not cfg.hf_module and not meta:
         # each rank its pieces, in place: [Note: the job's initial weights]
-        optimizer.load_parameter_values(initial_pieces(cfg.model, cfg.seed, boxes, names))
+        optimizer.load_parameter_values(initial_pieces(cfg.model, cfg.seed, boxes, names, source))
     grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
     sync_units = [module for _, module in p.named_modules(model) if isinstance(module, HSDPModule)] \
         if pipe is None else []

@@ -213,3 +213,27 @@ def check_hf_moe_parity(out: str, hf_config: str, degrees: dict) -> list[float]:
     ref_rows = train(cfg, reference=True, write_outputs=False)
     return compare_with_reference(f"--hf-config {cfg.layout.describe()}", grads, run.boxes, ref_grads, rows,
                                   ref_rows)
+
+
+def check_pretrained_pieces(out: str, hf_config: str, whole: dict[str, np.ndarray], layouts: list[dict]) -> int:
+    """Every parameter's piece on this rank equals its box of ``whole`` (the weights of the
+    ``--hf-config`` folder) bit for bit, in each layout of ``layouts`` built on the meta
+    device and on the host. Returns the pieces checked."""
+    from tests.train._ranks import tiny_config
+
+    p = get_platform()
+    checked = 0
+    for degrees in layouts:
+        for init_device in ("meta", "host"):
+            layout = Layout(**degrees)
+            cfg = tiny_config(f"{out}/{layout.describe()}_{init_device}", nproc=layout.world_size, layout=layout,
+                              hf_config=hf_config, init_device=init_device)
+            run = setup(cfg)
+            assert sorted(run.names) == sorted(whole), run.names
+            for name, param in zip(run.names, run.params):
+                box = run.boxes[name]
+                got = p.to_numpy(local_tensor(param))[tuple(slice(0, n) for n in box.lengths)]
+                want = whole[name][tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
+                np.testing.assert_array_equal(got, want, err_msg=f"{degrees} {init_device}: {name} {box}")
+                checked += 1
+    return checked

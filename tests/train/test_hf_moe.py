@@ -10,6 +10,7 @@ sums in other orders, and routing counts compared exactly.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +104,153 @@ def test_mixtral_trains_with_expert_parallelism(run_on_ranks, tmp_path: Path) ->
     curves = run_on_ranks(check_hf_moe_parity, str(tmp_path), hf_config, {"dp_shard": 2, "ep": 2}, world_size=2,
                           timeout_s=600)
     assert curves[0] == curves[1] and len(curves[0]) == 4
+
+
+def write_weights(folder: Path, seed: int = 5) -> dict[str, Any]:
+    """A Mixtral folder of ``TINY_MIXTRAL`` with random weights written by ``safetensors.numpy``
+    (no torch), as ``export.mixtral_state`` names them, in two shards listed by
+    ``model.safetensors.index.json``: the experts in bfloat16 (written as their 16 bits:
+    numpy has no bfloat16), the rest in float32. Returns the job's whole parameters the
+    files hold (``{name: float32}``; the experts rounded to bfloat16)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from hyper_parallel.train.export import mixtral_state
+    from hyper_parallel.train.hf_moe import moe_model_config
+    from hyper_parallel.train.model import parameter_shapes
+
+    cfg = moe_model_config(TINY_MIXTRAL, folder / "config.json", 32)
+    rng = np.random.default_rng(seed)
+    params = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in parameter_shapes(cfg).items()}
+    for name in params:  # bfloat16 values: the float32 bits with the low half zero
+        if ".experts." in name:
+            params[name] = (params[name].view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    _, tensors = mixtral_state(folder, cfg, params, {f"layers.{i}.moe": np.zeros(4, np.float32) for i in range(2)})
+    write_config(folder)
+    experts = {k: v for k, v in tensors.items() if ".experts." in k}
+    save_file({k: v for k, v in tensors.items() if k not in experts}, str(folder / "dense.safetensors"))
+    header, data, offset = {}, [], 0
+    for name, value in experts.items():
+        bits = (np.ascontiguousarray(value).view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(value.shape), "data_offsets": [offset, offset + len(bits)]}
+        data.append(bits)
+        offset += len(bits)
+    raw = json.dumps(header).encode()
+    (folder / "experts.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(data))
+    weight_map = {name: "experts.safetensors" if name in experts else "dense.safetensors" for name in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return params
+
+
+def test_weights_are_each_ranks_pieces(run_on_ranks, tmp_path: Path) -> None:
+    """A folder with weights: every rank's piece of every parameter is that box of the
+    file's tensor (``hf_weights``: read box by box, the experts per expert), bit for bit, on
+    dp-shard 2 with and without ep 2, built on the meta device and on the host."""
+    from tests.train._moe_ranks import check_pretrained_pieces
+
+    params = write_weights(tmp_path / "mixtral")
+    counts = run_on_ranks(check_pretrained_pieces, str(tmp_path), str(tmp_path / "mixtral"), params,
+                          [{"dp_shard": 2, "ep": 2}, {"dp_shard": 2}], world_size=2, timeout_s=600)
+    assert min(counts) == 2 * 2 * len(params)
+
+
+def test_weights_that_do_not_match_are_refused(tmp_path: Path) -> None:
+    """Before any rank starts: a missing or reshaped tensor, one without a place, and a
+    folder with torch pickles only, each named."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "mixtral"
+    write_weights(folder)
+    dense = folder / "dense.safetensors"
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(dense))
+    cases = [
+        ({k: v for k, v in tensors.items() if k != "model.norm.weight"}, "model.norm.weight (32,) is missing"),
+        ({**tensors, "model.norm.weight": np.ones(16, np.float32)}, "model.norm.weight has shape (16,)"),
+        ({**tensors, "model.layers.0.self_attn.q_norm.weight": np.ones(4, np.float32)},
+         "model.layers.0.self_attn.q_norm.weight has no place"),
+    ]
+    for changed, needle in cases:
+        save_file(changed, str(dense))
+        with pytest.raises(ValueError, match="the weights are not the Mixtral its config.json describes") as err:
+            tiny_config(str(tmp_path / "run"), hf_config=str(folder), platform="mindspore")
+        assert needle in str(err.value), (needle, str(err.value))
+    pickles = tmp_path / "pickles"
+    write_config(pickles)
+    (pickles / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="pytorch_model.bin, which the job's MoE decoder does not read"):
+        tiny_config(str(tmp_path / "run"), hf_config=str(pickles), platform="mindspore")
+
+
+def _job_logits_and_loss(folder: str, tokens: Any) -> tuple[Any, float]:
+    """The job's decoder loaded from ``folder`` through ``--hf-config`` (one process): its
+    logits ``[batch, seq, vocab]`` of ``tokens`` at positions ``0 .. seq - 1`` and its loss
+    with the next token as target (the last position's target: token 0)."""
+    import numpy as np
+
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.train.loop import setup
+
+    p = get_platform()
+    run = setup(tiny_config(f"{folder}_run", hf_config=folder), reference=True)
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape).copy()
+    targets = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], 1)
+    with p.no_grad():
+        logits = p.to_numpy(run.model.logits(p.from_numpy(tokens), p.from_numpy(positions)))
+        loss = float(p.to_numpy(run.model(p.from_numpy(tokens), p.from_numpy(positions), p.from_numpy(targets))))
+    return logits, loss
+
+
+@pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
+                    reason="transformers' MixtralForCausalLM is a torch module")
+def test_transformers_mixtral_loads_as_the_job_decoder(tmp_path: Path) -> None:
+    """A ``MixtralForCausalLM`` saved by ``save_pretrained`` and loaded through ``--hf-config``:
+    the job's decoder computes transformers' logits and loss on the same tokens. The same
+    folder with each expert's ``w1`` and ``w3`` swapped does not: the comparison sees the
+    gate/up order.
+
+    Tolerance ``LOGITS_ATOL`` (1e-5, ``test_export.py``): the job's rotary tables are computed
+    in float64 and rounded, transformers' in float32, a few ulps apart in angle; the experts'
+    sums run in another order (one grouped GEMM per expert group against one matmul per
+    expert)."""
+    pytest.importorskip("transformers")
+    import numpy as np
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    from tests.train.test_export import LOGITS_ATOL, sample_tokens
+
+    values = {k: v for k, v in TINY_MIXTRAL.items() if k not in ("architectures", "model_type", "head_dim")}
+    torch.manual_seed(7)
+    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**values)).eval()
+    with torch.no_grad():  # a router far from uniform, so that the top-k choice matters
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+    folder = tmp_path / "mixtral"
+    hf.save_pretrained(folder)
+    tokens = sample_tokens()
+    with torch.no_grad():
+        out = hf(input_ids=torch.from_numpy(tokens), labels=torch.from_numpy(tokens))
+    logits, loss = _job_logits_and_loss(str(folder), tokens)
+    np.testing.assert_allclose(logits, out.logits.numpy(), rtol=0, atol=LOGITS_ATOL)
+    # transformers' loss shifts inside (the last position has no target): the same
+    # cross-entropy as over the job's logits without their last position
+    job = torch.nn.functional.cross_entropy(torch.from_numpy(logits[:, :-1]).flatten(0, 1),
+                                            torch.from_numpy(tokens[:, 1:]).flatten())
+    assert float(job) == pytest.approx(float(out.loss), rel=1e-5)
+    # the job's own loss (every position, the last one's target 0) against transformers' logits
+    targets = torch.from_numpy(np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], 1))
+    ref = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    assert loss == pytest.approx(float(ref), rel=1e-5)
+
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    (swapped / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({name.replace(".w1.", ".w3.") if ".w1." in name else name.replace(".w3.", ".w1.") if ".w3." in name
+               else name: value for name, value in tensors.items()}, str(swapped / "model.safetensors"))
+    wrong, _ = _job_logits_and_loss(str(swapped), tokens)
+    assert np.abs(wrong - out.logits.numpy()).max() > 100 * LOGITS_ATOL
