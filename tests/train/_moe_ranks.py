@@ -237,3 +237,25 @@ def check_pretrained_pieces(out: str, hf_config: str, whole: dict[str, np.ndarra
                 np.testing.assert_array_equal(got, want, err_msg=f"{degrees} {init_device}: {name} {box}")
                 checked += 1
     return checked
+
+
+def check_hf_moe_run(out: str, hf_config: str, degrees: dict) -> list[float]:
+    """An MoE ``--hf-config`` on the layout ``degrees`` (``--pp``, ``--ep-overlap``: the job's
+    MoE decoder's layouts) for 3 steps, its checkpoint at the last, against the single
+    process on every rank: losses, validation loss and gradient norms (``LOSS_RTOL``) and
+    the routing counts exactly. Returns the losses and the validation loss."""
+    from tests.train._ranks import tiny_config
+
+    cfg = tiny_config(f"{out}/hf_moe_run", nproc=get_platform().world_size(), layout=Layout(**degrees), steps=3,
+                      eval_every=3, hf_config=hf_config)
+    rows = train(cfg)
+    ref_rows = train(cfg, reference=True, write_outputs=False)
+    what = f"--hf-config {cfg.layout.describe()}"
+    curve = [*losses(rows).tolist(), rows[-1]["val_loss"]]
+    np.testing.assert_allclose(curve, [*losses(ref_rows).tolist(), ref_rows[-1]["val_loss"]], rtol=LOSS_RTOL,
+                               atol=0, err_msg=f"{what}: losses vs single process")
+    np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
+                               atol=0, err_msg=f"{what}: gradient norms vs single process")
+    for field in MOE_FIELDS:
+        assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+    return curve

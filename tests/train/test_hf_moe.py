@@ -254,3 +254,35 @@ def test_transformers_mixtral_loads_as_the_job_decoder(tmp_path: Path) -> None:
                else name: value for name, value in tensors.items()}, str(swapped / "model.safetensors"))
     wrong, _ = _job_logits_and_loss(str(swapped), tokens)
     assert np.abs(wrong - out.logits.numpy()).max() > 100 * LOGITS_ATOL
+
+
+@pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
+                    reason="transformers reads the export; MindSpore runs pipelines on CPU only through its launcher")
+def test_pretrained_mixtral_pipelines_and_exports(run_on_ranks, tmp_path: Path) -> None:
+    """A saved ``MixtralForCausalLM`` trained through ``--hf-config`` on pp 2 x dp-shard 2 x
+    ep 2 with ``--ep-overlap`` against one process (``_moe_ranks.check_hf_moe_run``); its
+    checkpoint (the job's decoder's record) exports as ``MixtralForCausalLM`` again, whose
+    logits are the job's (``LOGITS_ATOL``, as ``test_moe_export.py``)."""
+    pytest.importorskip("transformers")
+    import numpy as np
+    import torch
+    import transformers
+
+    from tests.train._moe_ranks import check_hf_moe_run
+    from tests.train.test_export import LOGITS_ATOL, export_ok, hf_logits, sample_tokens
+    from tests.train.test_moe_export import loaded_logits
+
+    values = {k: v for k, v in TINY_MIXTRAL.items() if k not in ("architectures", "model_type", "head_dim")}
+    torch.manual_seed(3)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**values)).save_pretrained(tmp_path / "mixtral")
+    degrees = {"pp": 2, "dp_shard": 2, "ep": 2, "microbatches": 2, "ep_overlap": True}
+    curves = run_on_ranks(check_hf_moe_run, str(tmp_path), str(tmp_path / "mixtral"), degrees, world_size=4,
+                          timeout_s=600)
+    assert all(curve == curves[0] for curve in curves)
+    root = tmp_path / "hf_moe_run" / "checkpoints"
+    export_ok(root, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["router_aux_loss_coef"]) == ("mixtral", 4, 0.02)
+    tokens = sample_tokens()
+    (logits, _), = run_on_ranks(loaded_logits, str(root), tokens, world_size=1)
+    np.testing.assert_allclose(hf_logits(str(tmp_path / "export"), tokens), logits, rtol=0, atol=LOGITS_ATOL)
