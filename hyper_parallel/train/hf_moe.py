@@ -64,7 +64,7 @@ REFUSED_MOE_TYPES: dict[str, str] = {
 #: ``transformers.MixtralConfig``'s defaults of the keys read here: a ``config.json`` that
 #: leaves one out means this value (``rope_theta`` is 1e6 for Mixtral, not Llama's 1e4).
 MIXTRAL_DEFAULTS: dict[str, Any] = {
-    "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "num_key_value_heads": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
     "sliding_window": None, "router_jitter_noise": 0.0, "output_router_logits": False,
     "router_aux_loss_coef": 0.001, "tie_word_embeddings": False, "hidden_act": "silu", "attention_dropout": 0.0,
     "max_position_embeddings": 4096 * 32,
@@ -136,7 +136,8 @@ def moe_model_config(values: dict[str, Any], config_file: Path, seq_len: int) ->
     heads = int(v["num_attention_heads"])
     rope = v.get("rope_parameters") or {}
     return ModelConfig(dim=int(v["hidden_size"]), n_layers=int(v["num_hidden_layers"]), n_heads=heads,
-                       n_kv_heads=int(v.get("num_key_value_heads") or heads), hidden_dim=int(v["intermediate_size"]),
+                       # absent: MixtralConfig's 8; null: one per query head (earlier transformers' rule)
+                       n_kv_heads=int(get("num_key_value_heads") or heads), hidden_dim=int(v["intermediate_size"]),
                        max_seq_len=max(int(get("max_position_embeddings")), seq_len),
                        tie_embeddings=bool(get("tie_word_embeddings")),
                        rope_theta=float(rope.get("rope_theta", get("rope_theta"))),
