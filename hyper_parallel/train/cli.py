@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--init-device", default=None, choices=INIT_DEVICES,
                     help="build the model on the meta device, then each rank computes only its pieces of the "
                          "initial weights (no rank ever holds a whole sharded parameter), or whole on the host and "
-                         "cut; default: meta, host with --hf-config. Both give the same weights, bit for bit")
+                         "cut; default: meta, host with a dense --hf-config. Both give the same weights, bit for bit")
     tr.add_argument("--max-norm", type=float, default=1.0,
                     help="clip the gradients to this global L2 norm, over every rank's piece (0: no clipping)")
     tr.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")

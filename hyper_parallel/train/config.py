@@ -231,9 +231,9 @@ class TrainConfig:
             only its pieces (``fully_shard.materialize``; [Note: the job's initial
             weights] in ``model``); ``host``: whole on each rank, cut, then each rank's
             pieces written in place (the old path: a rank briefly holds the whole model).
-            ``None``: ``meta`` for the job's decoder, ``host`` with ``--hf-config``
-            (a Hugging Face model's initial values are its own random draws, which no
-            rank can compute piece by piece).
+            ``None``: ``meta`` for the job's decoder (an MoE ``--hf-config`` too), ``host``
+            with a dense ``--hf-config`` (a Hugging Face model's initial values are its own
+            random draws, which no rank can compute piece by piece).
         compile: run each decoder block's local compute under the framework's compiler
             (``torch.compile`` / ``mindspore.jit``; [Note: what --compile compiles] in
             ``train/compile.py``); the layouts it cannot take are refused here.

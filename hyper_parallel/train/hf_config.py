@@ -34,7 +34,8 @@ class HFSource:
 
     Attributes:
         config_file: the ``config.json``.
-        weights_dir: the folder to ``from_pretrained`` (``None``: random init on the seed).
+        weights_dir: the folder holding weights (``WEIGHT_FILES``): ``from_pretrained``'s
+            for a dense model, ``hf_weights``' for an MoE one (``None``: random init on the seed).
         values: the configuration's JSON (its ``text_config`` where it has one).
         document: the whole ``config.json`` as read: what checkpoints record
             (``recorded_config``) and ``hyper-parallel export`` writes back.

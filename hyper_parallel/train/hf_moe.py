@@ -112,9 +112,9 @@ def _problems(v: dict[str, Any]) -> list[str]:
 def moe_model_config(values: dict[str, Any], config_file: Path, seq_len: int) -> ModelConfig:
     """The job's MoE ``ModelConfig`` of a mixture-of-experts ``--hf-config`` ([Note: Mixtral
     as the job's MoE decoder]) whose ``config.json`` ``config_file`` holds ``values``
-    (``HFSource.values``; this module imports no ``hf_config``, which imports it): Mixtral's sizes, ``moe_every=1``, no shared expert,
-    ``moe_balance="none"``; the rotary tables cover ``max(max_position_embeddings,
-    seq_len)`` (RoPE has no table to outgrow).
+    (``HFSource.values``; this module imports no ``hf_config``, which imports it): Mixtral's
+    sizes, ``moe_every=1``, no shared expert, ``moe_balance="none"``; the rotary tables
+    cover ``max(max_position_embeddings, seq_len)`` (RoPE has no table to outgrow).
 
     Raises:
         ValueError: a model type other than ``mixtral`` (``REFUSED_MOE_TYPES`` say why), or a

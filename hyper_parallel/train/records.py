@@ -26,7 +26,8 @@ def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
 
 def model_record(cfg: TrainConfig) -> dict[str, Any]:
     """The model a checkpoint holds: every field of ``ModelConfig`` (a resume needs the same)
-    and, for an ``--hf-config`` run, the HF configuration under ``hf_config``
+    and, for a dense ``--hf-config`` run (``TrainConfig.hf_module``; an MoE one is the job's
+    decoder, exported as Mixtral from this record), the HF configuration under ``hf_config``
     (``hf_config.recorded_config``: plain JSON, read again here, no ``transformers``), from
     which ``hyper-parallel export`` writes the exported model's ``config.json``. A dense
     decoder's record leaves the MoE fields out (``MOE_DEFAULTS``): the same record as
