@@ -121,7 +121,10 @@ def write_weights(folder: Path, seed: int = 5) -> dict[str, Any]:
 
     cfg = moe_model_config(TINY_MIXTRAL, folder / "config.json", 32)
     rng = np.random.default_rng(seed)
-    params = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in parameter_shapes(cfg).items()}
+    # a trained model's scale (std 0.05, norms 1), so that a run from them is well conditioned
+    params = {name: np.ones(shape, np.float32) if name.endswith("norm.weight")
+              else (0.05 * rng.standard_normal(shape)).astype(np.float32)
+              for name, shape in parameter_shapes(cfg).items()}
     for name in params:  # bfloat16 values: the float32 bits with the low half zero
         if ".experts." in name:
             params[name] = (params[name].view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
@@ -286,3 +289,30 @@ def test_pretrained_mixtral_pipelines_and_exports(run_on_ranks, tmp_path: Path) 
     tokens = sample_tokens()
     (logits, _), = run_on_ranks(loaded_logits, str(root), tokens, world_size=1)
     np.testing.assert_allclose(hf_logits(str(tmp_path / "export"), tokens), logits, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_mixtral_through_the_command_line(run_on_ranks, tmp_path: Path) -> None:
+    """The real entry point: ``hyper-parallel train --hf-config FOLDER --dp-shard 2 --ep 2``
+    on the framework's launcher, from the folder's weights (``write_weights``: no torch in
+    them), against the single process on the same config (losses and validation losses,
+    2e-5 relative as ``test_train.test_command_line_run``); dropless routing."""
+    import numpy as np
+
+    from hyper_parallel.testing.rendezvous import selected_platform
+    from hyper_parallel.train.cli import build_parser, config_from_args
+    from tests.train._cli import run_cli
+    from tests.train._ranks import TEST_DATA, reference_losses
+
+    folder, out = tmp_path / "mixtral", tmp_path / "run"
+    write_weights(folder)
+    args = ["train", "--platform", selected_platform(), "--hf-config", str(folder), "--dp-shard", "2", "--ep", "2",
+            "--steps", "3", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2",
+            "--eval-every", "3", "--checkpoint-every", "3", "--out", str(out), "--no-progress", "--data", *TEST_DATA]
+    done = run_cli(args, tmp_path)
+    assert "done: step 3" in done.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["moe_dropped_tokens"] for row in rows] == [0, 0, 0], rows
+    cfg = config_from_args(build_parser().parse_args(args))
+    ref = run_on_ranks(reference_losses, cfg.to_dict(), world_size=1, timeout_s=300)[0]
+    np.testing.assert_allclose([row["loss"] for row in rows], ref[0], rtol=2e-5, atol=0)
+    np.testing.assert_allclose([row["val_loss"] for row in rows if "val_loss" in row], ref[1], rtol=2e-5, atol=0)
