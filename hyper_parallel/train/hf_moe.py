@@ -33,7 +33,7 @@ true`` is refused; without it, ``transformers`` trains on the cross-entropy alon
 the job's ``--moe-balance none``, the balance this mapping gives (``router_aux_loss_coef``
 is kept as ``moe_aux_loss_coef``, unused, for the export's ``config.json``).
 
-Qwen3-MoE (``qwen3_moe``) would map where its ``norm_topk_prob`` is true (false: the gates
+Qwen3-MoE's (``qwen3_moe``) routing would map where its ``norm_topk_prob`` is true (false: the gates
 are not renormalised) and its MoE blocks are the job's ``moe_every`` rule
 (``decoder_sparse_step``, no ``mlp_only_layers``), but its attention normalises each head's
 queries and keys (``q_norm``, ``k_norm``), which the job's attention does not: refused by
