@@ -166,13 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     moe.add_argument("--moe-hidden-dim", type=int, default=None, help="each expert's SwiGLU width (0: --hidden-dim)")
     moe.add_argument("--moe-balance", default=None, choices=MOE_BALANCES,
                      help="aux-free: a per-expert routing bias moved towards the mean load after each step "
-                          "(DeepSeek-V3); aux-loss: Switch's load-balancing loss, per sequence")
+                          "(DeepSeek-V3); aux-loss: Switch's load-balancing loss, per sequence; none: "
+                          "neither")
     moe.add_argument("--moe-aux-loss-coef", type=float, default=None, help="the balance loss's weight (aux-loss)")
     moe.add_argument("--moe-bias-rate", type=float, default=None, help="the bias update speed (aux-free)")
     mod.add_argument("--hf-config", default=None, metavar="PATH",
                      help="train a Hugging Face causal LM instead (torch): its config.json, or a model folder "
                           "(its weights are loaded when the folder has them); vocab_size >= 256 (byte tokens, "
-                          "docs/train.md); replaces --model and the sizes")
+                          "docs/train.md); replaces --model and the sizes. A Mixtral config trains as the job's "
+                          "own MoE decoder (both frameworks, --ep); other MoE configs are refused")
     tr = t.add_argument_group("training")
     tr.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     tr.add_argument("--batch-size", type=int, default=8, help="sequences per step over all data-parallel ranks")
@@ -197,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--init-device", default=None, choices=INIT_DEVICES,
                     help="build the model on the meta device, then each rank computes only its pieces of the "
                          "initial weights (no rank ever holds a whole sharded parameter), or whole on the host and "
-                         "cut; default: meta, host with --hf-config. Both give the same weights, bit for bit")
+                         "cut; default: meta, host with a dense --hf-config. Both give the same weights, bit for bit")
     tr.add_argument("--max-norm", type=float, default=1.0,
                     help="clip the gradients to this global L2 norm, over every rank's piece (0: no clipping)")
     tr.add_argument("--seed", type=int, default=0, help="the initial weights' and the batches' seed")

@@ -17,6 +17,7 @@ from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
 from hyper_parallel.train.compile import check_compile
 from hyper_parallel.train.hf_config import model_config, read_hf_config
+from hyper_parallel.train.hf_weights import PretrainedWeights
 from hyper_parallel.train.model_config import PRESETS, ModelConfig
 from hyper_parallel.train.optim import LR_SCHEDULES
 from hyper_parallel.train.precision import resolve_dtype
@@ -212,7 +213,9 @@ class TrainConfig:
             every stage, recomputed inside each microbatch's backward).
         hf_config: a Hugging Face ``config.json`` or model folder: train that model
             (``train/hf_model.py``) instead of the job's decoder; ``model`` then holds its
-            sizes (``hf_config.model_config``).
+            sizes (``hf_config.model_config``). A mixture of experts that the job's MoE
+            decoder computes exactly (Mixtral, ``hf_moe``) trains as that decoder
+            (``hf_module`` false), on either framework.
         dtype: the compute dtype, ``fp32``, ``bf16`` or ``fp16`` (``precision.DTYPES``; the
             parameters and AdamW's state stay float32, gradients are reduced in float32,
             fp16 scales the loss: [Note: the job's mixed precision] in ``precision``);
@@ -228,9 +231,9 @@ class TrainConfig:
             only its pieces (``fully_shard.materialize``; [Note: the job's initial
             weights] in ``model``); ``host``: whole on each rank, cut, then each rank's
             pieces written in place (the old path: a rank briefly holds the whole model).
-            ``None``: ``meta`` for the job's decoder, ``host`` with ``--hf-config``
-            (a Hugging Face model's initial values are its own random draws, which no
-            rank can compute piece by piece).
+            ``None``: ``meta`` for the job's decoder (an MoE ``--hf-config`` too), ``host``
+            with a dense ``--hf-config`` (a Hugging Face model's initial values are its own
+            random draws, which no rank can compute piece by piece).
         compile: run each decoder block's local compute under the framework's compiler
             (``torch.compile`` / ``mindspore.jit``; [Note: what --compile compiles] in
             ``train/compile.py``); the layouts it cannot take are refused here.
@@ -276,8 +279,7 @@ class TrainConfig:
         if self.hf_config is not None:
             self._check_hf()
         if self.compile:
-            check_compile(self.layout, moe=bool(self.model.moe_experts),
-                          hf_config=self.hf_config is not None,
+            check_compile(self.layout, moe=bool(self.model.moe_experts), hf_config=self.hf_module,
                           activation_checkpointing=self.activation_checkpointing)
         self._check_precision_and_knobs()
         self._check_moe()
@@ -402,7 +404,7 @@ class TrainConfig:
         if self.dtype is not None:
             resolve_dtype(self.dtype, "cpu")  # the value (ValueError naming --dtype)
         if self.dtype not in (None, "fp32"):
-            if self.hf_config is not None:
+            if self.hf_module:
                 raise ValueError(f"--dtype {self.dtype} applies to the job's decoder; --hf-config trains in "
                                  "float32: use --dtype fp32 (or leave --dtype out on CPU)")
         if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
@@ -414,7 +416,7 @@ class TrainConfig:
         if self.init_device not in (None, *INIT_DEVICES):
             raise ValueError(f"--init-device={self.init_device!r} is not a build device; use one of "
                              f"{', '.join(INIT_DEVICES)}")
-        if self.init_device == "meta" and self.hf_config is not None:
+        if self.init_device == "meta" and self.hf_module:
             raise ValueError("--init-device meta builds the job's decoder; a --hf-config model draws its initial "
                              "values whole (Hugging Face's own init), so it builds on the host: leave --init-device "
                              "out or use --init-device host")
@@ -499,15 +501,19 @@ class TrainConfig:
                              f"{' or '.join(EP_OVERLAP_SCHEDULES)}")
 
     def _check_hf(self) -> None:
-        """``--hf-config``: a torch model (``transformers``), installed; ``model`` becomes
-        the sizes of its configuration (``hf_config.model_config``), which the layout is
-        checked against."""
+        """``--hf-config``: ``model`` becomes the sizes of its configuration
+        (``hf_config.model_config``), which the layout is checked against; a torch model
+        (``transformers``), installed, unless it maps to the job's MoE decoder (``hf_moe``)."""
         import importlib.util
 
         source = read_hf_config(self.hf_config)
         # frozen dataclass: the derived sizes are recorded once, here, before any rank starts
         object.__setattr__(self, "model", model_config(source, self.seq_len))
         object.__setattr__(self, "model_name", f"hf:{source.model_type}")
+        if not self.hf_module:  # the job's own decoder: any platform, no transformers
+            if source.weights_dir is not None:  # the files' headers, here, before any rank starts
+                PretrainedWeights.open(source.weights_dir, self.model)
+            return
 
         if self.platform.split("-")[0] != "torch":
             raise ValueError(f"--hf-config trains a Hugging Face transformers model, a torch module: it needs "
@@ -570,9 +576,16 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def hf_module(self) -> bool:
+        """Whether the run trains ``transformers``' own model (a torch module: ``hf_model``):
+        a dense ``--hf-config``. False without ``--hf-config`` and for an MoE one, which maps
+        to the job's decoder (``hf_config.model_config`` gives experts in that case only)."""
+        return self.hf_config is not None and not self.model.moe_experts
+
+    @property
     def build_on_meta(self) -> bool:
         """Whether the model is built on the meta device (``init_device`` resolved)."""
-        return (self.init_device or ("host" if self.hf_config is not None else "meta")) == "meta"
+        return (self.init_device or ("host" if self.hf_module else "meta")) == "meta"
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)

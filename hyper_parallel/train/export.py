@@ -11,7 +11,7 @@ tp, fully_shard, pp, ..., assembled into whole tensors), and written with
 
 [Note: the job's decoder as Hugging Face's Llama]
 The job's decoder (``train/model.py``) computes what ``transformers.LlamaForCausalLM``
-computes, parameter for parameter (``HF_NAMES``), with no reordering of any weight:
+computes, parameter for parameter (``hf_names.HF_NAMES``), with no reordering of any weight:
 
 - RMSNorm: ``x * rsqrt(mean(x^2, -1) + eps) * weight``, eps inside the square root, the
   weight applied after the normalisation: ``LlamaRMSNorm`` (which computes in float32; the
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -59,6 +58,7 @@ import numpy as np
 
 from hyper_parallel.core.fully_shard import Box
 from hyper_parallel.train import checkpoint
+from hyper_parallel.train.hf_names import hf_name, mixtral_name
 from hyper_parallel.train.model_config import VOCAB_SIZE, ModelConfig
 
 #: ``--format`` values.
@@ -70,39 +70,6 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 EXPORTED_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
-
-#: The job's parameter names (``model.parameter_shapes``) -> Hugging Face Llama's, by
-#: pattern (``{i}`` the block). See [Note: the job's decoder as Hugging Face's Llama].
-HF_NAMES: dict[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.attention.wq.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attention.wk.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attention.wv.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attention.wo.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.feed_forward.w1.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.feed_forward.w3.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "layers.{i}.feed_forward.w2.weight": "model.layers.{i}.mlp.down_proj.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-
-def hf_name(name: str) -> str:
-    """Hugging Face Llama's name of the job's parameter ``name``
-    (``layers.3.feed_forward.w1.weight`` -> ``model.layers.3.mlp.gate_proj.weight``).
-
-    Raises:
-        ValueError: ``name`` is not a parameter of the job's decoder.
-    """
-    block = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    pattern = f"layers.{{i}}.{block.group(2)}" if block else name
-    if pattern not in HF_NAMES:
-        raise ValueError(f"{name!r} is not a parameter of hyper-parallel train's decoder "
-                         f"(model.parameter_shapes); cannot name it for Hugging Face's Llama")
-    return HF_NAMES[pattern].replace("{i}", block.group(1)) if block else HF_NAMES[pattern]
-
 
 def llama_config(cfg: ModelConfig) -> dict[str, Any]:
     """``config.json`` of ``LlamaForCausalLM`` for the job's decoder ``cfg`` (plain JSON: no
@@ -294,17 +261,6 @@ def moe_biases(path: Path, manifest: dict[str, Any], cfg: ModelConfig) -> dict[s
     return {name: np.asarray(arrays[key], np.float32) for name, key in keys.items()}
 
 
-#: The job's MoE block parameters -> Mixtral's, per block ``{i}`` (and expert ``{e}`` for the
-#: stacked experts, ``[experts, ...]`` split into one tensor each): the per-expert layout
-#: transformers 5 converts on load (to its fused ``gate_up_proj``) and vLLM reads.
-MIXTRAL_NAMES: dict[str, str] = {
-    "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
-    "layers.{i}.moe.experts.w1": "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
-    "layers.{i}.moe.experts.w2": "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",
-    "layers.{i}.moe.experts.w3": "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight",
-}
-
-
 def mixtral_state(path: Path, cfg: ModelConfig, params: dict[str, np.ndarray],
                   biases: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(config.json, {HF name: tensor})`` of the job's MoE decoder as
@@ -347,12 +303,7 @@ def mixtral_state(path: Path, cfg: ModelConfig, params: dict[str, np.ndarray],
         config.pop(key)
     tensors: dict[str, np.ndarray] = {}
     for name, value in params.items():
-        block = re.fullmatch(r"layers\.(\d+)\.(moe\..+)", name)
-        pattern = f"layers.{{i}}.{block.group(2)}" if block else None
-        if pattern not in MIXTRAL_NAMES:
-            tensors[hf_name(name)] = value
-            continue
-        target = MIXTRAL_NAMES[pattern].replace("{i}", block.group(1))
+        target = mixtral_name(name)
         if "{e}" in target:
             tensors.update({target.replace("{e}", str(e)): value[e] for e in range(value.shape[0])})
         else:

@@ -7,6 +7,10 @@ Vocabulary: the job's tokens are bytes, ids ``0 .. 255``; a model whose ``vocab_
 at least 256 trains on them as they are (the rows above 255 of its embedding and head get
 no targets, and a pretrained tokenizer's meaning of ids 0-255 is not used: to evaluate the
 result, tokenize text as its UTF-8 bytes). A smaller vocabulary is refused.
+
+A mixture-of-experts configuration (``MOE_CONFIG_KEYS``) is not a ``transformers`` model in
+the job: the ones the job's own MoE decoder computes exactly (Mixtral) become that decoder's
+``ModelConfig``, the others are refused by name (``hf_moe``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.train.hf_moe import moe_model_config
 from hyper_parallel.train.model_config import VOCAB_SIZE, ModelConfig
 
 #: Files whose presence in an ``--hf-config`` folder means "load these weights".
@@ -29,7 +34,8 @@ class HFSource:
 
     Attributes:
         config_file: the ``config.json``.
-        weights_dir: the folder to ``from_pretrained`` (``None``: random init on the seed).
+        weights_dir: the folder holding weights (``WEIGHT_FILES``): ``from_pretrained``'s
+            for a dense model, ``hf_weights``' for an MoE one (``None``: random init on the seed).
         values: the configuration's JSON (its ``text_config`` where it has one).
         document: the whole ``config.json`` as read: what checkpoints record
             (``recorded_config``) and ``hyper-parallel export`` writes back.
@@ -44,9 +50,16 @@ class HFSource:
     def model_type(self) -> str:
         return str(self.values.get("model_type", "unknown"))
 
+    @property
+    def is_moe(self) -> bool:
+        """A mixture-of-experts configuration (``MOE_CONFIG_KEYS``, or ``model_type`` mixtral,
+        whose expert count may be left at its default): trained as the job's own MoE decoder
+        where it maps, refused otherwise (``hf_moe.moe_model_config``)."""
+        return self.model_type == "mixtral" or any(self.values.get(key) for key in MOE_CONFIG_KEYS)
+
 
 #: ``config.json`` keys that make a model a mixture of experts (Mixtral, Qwen2/3-MoE,
-#: DeepSeek-V2/V3, OLMoE, ...): refused by ``read_hf_config`` for now.
+#: DeepSeek-V2/V3, OLMoE, ...): ``HFSource.is_moe``.
 MOE_CONFIG_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -77,12 +90,6 @@ def read_hf_config(path: str) -> HFSource:
     if int(values["vocab_size"]) < VOCAB_SIZE:
         raise ValueError(f"--hf-config={path!r}: vocab_size={values['vocab_size']} is smaller than the job's "
                          f"{VOCAB_SIZE} byte tokens; use a model with vocab_size >= {VOCAB_SIZE}")
-    experts = [key for key in MOE_CONFIG_KEYS if values.get(key)]
-    if experts:
-        raise ValueError(f"--hf-config={path!r}: {config_file} describes a mixture-of-experts model "
-                         f"(model_type {values.get('model_type', 'unknown')!r}, {experts[0]}={values[experts[0]]!r}), "
-                         "which --hf-config does not train yet; use a dense config, or the job's own MoE decoder "
-                         "(--model moe-small, or --moe-experts N with the other --moe-* flags)")
     weights = config_file.parent if any((config_file.parent / f).is_file() for f in WEIGHT_FILES) else None
     return HFSource(config_file, weights, values, document)
 
@@ -103,7 +110,16 @@ def recorded_config(source: HFSource) -> dict[str, Any]:
 
 def model_config(source: HFSource, seq_len: int) -> ModelConfig:
     """The job's ``ModelConfig`` of the HF model's sizes, against which ``TrainConfig``
-    checks the layout (heads per ``--tp``, Ulysses and hybrid degrees)."""
+    checks the layout (heads per ``--tp``, Ulysses and hybrid degrees). A mixture of experts
+    (``HFSource.is_moe``): the job's MoE decoder that computes it (``hf_moe.moe_model_config``,
+    with ``moe_experts`` > 0: ``TrainConfig.hf_module`` is false), the only case in which
+    the result has experts.
+
+    Raises:
+        ValueError: an MoE configuration the job's decoder does not compute exactly.
+    """
+    if source.is_moe:
+        return moe_model_config(source.values, source.config_file, seq_len)
     v = source.values
     heads = int(v["num_attention_heads"])
     rope = v.get("rope_parameters") or {}

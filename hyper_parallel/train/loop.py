@@ -36,6 +36,7 @@ from hyper_parallel.train.checkpoint_async import AsyncCheckpointer
 from hyper_parallel.train.compile import apply_compile, check_compile_layout
 from hyper_parallel.train.config import Layout, TrainConfig
 from hyper_parallel.train.data import VALIDATION_STREAM, Batch, Corpus, rank_batch
+from hyper_parallel.train.hf_weights import pretrained_source
 from hyper_parallel.train.metrics import PLOT_FILE, ExtraLoggers, MetricsWriter, Progress, plot_losses
 from hyper_parallel.train.model import build_model, initial_pieces, materialize_model
 from hyper_parallel.train.moe_model import balance_step, moe_layers
@@ -297,7 +298,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     rank, world = (0, 1) if mesh is None else (p.rank(), p.world_size())
     pipe = None
     # --dtype (the default by device; float32 with --hf-config: TrainConfig)
-    dtype = resolve_dtype(cfg.dtype, p.device_type) if cfg.hf_config is None else "fp32"
+    dtype = resolve_dtype(cfg.dtype, p.device_type) if not cfg.hf_module else "fp32"
     mp_policy = mixed_precision_policy(dtype)
     # the attention hooks and the loader's sequence shards use this one mesh
     cp_mesh = context_parallel_mesh(mesh, layout)
@@ -305,9 +306,11 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
     # its pieces alone (materialize_model); host: whole, cut, pieces written in place below
     meta = cfg.build_on_meta
     scope = p.module_types().meta_device() if meta else contextlib.nullcontext()
+    # an MoE --hf-config folder's weights in place of the seed's draw (None: the draw)
+    source = None if cfg.hf_module else pretrained_source(cfg.hf_config, cfg.model)
     if layout.pp > 1:
         assert mesh is not None
-        if cfg.hf_config is not None:
+        if cfg.hf_module:
             from hyper_parallel.train.hf_model import load_hf_model
 
             whole = load_hf_model(cfg.hf_config, cfg.seed)
@@ -317,12 +320,12 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                 whole = build_model(p, cfg.model, cfg.seed, values=False, meta=meta)
                 pipe = build_pipeline(p, cfg, whole, mesh, cp_mesh, mp_policy)
             if meta:
-                materialize_model(p, cfg.model, cfg.seed, pipe.modules)
+                materialize_model(p, cfg.model, cfg.seed, pipe.modules, source)
         model, params = pipe.modules, pipe.parameters()
         # the stages keep the decoder's parameter names (model.build_stage), in pipe.parameters() order
         names = [name for module in pipe.modules for name, _ in p.named_parameters(module)]
         boxes = {name: box for module in pipe.modules for name, box in local_boxes(module).items()}
-    elif cfg.hf_config is not None:
+    elif cfg.hf_module:
         from hyper_parallel.train.hf_model import build_hf_model
 
         model = build_hf_model(p, cfg.hf_config, cfg.seed, mesh, layout, cp_mesh,
@@ -337,7 +340,7 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                                 cp_mesh, activation_checkpointing=cfg.activation_checkpointing and not reference,
                                 mp_policy=mp_policy)
         if meta:
-            materialize_model(p, cfg.model, cfg.seed, [model])
+            materialize_model(p, cfg.model, cfg.seed, [model], source)
         if cfg.compile and not reference:  # the reference runs eagerly: --check-parity checks the compiler
             apply_compile(p, model)
         names, params = (list(items) for items in zip(*p.named_parameters(model)))
@@ -348,15 +351,15 @@ def setup(cfg: TrainConfig, reference: bool = False) -> _Run:
                 if mesh is not None and dp_size * layout.cp > 1 else None)
     corpus = Corpus.load(cfg.data, cfg.seq_len + 1)
     optimizer = AdamW(p, params, cfg.lr, cfg.weight_decay)
-    if cfg.hf_config is None and not meta:
+    if not cfg.hf_module and not meta:
         # each rank its pieces, in place: [Note: the job's initial weights]
-        optimizer.load_parameter_values(initial_pieces(cfg.model, cfg.seed, boxes, names))
+        optimizer.load_parameter_values(initial_pieces(cfg.model, cfg.seed, boxes, names, source))
     grad_norm = GlobalGradNorm(p, names, boxes, world)  # collective when world > 1
     sync_units = [module for _, module in p.named_modules(model) if isinstance(module, HSDPModule)] \
         if pipe is None else []
     moe: list[tuple[str, Any]] = []
     balance_group = dp_group
-    if cfg.hf_config is None and cfg.model.moe_experts:
+    if cfg.model.moe_experts:  # the job's MoE decoder (hf_module: dense)
         moe = moe_layers(p, model) if pipe is None else [layer for module in pipe.modules
                                                          for layer in moe_layers(p, module)]
         if pipe is not None:  # [Note: MoE stages] in pipeline.py: every stage's layers in one all-reduce
@@ -447,7 +450,7 @@ def train(cfg: TrainConfig, reference: bool = False, write_outputs: bool = True,
                 row["loss_scale"] = run.scaler.scale
             # every rank of an MoE model, also a pipeline rank whose stages hold no MoE block (the
             # all-reduce spans every stage); before validation: it routes with the updated biases
-            if cfg.model.moe_experts and cfg.hf_config is None:
+            if cfg.model.moe_experts:
                 row.update(balance_step(p, run.moe, run.balance_group, cfg.model).row())
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 row["val_loss"] = _validation_loss(run)

@@ -38,7 +38,7 @@ each rank) needs no change here.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,7 @@ from hyper_parallel.core.context_parallel import scaled_dot_product_attention
 from hyper_parallel.core.dtensor import philox
 from hyper_parallel.core.fully_shard import Box, materialize
 from hyper_parallel.platform import Activation, Platform
-from hyper_parallel.train.config import ModelConfig
+from hyper_parallel.train.model_config import ModelConfig
 from hyper_parallel.train.moe_model import define_moe, moe_parameter_shapes
 
 
@@ -121,16 +121,24 @@ def initial_piece(cfg: ModelConfig, seed: int, name: str, starts: Sequence[int],
                        tuple(lengths), np.dtype(np.float32))
 
 
+#: Where the job's initial pieces come from: ``(name, starts, lengths)`` -> float32
+#: ``[*lengths]``, the box ``starts .. starts + lengths`` of parameter ``name``. The seed's
+#: draw (``initial_piece``) or an ``--hf-config`` folder's weights (``hf_weights``).
+PieceSource = Callable[[str, Sequence[int], Sequence[int]], np.ndarray]
+
+
 def initial_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """Every parameter's whole float32 initial value ([Note: the job's initial weights])."""
     return {name: initial_piece(cfg, seed, name, (0,) * len(shape), shape)
             for name, shape in parameter_shapes(cfg).items()}
 
 
-def initial_pieces(cfg: ModelConfig, seed: int, boxes: dict[str, Box], names: Sequence[str]) -> list[np.ndarray]:
+def initial_pieces(cfg: ModelConfig, seed: int, boxes: dict[str, Box], names: Sequence[str],
+                   source: PieceSource | None = None) -> list[np.ndarray]:
     """This rank's piece of each parameter of ``names`` (``boxes``: ``local_boxes`` of the
     parallelized model), float32 of the box's lengths, in ``names`` order: what
-    ``Optimizer.load_parameter_values`` writes in place.
+    ``Optimizer.load_parameter_values`` writes in place. ``source``: where the pieces come
+    from (``None``: the seed's draw, ``initial_piece``).
 
     Raises:
         ValueError: a box whose global shape is not the parameter's.
@@ -142,7 +150,8 @@ def initial_pieces(cfg: ModelConfig, seed: int, boxes: dict[str, Box], names: Se
         if tuple(box.shape) != shapes[name]:
             raise ValueError(f"initial_pieces: parameter {name} has global shape {tuple(box.shape)} on this rank, "
                              f"but the decoder declares {shapes[name]}")
-        out.append(initial_piece(cfg, seed, name, box.starts, box.lengths))
+        out.append(source(name, box.starts, box.lengths) if source is not None
+                   else initial_piece(cfg, seed, name, box.starts, box.lengths))
     return out
 
 
@@ -180,7 +189,8 @@ def build_model(p: Platform, cfg: ModelConfig, seed: int, *, values: bool = True
     return model
 
 
-def materialize_model(p: Platform, cfg: ModelConfig, seed: int, modules: Sequence[Any]) -> None:
+def materialize_model(p: Platform, cfg: ModelConfig, seed: int, modules: Sequence[Any],
+                      source: PieceSource | None = None) -> None:
     """The end of the job's meta-device build (``--init-device meta``): every parameter of
     ``modules`` (a ``build_model(meta=True)`` decoder or its pipeline stages, parallelized on
     the meta device) becomes a new parameter holding this rank's piece alone, computed by
@@ -188,10 +198,12 @@ def materialize_model(p: Platform, cfg: ModelConfig, seed: int, modules: Sequenc
     the one-process weights), through ``fully_shard.materialize``; no rank computes or holds
     a whole sharded parameter. The rotary tables are set again: constants, which
     MindSpore's factories made meta under the scope too. No communication. Build the
-    optimizer after (the parameters are new objects)."""
+    optimizer after (the parameters are new objects). ``source``: the pieces' values
+    (``None``: the seed's draw; ``initial_pieces``)."""
     classes = _classes(p)
+    draw = source if source is not None else functools.partial(initial_piece, cfg, seed)
     for module in modules:
-        materialize(module, lambda fqn, box: initial_piece(cfg, seed, fqn, box.starts, box.lengths))
+        materialize(module, lambda fqn, box: draw(fqn, box.starts, box.lengths))
         for _, sub in p.named_modules(module):
             if isinstance(sub, (classes.Decoder, classes.Stage)):
                 classes.set_rope_tables(sub, cfg)

@@ -15,8 +15,10 @@ VOCAB_SIZE = 256
 #: per-expert bias added to the router's scores for the top-k choice only, moved after
 #: each step towards the mean load (DeepSeek-V3, arXiv 2412.19437, section 2.1.2);
 #: ``aux-loss``: an auxiliary loss ``coef * E * sum_e f_e * P_e`` (Switch Transformer,
-#: arXiv 2101.03961, eq. 4) per sequence (DeepSeek-V3's sequence-wise form, eq. 17-20).
-MOE_BALANCES = ("aux-free", "aux-loss")
+#: arXiv 2101.03961, eq. 4) per sequence (DeepSeek-V3's sequence-wise form, eq. 17-20);
+#: ``none``: neither (the routing is the router's alone: how ``transformers`` trains
+#: Mixtral by default, which ``--hf-config`` of a Mixtral maps to, ``hf_moe``).
+MOE_BALANCES = ("aux-free", "aux-loss", "none")
 
 
 

@@ -13,7 +13,7 @@ A block ``i`` with ``ModelConfig.is_moe_block(i)`` replaces the dense SwiGLU MLP
 [Note: the job's MoE routing]
 Each token ``x`` ``[tokens, dim]`` gets router probabilities ``softmax(x W_r^T)`` in float32
 ``[tokens, experts]``; its ``top_k`` experts are the largest ``probs + bias`` (``bias``
-float32 ``[experts]``: zero with ``aux-loss``, DeepSeek-V3's balance bias with
+float32 ``[experts]``: zero with ``aux-loss`` and ``none``, DeepSeek-V3's balance bias with
 ``aux-free``; it steers the choice only, never the gates), chosen on the host by numpy's
 stable argsort (ties go to the lower expert index, on both frameworks alike). The gates are
 the chosen probabilities, renormalized to sum to 1 when ``top_k > 1`` (Mixtral, Qwen3-MoE,

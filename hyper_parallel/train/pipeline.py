@@ -218,7 +218,7 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
     if layout.cp > 1 and cp_mesh is None:
         raise ValueError("build_pipeline: cp > 1 needs cp_mesh, the mesh the loader shards the sequences over "
                          "(context_parallel_mesh(mesh, layout))")
-    if cfg.hf_config is not None:  # a Hugging Face model (--hf-config): its own stages and plan
+    if cfg.hf_module:  # a Hugging Face model (dense --hf-config): its own stages and plan
         from hyper_parallel.train.hf_model import build_hf_stages
 
         modules = build_hf_stages(model, ranges, indices, num_stages, mesh, layout, cp_mesh,

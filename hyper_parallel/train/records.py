@@ -26,7 +26,8 @@ def layout_record(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
 
 def model_record(cfg: TrainConfig) -> dict[str, Any]:
     """The model a checkpoint holds: every field of ``ModelConfig`` (a resume needs the same)
-    and, for an ``--hf-config`` run, the HF configuration under ``hf_config``
+    and, for a dense ``--hf-config`` run (``TrainConfig.hf_module``; an MoE one is the job's
+    decoder, exported as Mixtral from this record), the HF configuration under ``hf_config``
     (``hf_config.recorded_config``: plain JSON, read again here, no ``transformers``), from
     which ``hyper-parallel export`` writes the exported model's ``config.json``. A dense
     decoder's record leaves the MoE fields out (``MOE_DEFAULTS``): the same record as
@@ -35,7 +36,7 @@ def model_record(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.model.moe_experts:
         for name in MOE_DEFAULTS:
             del record[name]
-    if cfg.hf_config is not None:
+    if cfg.hf_module:  # an MoE --hf-config is the job's decoder: its record, exported as Mixtral
         record["hf_config"] = recorded_config(read_hf_config(cfg.hf_config))
     return record
 

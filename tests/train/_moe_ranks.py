@@ -197,3 +197,66 @@ def resume_in_one_process(cfg: TrainConfig) -> list[float]:
     for (name, layer), (_, ref) in zip(resumed_run.moe, whole_run.moe):
         np.testing.assert_array_equal(layer.expert_bias, ref.expert_bias, err_msg=f"{name} balance bias")
     return losses(resumed).tolist()
+
+
+def check_hf_moe_parity(out: str, hf_config: str, degrees: dict) -> list[float]:
+    """An MoE ``--hf-config`` (the job's MoE decoder: ``hf_moe``) on the layout ``degrees``
+    over this world against the single process, 3 steps, as ``check_moe_parity`` compares
+    (``compare_with_reference``). Returns the losses and the validation loss."""
+    from tests.train._ranks import tiny_config
+
+    cfg = tiny_config(f"{out}/hf_moe", nproc=get_platform().world_size(), layout=Layout(**degrees), steps=3,
+                      eval_every=3, hf_config=hf_config)
+    grads = _first_step_gradients(cfg)
+    run = setup(cfg)
+    rows = train(cfg, write_outputs=False, run=run)
+    ref_grads = _first_step_gradients(cfg, reference=True)
+    ref_rows = train(cfg, reference=True, write_outputs=False)
+    return compare_with_reference(f"--hf-config {cfg.layout.describe()}", grads, run.boxes, ref_grads, rows,
+                                  ref_rows)
+
+
+def check_pretrained_pieces(out: str, hf_config: str, whole: dict[str, np.ndarray], layouts: list[dict]) -> int:
+    """Every parameter's piece on this rank equals its box of ``whole`` (the weights of the
+    ``--hf-config`` folder) bit for bit, in each layout of ``layouts`` built on the meta
+    device and on the host. Returns the pieces checked."""
+    from tests.train._ranks import tiny_config
+
+    p = get_platform()
+    checked = 0
+    for degrees in layouts:
+        for init_device in ("meta", "host"):
+            layout = Layout(**degrees)
+            cfg = tiny_config(f"{out}/{layout.describe()}_{init_device}", nproc=layout.world_size, layout=layout,
+                              hf_config=hf_config, init_device=init_device)
+            run = setup(cfg)
+            assert sorted(run.names) == sorted(whole), run.names
+            for name, param in zip(run.names, run.params):
+                box = run.boxes[name]
+                got = p.to_numpy(local_tensor(param))[tuple(slice(0, n) for n in box.lengths)]
+                want = whole[name][tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
+                np.testing.assert_array_equal(got, want, err_msg=f"{degrees} {init_device}: {name} {box}")
+                checked += 1
+    return checked
+
+
+def check_hf_moe_run(out: str, hf_config: str, degrees: dict) -> list[float]:
+    """An MoE ``--hf-config`` on the layout ``degrees`` (``--pp``, ``--ep-overlap``: the job's
+    MoE decoder's layouts) for 3 steps, its checkpoint at the last, against the single
+    process on every rank: losses, validation loss and gradient norms (``LOSS_RTOL``) and
+    the routing counts exactly. Returns the losses and the validation loss."""
+    from tests.train._ranks import tiny_config
+
+    cfg = tiny_config(f"{out}/hf_moe_run", nproc=get_platform().world_size(), layout=Layout(**degrees), steps=3,
+                      eval_every=3, hf_config=hf_config)
+    rows = train(cfg)
+    ref_rows = train(cfg, reference=True, write_outputs=False)
+    what = f"--hf-config {cfg.layout.describe()}"
+    curve = [*losses(rows).tolist(), rows[-1]["val_loss"]]
+    np.testing.assert_allclose(curve, [*losses(ref_rows).tolist(), ref_rows[-1]["val_loss"]], rtol=LOSS_RTOL,
+                               atol=0, err_msg=f"{what}: losses vs single process")
+    np.testing.assert_allclose([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows], rtol=LOSS_RTOL,
+                               atol=0, err_msg=f"{what}: gradient norms vs single process")
+    for field in MOE_FIELDS:
+        assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+    return curve

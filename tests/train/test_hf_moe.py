@@ -1,0 +1,318 @@
+"""``hyper-parallel train --hf-config`` of a mixture-of-experts model (``train/hf_moe.py``): a
+Mixtral ``config.json`` trains as the job's own MoE decoder on both frameworks (``--ep 2``
+on 2 ranks against one process), and the configurations that decoder does not compute
+exactly are refused by name, before any rank starts.
+
+Tolerances: ``_moe_ranks``' (``LOSS_RTOL``, ``GRAD_*``), reasoned there: the layouts' float32
+sums in other orders, and routing counts compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hyper_parallel.train.config import Layout
+from tests.train._ranks import tiny_config
+
+#: A tiny Mixtral, as ``transformers.MixtralConfig(...).save_pretrained`` writes it (the keys
+#: the mapping reads and the ones it refuses when set), written here without transformers.
+TINY_MIXTRAL: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 256, "hidden_size": 32,
+    "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": None, "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "sliding_window": None, "router_jitter_noise": 0.0, "output_router_logits": False, "router_aux_loss_coef": 0.02,
+    "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False, "initializer_range": 0.02,
+}
+
+
+def write_config(folder: Path, **changes: Any) -> str:
+    """``folder/config.json`` of ``TINY_MIXTRAL`` with ``changes``; returns its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**TINY_MIXTRAL, **changes}))
+    return str(folder / "config.json")
+
+
+def test_mixtral_maps_to_the_job_moe_decoder(tmp_path: Path) -> None:
+    """The job's MoE decoder of Mixtral's sizes, on either framework (no transformers needed:
+    a MindSpore run takes it), with ``--ep``; its checkpoint record is the decoder's."""
+    from hyper_parallel.train.records import model_record
+
+    for platform in ("torch", "mindspore"):
+        cfg = tiny_config(str(tmp_path / platform), nproc=2, layout=Layout(dp_shard=2, ep=2), platform=platform,
+                          hf_config=write_config(tmp_path / "mixtral"))
+        mod = cfg.model
+        assert (mod.dim, mod.n_layers, mod.n_heads, mod.n_kv_heads, mod.hidden_dim, mod.expert_hidden_dim) == \
+            (32, 2, 8, 4, 32, 32)
+        assert (mod.moe_experts, mod.moe_top_k, mod.moe_shared_experts, mod.moe_every, mod.moe_balance,
+                mod.moe_aux_loss_coef, mod.rope_theta, mod.norm_eps) == (4, 2, 0, 1, "none", 0.02, 1e4, 1e-5)
+        assert not cfg.hf_module and cfg.build_on_meta and cfg.model_name == "hf:mixtral"
+        assert "hf_config" not in model_record(cfg)
+    # a key left out means transformers' MixtralConfig default (rope_theta 1e6, not Llama's 1e4)
+    values = {k: v for k, v in TINY_MIXTRAL.items() if k not in ("rope_parameters", "num_experts_per_tok")}
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text(json.dumps(values))
+    mod = tiny_config(str(tmp_path / "bare_run"), hf_config=str(tmp_path / "bare")).model
+    assert (mod.rope_theta, mod.moe_top_k) == (1e6, 2)
+
+
+@pytest.mark.parametrize("changes, needles", [
+    (dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32, norm_topk_prob=True),
+     ["type 'qwen3_moe'", "per-head RMSNorm q_norm/k_norm"]),
+    (dict(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+     ["type 'qwen2_moe'", "shared expert is scaled by a sigmoid gate"]),
+    (dict(model_type="deepseek_v3", n_routed_experts=4), ["type 'deepseek_v3'", "latent attention"]),
+    (dict(model_type="granitemoe"), ["type 'granitemoe'", "only Mixtral (model_type mixtral) is mapped"]),
+    (dict(sliding_window=4096), ["sliding_window=4096", "full causal", "\"sliding_window\": null"]),
+    (dict(num_experts_per_tok=1), ["num_experts_per_tok=1", "top-1 gate is renormalised to 1"]),
+    (dict(output_router_logits=True), ["output_router_logits=true", "--moe-balance none"]),
+    (dict(router_jitter_noise=0.1), ["router_jitter_noise=0.1", "set it to 0.0"]),
+    (dict(attention_bias=True), ["attention_bias=true"]),
+    (dict(head_dim=8), ["head_dim=8", "hidden_size / num_attention_heads"]),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), ["rope_type"]),
+    (dict(hidden_act="gelu"), ["hidden_act='gelu'"]),
+])
+def test_moe_configs_that_do_not_map_are_refused(tmp_path: Path, changes: dict, needles: list[str]) -> None:
+    """Every refusal names ``--hf-config``, the key and value, and the fix, in the launching
+    process (``TrainConfig``), on either framework."""
+    path = write_config(tmp_path / "moe", **changes)
+    for platform in ("torch", "mindspore"):
+        with pytest.raises(ValueError, match="--hf-config=") as err:
+            tiny_config(str(tmp_path / "run"), hf_config=path, platform=platform)
+        for needle in needles:
+            assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_mixtral_flags_against_the_layout(tmp_path: Path) -> None:
+    """The job's own MoE checks apply: ``--ep`` must divide the experts."""
+    with pytest.raises(ValueError, match="--ep=3 must divide --moe-experts=4"):
+        tiny_config(str(tmp_path / "run"), nproc=3, layout=Layout(dp_shard=3, ep=3),
+                    hf_config=write_config(tmp_path / "mixtral"))
+
+
+def test_mixtral_trains_with_expert_parallelism(run_on_ranks, tmp_path: Path) -> None:
+    """``--hf-config`` Mixtral on dp-shard 2 x ep 2 against one process: first-step gradients,
+    losses, gradient norms and routing counts (``_moe_ranks.check_hf_moe_parity``)."""
+    from tests.train._moe_ranks import check_hf_moe_parity
+
+    hf_config = write_config(tmp_path / "mixtral")
+    curves = run_on_ranks(check_hf_moe_parity, str(tmp_path), hf_config, {"dp_shard": 2, "ep": 2}, world_size=2,
+                          timeout_s=600)
+    assert curves[0] == curves[1] and len(curves[0]) == 4
+
+
+def write_weights(folder: Path, seed: int = 5) -> dict[str, Any]:
+    """A Mixtral folder of ``TINY_MIXTRAL`` with random weights written by ``safetensors.numpy``
+    (no torch), as ``export.mixtral_state`` names them, in two shards listed by
+    ``model.safetensors.index.json``: the experts in bfloat16 (written as their 16 bits:
+    numpy has no bfloat16), the rest in float32. Returns the job's whole parameters the
+    files hold (``{name: float32}``; the experts rounded to bfloat16)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from hyper_parallel.train.export import mixtral_state
+    from hyper_parallel.train.hf_moe import moe_model_config
+    from hyper_parallel.train.model import parameter_shapes
+
+    cfg = moe_model_config(TINY_MIXTRAL, folder / "config.json", 32)
+    rng = np.random.default_rng(seed)
+    # a trained model's scale (std 0.05, norms 1), so that a run from them is well conditioned
+    params = {name: np.ones(shape, np.float32) if name.endswith("norm.weight")
+              else (0.05 * rng.standard_normal(shape)).astype(np.float32)
+              for name, shape in parameter_shapes(cfg).items()}
+    for name in params:  # bfloat16 values: the float32 bits with the low half zero
+        if ".experts." in name:
+            params[name] = (params[name].view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    _, tensors = mixtral_state(folder, cfg, params, {f"layers.{i}.moe": np.zeros(4, np.float32) for i in range(2)})
+    write_config(folder)
+    experts = {k: v for k, v in tensors.items() if ".experts." in k}
+    save_file({k: v for k, v in tensors.items() if k not in experts}, str(folder / "dense.safetensors"))
+    header, data, offset = {}, [], 0
+    for name, value in experts.items():
+        bits = (np.ascontiguousarray(value).view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(value.shape), "data_offsets": [offset, offset + len(bits)]}
+        data.append(bits)
+        offset += len(bits)
+    raw = json.dumps(header).encode()
+    (folder / "experts.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(data))
+    weight_map = {name: "experts.safetensors" if name in experts else "dense.safetensors" for name in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return params
+
+
+def test_weights_are_each_ranks_pieces(run_on_ranks, tmp_path: Path) -> None:
+    """A folder with weights: every rank's piece of every parameter is that box of the
+    file's tensor (``hf_weights``: read box by box, the experts per expert), bit for bit, on
+    dp-shard 2 with and without ep 2, built on the meta device and on the host."""
+    from tests.train._moe_ranks import check_pretrained_pieces
+
+    params = write_weights(tmp_path / "mixtral")
+    counts = run_on_ranks(check_pretrained_pieces, str(tmp_path), str(tmp_path / "mixtral"), params,
+                          [{"dp_shard": 2, "ep": 2}, {"dp_shard": 2}], world_size=2, timeout_s=600)
+    assert min(counts) == 2 * 2 * len(params)
+
+
+def test_weights_that_do_not_match_are_refused(tmp_path: Path) -> None:
+    """Before any rank starts: a missing or reshaped tensor, one without a place, and a
+    folder with torch pickles only, each named."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "mixtral"
+    write_weights(folder)
+    dense = folder / "dense.safetensors"
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(dense))
+    cases = [
+        ({k: v for k, v in tensors.items() if k != "model.norm.weight"}, "model.norm.weight (32,) is missing"),
+        ({**tensors, "model.norm.weight": np.ones(16, np.float32)}, "model.norm.weight has shape (16,)"),
+        ({**tensors, "model.layers.0.self_attn.q_norm.weight": np.ones(4, np.float32)},
+         "model.layers.0.self_attn.q_norm.weight has no place"),
+    ]
+    for changed, needle in cases:
+        save_file(changed, str(dense))
+        with pytest.raises(ValueError, match="the weights are not the Mixtral its config.json describes") as err:
+            tiny_config(str(tmp_path / "run"), hf_config=str(folder), platform="mindspore")
+        assert needle in str(err.value), (needle, str(err.value))
+    pickles = tmp_path / "pickles"
+    write_config(pickles)
+    (pickles / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="pytorch_model.bin, which the job's MoE decoder does not read"):
+        tiny_config(str(tmp_path / "run"), hf_config=str(pickles), platform="mindspore")
+
+
+def _job_logits_and_loss(folder: str, tokens: Any) -> tuple[Any, float]:
+    """The job's decoder loaded from ``folder`` through ``--hf-config`` (one process): its
+    logits ``[batch, seq, vocab]`` of ``tokens`` at positions ``0 .. seq - 1`` and its loss
+    with the next token as target (the last position's target: token 0)."""
+    import numpy as np
+
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.train.loop import setup
+
+    p = get_platform()
+    run = setup(tiny_config(f"{folder}_run", hf_config=folder), reference=True)
+    positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape).copy()
+    targets = np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], 1)
+    with p.no_grad():
+        logits = p.to_numpy(run.model.logits(p.from_numpy(tokens), p.from_numpy(positions)))
+        loss = float(p.to_numpy(run.model(p.from_numpy(tokens), p.from_numpy(positions), p.from_numpy(targets))))
+    return logits, loss
+
+
+@pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
+                    reason="transformers' MixtralForCausalLM is a torch module")
+def test_transformers_mixtral_loads_as_the_job_decoder(tmp_path: Path) -> None:
+    """A ``MixtralForCausalLM`` saved by ``save_pretrained`` and loaded through ``--hf-config``:
+    the job's decoder computes transformers' logits and loss on the same tokens. The same
+    folder with each expert's ``w1`` and ``w3`` swapped does not: the comparison sees the
+    gate/up order.
+
+    Tolerance ``LOGITS_ATOL`` (1e-5, ``test_export.py``): the job's rotary tables are computed
+    in float64 and rounded, transformers' in float32, a few ulps apart in angle; the experts'
+    sums run in another order (one grouped GEMM per expert group against one matmul per
+    expert)."""
+    pytest.importorskip("transformers")
+    import numpy as np
+    import torch
+    import transformers
+    from safetensors.numpy import load_file, save_file
+
+    from tests.train.test_export import LOGITS_ATOL, sample_tokens
+
+    values = {k: v for k, v in TINY_MIXTRAL.items() if k not in ("architectures", "model_type", "head_dim")}
+    torch.manual_seed(7)
+    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**values)).eval()
+    with torch.no_grad():  # a router far from uniform, so that the top-k choice matters
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+    folder = tmp_path / "mixtral"
+    hf.save_pretrained(folder)
+    tokens = sample_tokens()
+    with torch.no_grad():
+        out = hf(input_ids=torch.from_numpy(tokens), labels=torch.from_numpy(tokens))
+    logits, loss = _job_logits_and_loss(str(folder), tokens)
+    np.testing.assert_allclose(logits, out.logits.numpy(), rtol=0, atol=LOGITS_ATOL)
+    # transformers' loss shifts inside (the last position has no target): the same
+    # cross-entropy as over the job's logits without their last position
+    job = torch.nn.functional.cross_entropy(torch.from_numpy(logits[:, :-1]).flatten(0, 1),
+                                            torch.from_numpy(tokens[:, 1:]).flatten())
+    assert float(job) == pytest.approx(float(out.loss), rel=1e-5)
+    # the job's own loss (every position, the last one's target 0) against transformers' logits
+    targets = torch.from_numpy(np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], 1))
+    ref = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+    assert loss == pytest.approx(float(ref), rel=1e-5)
+
+    swapped = tmp_path / "swapped"
+    swapped.mkdir()
+    (swapped / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({name.replace(".w1.", ".w3.") if ".w1." in name else name.replace(".w3.", ".w1.") if ".w3." in name
+               else name: value for name, value in tensors.items()}, str(swapped / "model.safetensors"))
+    wrong, _ = _job_logits_and_loss(str(swapped), tokens)
+    assert np.abs(wrong - out.logits.numpy()).max() > 100 * LOGITS_ATOL
+
+
+@pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM", "").startswith("mindspore"),
+                    reason="transformers reads the export; MindSpore runs pipelines on CPU only through its launcher")
+def test_pretrained_mixtral_pipelines_and_exports(run_on_ranks, tmp_path: Path) -> None:
+    """A saved ``MixtralForCausalLM`` trained through ``--hf-config`` on pp 2 x dp-shard 2 x
+    ep 2 with ``--ep-overlap`` against one process (``_moe_ranks.check_hf_moe_run``); its
+    checkpoint (the job's decoder's record) exports as ``MixtralForCausalLM`` again, whose
+    logits are the job's (``LOGITS_ATOL``, as ``test_moe_export.py``)."""
+    pytest.importorskip("transformers")
+    import numpy as np
+    import torch
+    import transformers
+
+    from tests.train._moe_ranks import check_hf_moe_run
+    from tests.train.test_export import LOGITS_ATOL, export_ok, hf_logits, sample_tokens
+    from tests.train.test_moe_export import loaded_logits
+
+    values = {k: v for k, v in TINY_MIXTRAL.items() if k not in ("architectures", "model_type", "head_dim")}
+    torch.manual_seed(3)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**values)).save_pretrained(tmp_path / "mixtral")
+    degrees = {"pp": 2, "dp_shard": 2, "ep": 2, "microbatches": 2, "ep_overlap": True}
+    curves = run_on_ranks(check_hf_moe_run, str(tmp_path), str(tmp_path / "mixtral"), degrees, world_size=4,
+                          timeout_s=600)
+    assert all(curve == curves[0] for curve in curves)
+    root = tmp_path / "hf_moe_run" / "checkpoints"
+    export_ok(root, tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["router_aux_loss_coef"]) == ("mixtral", 4, 0.02)
+    tokens = sample_tokens()
+    (logits, _), = run_on_ranks(loaded_logits, str(root), tokens, world_size=1)
+    np.testing.assert_allclose(hf_logits(str(tmp_path / "export"), tokens), logits, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_mixtral_through_the_command_line(run_on_ranks, tmp_path: Path) -> None:
+    """The real entry point: ``hyper-parallel train --hf-config FOLDER --dp-shard 2 --ep 2``
+    on the framework's launcher, from the folder's weights (``write_weights``: no torch in
+    them), against the single process on the same config (losses and validation losses,
+    2e-5 relative as ``test_train.test_command_line_run``); dropless routing."""
+    import numpy as np
+
+    from hyper_parallel.testing.rendezvous import selected_platform
+    from hyper_parallel.train.cli import build_parser, config_from_args
+    from tests.train._cli import run_cli
+    from tests.train._ranks import TEST_DATA, reference_losses
+
+    folder, out = tmp_path / "mixtral", tmp_path / "run"
+    write_weights(folder)
+    args = ["train", "--platform", selected_platform(), "--hf-config", str(folder), "--dp-shard", "2", "--ep", "2",
+            "--steps", "3", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--warmup-steps", "2",
+            "--eval-every", "3", "--checkpoint-every", "3", "--out", str(out), "--no-progress", "--data", *TEST_DATA]
+    done = run_cli(args, tmp_path)
+    assert "done: step 3" in done.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["moe_dropped_tokens"] for row in rows] == [0, 0, 0], rows
+    cfg = config_from_args(build_parser().parse_args(args))
+    ref = run_on_ranks(reference_losses, cfg.to_dict(), world_size=1, timeout_s=300)[0]
+    np.testing.assert_allclose([row["loss"] for row in rows], ref[0], rtol=2e-5, atol=0)
+    np.testing.assert_allclose([row["val_loss"] for row in rows if "val_loss" in row], ref[1], rtol=2e-5, atol=0)
