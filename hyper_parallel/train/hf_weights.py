@@ -1,6 +1,6 @@
 """The weights of an MoE ``--hf-config`` folder (a Mixtral, ``hf_moe``) as the initial values
 of the job's decoder: the inverse of ``export.mixtral_state``, under its one name mapping
-(``export.mixtral_name``), read piece by piece from ``safetensors`` files with numpy, so on
+(``hf_names.mixtral_name``), read piece by piece from ``safetensors`` files with numpy, so on
 both frameworks and with no torch.
 
 Each rank reads only its pieces: ``PretrainedWeights.piece`` is the job's source of initial

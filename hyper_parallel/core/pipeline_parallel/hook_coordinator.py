@@ -103,9 +103,10 @@ class HookCoordinator:
     """
 
     def __init__(self, timeout_s: float = 300.0, *, hold_forward_tail: bool | None = None) -> None:
-        concurrent = Capability.CONCURRENT_RECORD_AND_BACKWARD in get_platform().capabilities()
+        p = get_platform()
+        concurrent = Capability.CONCURRENT_RECORD_AND_BACKWARD in p.capabilities()
         if hold_forward_tail is False and not concurrent:
-            raise ValueError(f"HookCoordinator(hold_forward_tail=False) on {get_platform().name}: this framework "
+            raise ValueError(f"HookCoordinator(hold_forward_tail=False) on {p.name}: this framework "
                              "cannot record the forward's tail while the other thread runs its backward (gradients "
                              "come out corrupted); leave hold_forward_tail out (or pass True)")
         self.timeout_s = timeout_s
