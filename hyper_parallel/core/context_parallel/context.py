@@ -7,16 +7,17 @@ a free function (``scaled_dot_product_attention``) that the module's forward cal
 function must find the plan of the module it runs in, without being handed it, without
 patching the framework and without a module-level registry of modules. The plan is
 therefore pushed on entry to the hooked forward and popped on exit, onto a stack held in
-a ``contextvars.ContextVar``:
+a ``threading.local``:
 
-- a ContextVar is the standard library's facility for ambient state scoped to a caller
-  (``decimal``'s context works the same way). Its value is per thread and per asyncio
-  task, so the two threads of pipeline comm/compute overlap, each running a different
-  microbatch through hooked modules, never see each other's frames;
+- its value is per thread, so the two threads of pipeline comm/compute overlap, each
+  running a different microbatch through hooked modules, never see each other's frames.
+  Not a ``contextvars.ContextVar`` (per asyncio task too, which nothing here needs):
+  torch.compile's dynamo cannot trace a ContextVar lookup and broke every compiled
+  block's graph at its attention, while it traces the read of a thread-local attribute;
 - the value is an immutable tuple that is replaced, never mutated: nothing accumulates
   across calls and no module is ever referenced after its forward returns;
 - nested hooked modules (an attention inside an attention) see the innermost frame.
-The ContextVar object itself is a constant; it is not a registry.
+The thread-local object itself is a constant; it is not a registry.
 
 A forward that raises skips its post-hook, so its frame would stay and capture the next
 unrelated call of the functional. Each frame therefore remembers the framework's call
@@ -28,8 +29,8 @@ are read or pushed.
 
 from __future__ import annotations
 
-import contextvars
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +38,14 @@ import numpy as np
 
 from hyper_parallel.core.context_parallel.load_balance import shard_positions
 
-#: The frames of the hooked forwards running in this thread/task, innermost last; see
-#: [Note: where the active context lives].
-_FRAMES: contextvars.ContextVar[tuple[Frame, ...]] = contextvars.ContextVar("hyper_parallel_cp_frames", default=())
+class _Frames(threading.local):
+    """The frames of the hooked forwards running in this thread, innermost last; see
+    [Note: where the active context lives]."""
+
+    stack: tuple[Frame, ...] = ()
+
+
+_FRAMES = _Frames()
 
 
 @dataclass(frozen=True)
@@ -130,26 +136,28 @@ def _is_live(frame: Frame) -> bool:
 
 def _live_frames() -> tuple[Frame, ...]:
     """This thread's frames with the dead ones dropped (see the note)."""
-    frames = _FRAMES.get()
+    frames = _FRAMES.stack
+    if not frames:  # the common case, and the one a compiled block traces: no sys._getframe
+        return frames
     live = tuple(f for f in frames if _is_live(f))
     if len(live) != len(frames):
-        _FRAMES.set(live)
+        _FRAMES.stack = live
     return live
 
 
 def current_frame() -> Frame | None:
-    """The innermost running hooked forward of this thread/task, if any."""
+    """The innermost running hooked forward of this thread, if any."""
     frames = _live_frames()
     return frames[-1] if frames else None
 
 
 def push_frame(frame: Frame) -> None:
-    _FRAMES.set(_live_frames() + (frame,))
+    _FRAMES.stack = _live_frames() + (frame,)
 
 
 def pop_frame(frame: Frame) -> None:
     """Remove ``frame`` (the post-hook of its forward)."""
-    _FRAMES.set(tuple(f for f in _FRAMES.get() if f is not frame))
+    _FRAMES.stack = tuple(f for f in _FRAMES.stack if f is not frame)
 
 
 def find_frame(plan: Plan) -> Frame | None:

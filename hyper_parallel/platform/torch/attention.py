@@ -166,12 +166,15 @@ def local(p: Any, q: Any, k: Any, v: Any, is_causal: bool, scale: float | None) 
         return None
     gqa = q.shape[2] != k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    try:
-        choice = torch._fused_sdp_choice(qt, kt, vt, None, 0.0, is_causal, scale=scale, enable_gqa=gqa)
-    except RuntimeError:  # every kernel torch may use is disabled for these inputs (sdpa_kernel)
-        return None
-    if choice == int(torch.nn.attention.SDPBackend.MATH):
-        return None
+    # Traced by torch.compile, the compiler lowers SDPA itself (a fused kernel or its
+    # attention pattern), and the kernel choice, an int, would break the graph.
+    if not torch.compiler.is_compiling():
+        try:
+            choice = torch._fused_sdp_choice(qt, kt, vt, None, 0.0, is_causal, scale=scale, enable_gqa=gqa)
+        except RuntimeError:  # every kernel torch may use is disabled for these inputs (sdpa_kernel)
+            return None
+        if choice == int(torch.nn.attention.SDPBackend.MATH):
+            return None
     out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=is_causal, scale=scale,
                                                            enable_gqa=gqa)
     return out.transpose(1, 2)

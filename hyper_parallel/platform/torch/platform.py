@@ -283,10 +283,15 @@ class TorchPlatform(TorchCollectives, DifferentiableCollectives, Platform):
         # its grad_fn through the packed object, a C++ reference cycle that gc cannot
         # break; a graph branch backward never runs (attention's detached row max) then
         # leaks each step. ``detach`` shares storage and version.
-        # eager: run when a compiled graph saves for backward ([Note: hooks stay eager under torch.compile])
-        hooks = (eager_if_compiling(self._eager_hooks, take), eager_if_compiling(self._eager_hooks, give))
-        return LayeredHooks(SavedTensorLayer(hooks, catch_all), torch.autograd.graph.saved_tensors_hooks,
-                            lambda tensor: tensor.detach())
+        # The layered pack/unpack themselves excluded from tracing, not only the takers they
+        # call: a traced pack breaks its graph at the context-variable lookup and recompiles
+        # per saved tensor until dynamo's limit ([Note: hooks stay eager under torch.compile]).
+        def native(pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> Any:
+            eager = self._eager_hooks
+            return torch.autograd.graph.saved_tensors_hooks(eager_if_compiling(eager, pack),
+                                                            eager_if_compiling(eager, unpack))
+
+        return LayeredHooks(SavedTensorLayer((take, give), catch_all), native, lambda tensor: tensor.detach())
 
     def vjp(self, fn: Callable[..., Any], inputs: Sequence[Any], params: Sequence[Any] = ()) -> tuple[Any, VjpFn]:
         leaves = [x.detach().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
