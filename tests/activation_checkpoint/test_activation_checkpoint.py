@@ -249,6 +249,26 @@ def check_units_inside_checkpointed_blocks() -> None:
     assert_gradients_equal(run(checkpointed=True), run(checkpointed=False), "checkpointed")
 
 
+def check_root_unit_over_checkpointed_blocks() -> None:
+    """One fully_shard unit, the root, over checkpointed blocks: the checkpointed forwards
+    begin inside the unit's forward, so the unit hooks the modules holding its parameters
+    for their recomputation ([Note: recomputation and gathered parameters] in
+    core/fully_shard/hsdp_state); bit for bit against the same unit without checkpointing."""
+    p = get_platform()
+    cfg = tiny_config("/tmp/unused").model
+    mesh = init_device_mesh(p.device_type, (p.world_size(),))
+
+    def run(checkpointed: bool) -> list[list[np.ndarray]]:
+        model = build_model(p, cfg, 0)
+        if checkpointed:
+            for block in model.layers:
+                checkpoint_wrapper(block)
+        fully_shard(model, mesh=mesh)
+        return decoder_gradients(model, sharded=True)
+
+    assert_gradients_equal(run(checkpointed=True), run(checkpointed=False), "checkpointed")
+
+
 def decoder_gradients(model, sharded: bool) -> list[list[np.ndarray]]:
     """``STEPS`` backwards of the train decoder ``model`` on fixed batches of 2 rows per
     rank: this rank's rows when ``sharded``, else the first rank's; the gradients."""
@@ -281,3 +301,7 @@ def assert_gradients_equal(got: list[list[np.ndarray]], want: list[list[np.ndarr
 
 def test_units_inside_checkpointed_blocks(run_on_ranks) -> None:
     run_on_ranks(check_units_inside_checkpointed_blocks, world_size=2, timeout_s=600)
+
+
+def test_root_unit_over_checkpointed_blocks(run_on_ranks) -> None:
+    run_on_ranks(check_root_unit_over_checkpointed_blocks, world_size=2, timeout_s=600)

@@ -82,7 +82,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.policy import check_policy_fn, keep_outputs
-from hyper_parallel.core.activation_checkpoint.region import _EXIT, _PHASE, CheckpointPhase
+from hyper_parallel.core.activation_checkpoint.region import _EXIT, _FORWARDS, _PHASE, CheckpointPhase
 from hyper_parallel.core.module_attrs import FULLY_SHARDED_ATTR
 from hyper_parallel.platform import Capability, get_platform
 
@@ -163,6 +163,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, context_fn: ContextFn | None 
         nonlocal runs
         phase = CheckpointPhase.FORWARD if runs == 0 else CheckpointPhase.RECOMPUTE
         runs += 1
+        if phase is CheckpointPhase.FORWARD:
+            _FORWARDS.set(_FORWARDS.get() + 1)
         token = _PHASE.set(phase)
         exits: list[Callable[[], None]] = []
         exit_token = _EXIT.set(exits if phase is CheckpointPhase.RECOMPUTE else None)

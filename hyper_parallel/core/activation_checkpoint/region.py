@@ -40,6 +40,17 @@ def checkpoint_phase() -> CheckpointPhase | None:
     return _PHASE.get()
 
 
+#: How many checkpointed forwards (``FORWARD`` phases) have begun in this thread/task.
+_FORWARDS: contextvars.ContextVar[int] = contextvars.ContextVar("hyper_parallel_checkpoint_forwards", default=0)
+
+
+def checkpointed_forwards() -> int:
+    """How many checkpointed forwards have begun in this thread so far: code that runs
+    before and after a call (a module's hooks) learns from the difference whether a
+    region ran inside it, so it will be recomputed in the backward."""
+    return _FORWARDS.get()
+
+
 #: The callbacks to run when the innermost recomputation running here ends.
 _EXIT: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
     "hyper_parallel_recompute_exit", default=None)
