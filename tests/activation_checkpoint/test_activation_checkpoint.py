@@ -225,11 +225,15 @@ def test_output_recompute(run_on_ranks) -> None:
     assert run_on_ranks(check_output_recompute, world_size=1) == [want]
 
 
-def check_units_inside_checkpointed_blocks() -> None:
-    """MindFormers' order: every block checkpointed, then fully_shard on the norms inside
-    each block (units inside a checkpointed forward), then on each block and the root;
-    against the same sharding without checkpointing, bit for bit (the same operations on
-    the same values, see the module docstring), over two steps of gradients."""
+def check_units_around_checkpointed_blocks(units: str) -> None:
+    """Every block checkpointed, then sharded against the same sharding without
+    checkpointing, bit for bit (the same operations on the same values, see the module
+    docstring), over two steps of gradients. ``units``: ``"inside"``, MindFormers' order
+    (fully_shard on the norms inside each block, units inside a checkpointed forward, then
+    on each block and the root); ``"root"``, one unit over the checkpointed blocks (the
+    checkpointed forwards begin inside its forward, so it hooks the modules holding its
+    parameters for their recomputation: [Note: recomputation and gathered parameters] in
+    core/fully_shard/hsdp_state)."""
     p = get_platform()
     cfg = tiny_config("/tmp/unused").model
     mesh = init_device_mesh(p.device_type, (p.world_size(),))
@@ -239,30 +243,11 @@ def check_units_inside_checkpointed_blocks() -> None:
         if checkpointed:
             for block in model.layers:
                 checkpoint_wrapper(block)
-        for block in model.layers:
-            fully_shard(block.attention_norm, mesh=mesh)
-            fully_shard(block.ffn_norm, mesh=mesh)
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return decoder_gradients(model, sharded=True)
-
-    assert_gradients_equal(run(checkpointed=True), run(checkpointed=False), "checkpointed")
-
-
-def check_root_unit_over_checkpointed_blocks() -> None:
-    """One fully_shard unit, the root, over checkpointed blocks: the checkpointed forwards
-    begin inside the unit's forward, so the unit hooks the modules holding its parameters
-    for their recomputation ([Note: recomputation and gathered parameters] in
-    core/fully_shard/hsdp_state); bit for bit against the same unit without checkpointing."""
-    p = get_platform()
-    cfg = tiny_config("/tmp/unused").model
-    mesh = init_device_mesh(p.device_type, (p.world_size(),))
-
-    def run(checkpointed: bool) -> list[list[np.ndarray]]:
-        model = build_model(p, cfg, 0)
-        if checkpointed:
+        if units == "inside":
             for block in model.layers:
-                checkpoint_wrapper(block)
+                fully_shard(block.attention_norm, mesh=mesh)
+                fully_shard(block.ffn_norm, mesh=mesh)
+                fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return decoder_gradients(model, sharded=True)
 
@@ -299,9 +284,6 @@ def assert_gradients_equal(got: list[list[np.ndarray]], want: list[list[np.ndarr
             np.testing.assert_array_equal(g, w, err_msg=f"{what}: step {step}, gradient {index}")
 
 
-def test_units_inside_checkpointed_blocks(run_on_ranks) -> None:
-    run_on_ranks(check_units_inside_checkpointed_blocks, world_size=2, timeout_s=600)
-
-
-def test_root_unit_over_checkpointed_blocks(run_on_ranks) -> None:
-    run_on_ranks(check_root_unit_over_checkpointed_blocks, world_size=2, timeout_s=600)
+@pytest.mark.parametrize("units", ["inside", "root"])
+def test_units_around_checkpointed_blocks(run_on_ranks, units: str) -> None:
+    run_on_ranks(check_units_around_checkpointed_blocks, units, world_size=2, timeout_s=600)
