@@ -17,7 +17,7 @@ from hyper_parallel.train.export import moe_biases
 from hyper_parallel.train.hf_config import model_config, read_hf_config
 from hyper_parallel.train.loop import train
 from hyper_parallel.train.model import build_model, parameter_shapes
-from hyper_parallel.train.model_config import MOE_DEFAULTS, PRESETS
+from hyper_parallel.train.model_config import LATER_DEFAULTS, MOE_DEFAULTS, PRESETS
 from hyper_parallel.train.moe_model import balance_step, moe_layers, route, sequence_aux_loss
 from hyper_parallel.train.records import model_record
 from tests.train._moe_ranks import SKEWED_BIAS, check_moe_parity, check_resume_across_expert_parallel_degrees
@@ -191,12 +191,21 @@ def test_flags_build_the_model() -> None:
 
 def test_dense_checkpoint_record_is_unchanged() -> None:
     """A dense model's record has no MoE field (old dense checkpoints still resume); an
-    MoE model's has them all, so a resume with other MoE settings is refused."""
+    MoE model's has them all, so a resume with other MoE settings is refused, except the
+    fields added later (``LATER_DEFAULTS``), which a record has only away from their
+    default (so the checkpoints written before them still resume)."""
     dense = TrainConfig(platform="torch", nproc=1, layout=Layout(), model=PRESETS["tiny"])
-    assert not set(MOE_DEFAULTS) & set(model_record(dense))
+    assert not (set(MOE_DEFAULTS) | set(LATER_DEFAULTS)) & set(model_record(dense))
     moe = dense.replace(model=TINY)
-    assert {key: model_record(moe)[key] for key in MOE_DEFAULTS} == {key: getattr(TINY, key) for key in MOE_DEFAULTS}
-    assert ModelConfig(**model_record(moe)) == TINY
+    record = model_record(moe)
+    assert not set(LATER_DEFAULTS) & set(record)
+    assert {key: record.get(key, LATER_DEFAULTS.get(key)) for key in MOE_DEFAULTS} == \
+        {key: getattr(TINY, key) for key in MOE_DEFAULTS}
+    assert ModelConfig(**record) == TINY
+    later = dataclasses.replace(TINY, moe_norm_topk=False, qk_norm=True, explicit_head_dim=8)
+    record = model_record(moe.replace(model=later))
+    assert (record["moe_norm_topk"], record["qk_norm"], record["explicit_head_dim"]) == (False, True, 8)
+    assert ModelConfig(**record) == later
 
 
 def test_moe_checkpoint_without_biases_and_hf_moe_config_refused(tmp_path: Path) -> None:
@@ -205,8 +214,8 @@ def test_moe_checkpoint_without_biases_and_hf_moe_config_refused(tmp_path: Path)
     with pytest.raises(ValueError, match="holds a mixture-of-experts decoder without its balance biases"):
         moe_biases(tmp_path, manifest, TINY)
     config = tmp_path / "config.json"
-    config.write_text('{"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, '
+    config.write_text('{"model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2, '
                       '"num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 512, "num_experts": 8}')
     # refused where the sizes are derived (test_hf_moe.py: what maps to the job's decoder, what not)
-    with pytest.raises(ValueError, match=r"a mixture-of-experts model of type 'qwen3_moe'.*q_norm/k_norm"):
+    with pytest.raises(ValueError, match=r"a mixture-of-experts model of type 'qwen2_moe'.*sigmoid gate"):
         model_config(read_hf_config(str(config)), 64)
