@@ -398,14 +398,15 @@ def test_qwen3_moe_configs_that_do_not_map_are_refused(tmp_path: Path, changes: 
 
 
 def test_qwen3_moe_trains_with_expert_and_tensor_parallelism(run_on_ranks, tmp_path: Path) -> None:
-    """``--hf-config`` Qwen3-MoE against one process: dp-shard 2 x ep 2, and tp 2 (each rank
+    """``--hf-config`` Qwen3-MoE against one process: dp-shard 2 x ep 2, tp 2 (each rank
     norms its own heads with the replicated q_norm/k_norm, whose gradients are all-reduced
-    over tp: [Note: per-head query/key norms]); first-step gradients of every piece (the
-    norms' included), losses, gradient norms and routing counts (``check_hf_moe_parity``)."""
+    over tp: [Note: per-head query/key norms]) and cp 2 (ring attention: the norms per token);
+    first-step gradients of every piece (the norms' included), losses, gradient norms and
+    routing counts (``check_hf_moe_parity``)."""
     from tests.train._moe_ranks import check_hf_moe_parity
 
     hf_config = write_config(tmp_path / "qwen3", TINY_QWEN3_MOE)
-    for degrees in ({"dp_shard": 2, "ep": 2}, {"tp": 2}):
+    for degrees in ({"dp_shard": 2, "ep": 2}, {"tp": 2}, {"cp": 2, "cp_mode": "ring"}):
         tag = "_".join(f"{k}{v}" for k, v in degrees.items())
         curves = run_on_ranks(check_hf_moe_parity, str(tmp_path / tag), hf_config, degrees, world_size=2,
                               timeout_s=600)
@@ -490,9 +491,10 @@ def test_transformers_qwen3_moe_loads_as_the_job_decoder(tmp_path: Path, changes
                     reason="transformers reads the export; MindSpore runs pipelines on CPU only through its launcher")
 def test_pretrained_qwen3_moe_pipelines_and_exports(run_on_ranks, tmp_path: Path) -> None:
     """A saved ``Qwen3MoeForCausalLM`` trained through ``--hf-config`` on pp 2 (its dense and
-    its MoE block on different stages) against one process (``check_hf_moe_run``); its
-    checkpoint exports as ``Qwen3MoeForCausalLM`` again (``export.moe_state``), whose logits
-    are the job's (``LOGITS_ATOL``)."""
+    its MoE block on different stages) and on tp 2 x fully_shard, each against one process
+    (``check_hf_moe_run``); the tp run's checkpoint (the replicated per-head norms among
+    tp-sharded projections) exports as ``Qwen3MoeForCausalLM`` again (``export.moe_state``),
+    whose logits are the job's (``LOGITS_ATOL``)."""
     pytest.importorskip("transformers")
     import numpy as np
 
@@ -501,10 +503,11 @@ def test_pretrained_qwen3_moe_pipelines_and_exports(run_on_ranks, tmp_path: Path
     from tests.train.test_moe_export import loaded_logits
 
     _saved_qwen3_moe(tmp_path / "qwen3", 3)
-    curves = run_on_ranks(check_hf_moe_run, str(tmp_path), str(tmp_path / "qwen3"), {"pp": 2, "microbatches": 2},
-                          world_size=2, timeout_s=600)
-    assert curves[0] == curves[1]
-    root = tmp_path / "hf_moe_run" / "checkpoints"
+    for tag, degrees, world in (("pp", {"pp": 2, "microbatches": 2}, 2), ("tp", {"tp": 2, "dp_shard": 2}, 4)):
+        curves = run_on_ranks(check_hf_moe_run, str(tmp_path / tag), str(tmp_path / "qwen3"), degrees,
+                              world_size=world, timeout_s=600)
+        assert all(curve == curves[0] for curve in curves)
+    root = tmp_path / "tp" / "hf_moe_run" / "checkpoints"
     export_ok(root, tmp_path / "export")
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert (config["model_type"], config["num_experts"], config["head_dim"], config["norm_topk_prob"],
