@@ -170,11 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "neither")
     moe.add_argument("--moe-aux-loss-coef", type=float, default=None, help="the balance loss's weight (aux-loss)")
     moe.add_argument("--moe-bias-rate", type=float, default=None, help="the bias update speed (aux-free)")
+    moe.add_argument("--moe-norm-topk", action=argparse.BooleanOptionalAction, default=None,
+                     help="renormalise the top-k gates to sum to 1 (the default; --no-moe-norm-topk: the chosen "
+                          "probabilities as they are, Qwen3-MoE's norm_topk_prob false)")
     mod.add_argument("--hf-config", default=None, metavar="PATH",
                      help="train a Hugging Face causal LM instead (torch): its config.json, or a model folder "
                           "(its weights are loaded when the folder has them); vocab_size >= 256 (byte tokens, "
-                          "docs/train.md); replaces --model and the sizes. A Mixtral config trains as the job's "
-                          "own MoE decoder (both frameworks, --ep); other MoE configs are refused")
+                          "docs/train.md); replaces --model and the sizes. A Mixtral or Qwen3-MoE config trains as "
+                          "the job's own MoE decoder (both frameworks, --ep); other MoE configs are refused")
     tr = t.add_argument_group("training")
     tr.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     tr.add_argument("--batch-size", type=int, default=8, help="sequences per step over all data-parallel ranks")

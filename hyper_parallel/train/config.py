@@ -214,7 +214,7 @@ class TrainConfig:
         hf_config: a Hugging Face ``config.json`` or model folder: train that model
             (``train/hf_model.py``) instead of the job's decoder; ``model`` then holds its
             sizes (``hf_config.model_config``). A mixture of experts that the job's MoE
-            decoder computes exactly (Mixtral, ``hf_moe``) trains as that decoder
+            decoder computes exactly (Mixtral, Qwen3-MoE: ``hf_moe``) trains as that decoder
             (``hf_module`` false), on either framework.
         dtype: the compute dtype, ``fp32``, ``bf16`` or ``fp16`` (``precision.DTYPES``; the
             parameters and AdamW's state stay float32, gradients are reduced in float32,
@@ -512,7 +512,7 @@ class TrainConfig:
         object.__setattr__(self, "model_name", f"hf:{source.model_type}")
         if not self.hf_module:  # the job's own decoder: any platform, no transformers
             if source.weights_dir is not None:  # the files' headers, here, before any rank starts
-                PretrainedWeights.open(source.weights_dir, self.model)
+                PretrainedWeights.open(source.weights_dir, self.model, source.model_type)
             return
 
         if self.platform.split("-")[0] != "torch":

@@ -58,7 +58,7 @@ import numpy as np
 
 from hyper_parallel.core.fully_shard import Box
 from hyper_parallel.train import checkpoint
-from hyper_parallel.train.hf_names import hf_name, mixtral_name
+from hyper_parallel.train.hf_names import MOE_TITLES, hf_name, moe_name
 from hyper_parallel.train.model_config import VOCAB_SIZE, ModelConfig
 
 #: ``--format`` values.
@@ -261,49 +261,64 @@ def moe_biases(path: Path, manifest: dict[str, Any], cfg: ModelConfig) -> dict[s
     return {name: np.asarray(arrays[key], np.float32) for name, key in keys.items()}
 
 
-def mixtral_state(path: Path, cfg: ModelConfig, params: dict[str, np.ndarray],
-                  biases: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config.json, {HF name: tensor})`` of the job's MoE decoder as
-    ``MixtralForCausalLM``: Llama's attention, norms and embeddings ([Note: the job's
-    decoder as Hugging Face's Llama]), and in every block Mixtral's sparse MoE: a softmax
-    router whose top-k probabilities, renormalised to sum to 1, weight SwiGLU experts, the
-    job's routing when ``top_k > 1`` ([Note: the job's MoE routing]).
+def moe_state(path: Path, cfg: ModelConfig, params: dict[str, np.ndarray],
+              biases: dict[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``(config.json, {HF name: tensor})`` of the job's MoE decoder as a Hugging Face MoE
+    model: with per-head query/key norms (``qk_norm``) ``Qwen3MoeForCausalLM``, else
+    ``MixtralForCausalLM``. Both: Llama's attention, norms and embeddings ([Note: the job's
+    decoder as Hugging Face's Llama]) and a softmax router whose top-k probabilities weight
+    SwiGLU experts ([Note: the job's MoE routing]); Mixtral renormalises them and has every
+    block MoE, Qwen3-MoE renormalises with ``norm_topk_prob`` and has its MoE blocks every
+    ``decoder_sparse_step``-th ([Note: Qwen3-MoE as the job's MoE decoder] in ``hf_moe``).
 
     Raises:
-        ValueError: a decoder Mixtral cannot hold: dense blocks between MoE blocks
-            (``--moe-every`` > 1), shared experts, top-1 routing (Mixtral's single gate is
-            1, the job's the probability), or non-zero aux-free balance biases (Mixtral
-            routes by the probabilities alone).
+        ValueError: a decoder the format cannot hold: shared experts, non-zero aux-free
+            balance biases (the HF routers route by the probabilities alone); for Mixtral
+            also dense blocks between MoE blocks (``--moe-every`` > 1), top-1 routing
+            (Mixtral's single gate is 1, the job's the probability) and gates that are not
+            renormalised (``--no-moe-norm-topk``).
     """
+    kind = "qwen3_moe" if cfg.qk_norm else "mixtral"
     problems = []
-    if cfg.moe_every != 1:
+    if kind == "mixtral" and cfg.moe_every != 1:
         problems.append(f"--moe-every {cfg.moe_every} leaves dense blocks between the MoE ones (Mixtral's are all "
                         "MoE; train with --moe-every 1)")
     if cfg.moe_shared_experts:
-        problems.append(f"--moe-shared-experts {cfg.moe_shared_experts} (Mixtral has no shared expert; train "
-                        "with --moe-shared-experts 0)")
-    if cfg.moe_top_k == 1:
+        problems.append(f"--moe-shared-experts {cfg.moe_shared_experts} ({MOE_TITLES[kind]} has no shared expert; "
+                        "train with --moe-shared-experts 0)")
+    if kind == "mixtral" and cfg.moe_top_k == 1:
         problems.append("--moe-top-k 1 weights each token's expert by its probability, Mixtral by 1 (train "
                         "with --moe-top-k 2 or more)")
+    if kind == "mixtral" and cfg.moe_top_k > 1 and not cfg.moe_norm_topk:
+        problems.append("--no-moe-norm-topk leaves the top-k gates as they are, Mixtral renormalises them (train "
+                        "with --moe-norm-topk)")
     moved = [name for name, bias in biases.items() if np.any(bias)]
     if moved:
         problems.append(f"the aux-free balance biases of {len(moved)} block(s) ({moved[0]}, ...) are not zero and "
-                        "choose the experts, which Mixtral's router cannot (train with --moe-balance aux-loss)")
+                        f"choose the experts, which {MOE_TITLES[kind]}'s router cannot (train with --moe-balance "
+                        "aux-loss)")
     if problems:
-        raise ValueError(f"checkpoint {str(path)!r} holds a mixture-of-experts decoder that Hugging Face's Mixtral "
-                         f"format cannot hold: {'; '.join(problems)}. hyper-parallel generate and eval read it as "
-                         "it is")
+        raise ValueError(f"checkpoint {str(path)!r} holds a mixture-of-experts decoder that Hugging Face's "
+                         f"{MOE_TITLES[kind]} format cannot hold: {'; '.join(problems)}. hyper-parallel generate and "
+                         "eval read it as it is")
     config = llama_config(cfg)
-    config.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                   "intermediate_size": cfg.expert_hidden_dim, "num_local_experts": cfg.moe_experts,
-                   "num_experts_per_tok": cfg.moe_top_k, "output_router_logits": False,
-                   "router_aux_loss_coef": cfg.moe_aux_loss_coef, "router_jitter_noise": 0.0,
-                   "sliding_window": None})
-    for key in ("mlp_bias", "attention_bias"):
-        config.pop(key)
+    common = {"num_experts_per_tok": cfg.moe_top_k, "output_router_logits": False,
+              "router_aux_loss_coef": cfg.moe_aux_loss_coef, "sliding_window": None}
+    if kind == "mixtral":
+        config.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
+                       "intermediate_size": cfg.expert_hidden_dim, "num_local_experts": cfg.moe_experts,
+                       "router_jitter_noise": 0.0})
+        config.pop("attention_bias")
+    else:
+        config.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common,
+                       "intermediate_size": cfg.hidden_dim, "moe_intermediate_size": cfg.expert_hidden_dim,
+                       "num_experts": cfg.moe_experts, "decoder_sparse_step": cfg.moe_every, "mlp_only_layers": [],
+                       # the job's top-1 gate is the probability: not renormalised
+                       "norm_topk_prob": cfg.moe_norm_topk and cfg.moe_top_k > 1, "use_sliding_window": False})
+    config.pop("mlp_bias")
     tensors: dict[str, np.ndarray] = {}
     for name, value in params.items():
-        target = mixtral_name(name)
+        target = moe_name(name, kind)
         if "{e}" in target:
             tensors.update({target.replace("{e}", str(e)): value[e] for e in range(value.shape[0])})
         else:
@@ -313,18 +328,24 @@ def mixtral_state(path: Path, cfg: ModelConfig, params: dict[str, np.ndarray],
 
 def hf_state(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """``(config.json, {HF name: whole tensor})`` of the checkpoint: the job's decoder as
-    ``LlamaForCausalLM`` (its MoE decoder as ``MixtralForCausalLM``: ``mixtral_state``), or
+    ``LlamaForCausalLM`` (its MoE decoder as ``MixtralForCausalLM`` or ``Qwen3MoeForCausalLM``:
+    ``moe_state``), or
     an ``--hf-config`` run's model under its own names and configuration.
 
     Raises:
-        ValueError: see ``decoder_state``, ``moe_biases`` and ``mixtral_state``.
+        ValueError: see ``decoder_state``, ``moe_biases`` and ``moe_state``; a dense decoder with
+            ``qk_norm``.
     """
     record = manifest.get("model") or {}
     if "hf_config" in record:
         return record["hf_config"], whole_parameters(path, manifest)
     cfg, params = decoder_state(path, manifest)
     if cfg.moe_experts:
-        return mixtral_state(path, cfg, params, moe_biases(path, manifest, cfg))
+        return moe_state(path, cfg, params, moe_biases(path, manifest, cfg))
+    if cfg.qk_norm:
+        raise ValueError(f"checkpoint {str(path)!r} holds a dense decoder with per-head query/key norms (qk_norm), "
+                         "which Hugging Face's Llama does not compute and this version exports to no other format; "
+                         "hyper-parallel generate and eval read it as it is")
     return llama_config(cfg), {hf_name(name): value for name, value in params.items()}
 
 

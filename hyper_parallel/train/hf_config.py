@@ -9,7 +9,7 @@ no targets, and a pretrained tokenizer's meaning of ids 0-255 is not used: to ev
 result, tokenize text as its UTF-8 bytes). A smaller vocabulary is refused.
 
 A mixture-of-experts configuration (``MOE_CONFIG_KEYS``) is not a ``transformers`` model in
-the job: the ones the job's own MoE decoder computes exactly (Mixtral) become that decoder's
+the job: the ones the job's own MoE decoder computes exactly (Mixtral, Qwen3-MoE) become that decoder's
 ``ModelConfig``, the others are refused by name (``hf_moe``).
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.train.hf_moe import moe_model_config
+from hyper_parallel.train.hf_moe import MAPPED_DEFAULTS, moe_model_config
 from hyper_parallel.train.model_config import VOCAB_SIZE, ModelConfig
 
 #: Files whose presence in an ``--hf-config`` folder means "load these weights".
@@ -52,10 +52,10 @@ class HFSource:
 
     @property
     def is_moe(self) -> bool:
-        """A mixture-of-experts configuration (``MOE_CONFIG_KEYS``, or ``model_type`` mixtral,
-        whose expert count may be left at its default): trained as the job's own MoE decoder
+        """A mixture-of-experts configuration (``MOE_CONFIG_KEYS``, or ``model_type`` mixtral or
+        qwen3_moe, whose expert count may be left at its default): trained as the job's own MoE decoder
         where it maps, refused otherwise (``hf_moe.moe_model_config``)."""
-        return self.model_type == "mixtral" or any(self.values.get(key) for key in MOE_CONFIG_KEYS)
+        return self.model_type in MAPPED_DEFAULTS or any(self.values.get(key) for key in MOE_CONFIG_KEYS)
 
 
 #: ``config.json`` keys that make a model a mixture of experts (Mixtral, Qwen2/3-MoE,

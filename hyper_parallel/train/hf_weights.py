@@ -1,6 +1,6 @@
-"""The weights of an MoE ``--hf-config`` folder (a Mixtral, ``hf_moe``) as the initial values
-of the job's decoder: the inverse of ``export.mixtral_state``, under its one name mapping
-(``hf_names.mixtral_name``), read piece by piece from ``safetensors`` files with numpy, so on
+"""The weights of an MoE ``--hf-config`` folder (a Mixtral or a Qwen3-MoE, ``hf_moe``) as the
+initial values of the job's decoder: the inverse of ``export.moe_state``, under its one name
+mapping (``hf_names.moe_name``), read piece by piece from ``safetensors`` files with numpy, so on
 both frameworks and with no torch.
 
 Each rank reads only its pieces: ``PretrainedWeights.piece`` is the job's source of initial
@@ -8,8 +8,8 @@ values (``model.PieceSource``) in place of the seed's draw ([Note: the job's ini
 weights]), given each parameter's box (``local_boxes``: a fully_shard chunk inside a
 tensor-parallel chunk, or ``experts / ep`` whole experts), through the same paths as the
 draw (``materialize_model`` on the meta device, ``initial_pieces`` on the host). The job
-stacks the experts on dim 0; Mixtral stores one tensor per expert, so a box of the stacked
-tensor reads the experts of its dim-0 range, each at the box's other dims.
+stacks the experts on dim 0; Mixtral and Qwen3-MoE store one tensor per expert, so a box of
+the stacked tensor reads the experts of its dim-0 range, each at the box's other dims.
 
 Files: ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
 (``weight_map``). Values float32, float16 or bfloat16, widened to float32 exactly (the job
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyper_parallel.train.hf_names import mixtral_name
+from hyper_parallel.train.hf_names import MOE_TITLES, moe_name
 from hyper_parallel.train.hf_config import read_hf_config
 from hyper_parallel.train.model import PieceSource, parameter_shapes
 from hyper_parallel.train.model_config import ModelConfig
@@ -76,19 +76,20 @@ def _read(entry: TensorEntry, name: str, starts: Sequence[int], lengths: Sequenc
 
 class PretrainedWeights:
     """The safetensors weights of an ``--hf-config`` folder, checked against the job's
-    decoder ``cfg``: every parameter present under its Mixtral name with its shape, nothing
-    else (a tensor without a place would be a model other than the config says).
+    decoder ``cfg``: every parameter present under its name in ``model_type``'s files
+    (``hf_names.moe_name``) with its shape, nothing else (a tensor without a place would be
+    a model other than the config says).
 
     Raises (``open``):
         ValueError: no safetensors weights (``pytorch_model.bin`` only), a tensor missing,
             of another shape or dtype, or one the decoder has no place for.
     """
 
-    def __init__(self, folder: Path, cfg: ModelConfig, entries: dict[str, TensorEntry]) -> None:
-        self.folder, self.cfg, self.entries = folder, cfg, entries
+    def __init__(self, folder: Path, cfg: ModelConfig, model_type: str, entries: dict[str, TensorEntry]) -> None:
+        self.folder, self.cfg, self.model_type, self.entries = folder, cfg, model_type, entries
 
     @classmethod
-    def open(cls, folder: Path, cfg: ModelConfig) -> PretrainedWeights:
+    def open(cls, folder: Path, cfg: ModelConfig, model_type: str) -> PretrainedWeights:
         where = f"--hf-config={str(folder)!r}"
         index = folder / "model.safetensors.index.json"
         if index.is_file():
@@ -104,7 +105,7 @@ class PretrainedWeights:
             entries.update(_header(file))
         problems, wanted = [], set()
         for name, shape in parameter_shapes(cfg).items():
-            target = mixtral_name(name)
+            target = moe_name(name, model_type)
             per_expert = "{e}" in target
             for hf in ([target.replace("{e}", str(e)) for e in range(shape[0])] if per_expert else [target]):
                 wanted.add(hf)
@@ -121,15 +122,15 @@ class PretrainedWeights:
         problems += [f"{name} has no place in the decoder the config describes" for name in extra]
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            raise ValueError(f"{where}: the weights are not the Mixtral its config.json describes: "
+            raise ValueError(f"{where}: the weights are not the {MOE_TITLES[model_type]} its config.json describes: "
                              f"{'; '.join(problems[:3])}{more}; give the config that was saved with them")
-        return cls(folder, cfg, entries)
+        return cls(folder, cfg, model_type, entries)
 
     def piece(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> np.ndarray:
         """The box ``starts .. starts + lengths`` of the job's parameter ``name``: float32
         ``[*lengths]``, read from the files (only that box, and for the stacked experts
         only the experts of its dim-0 range)."""
-        target = mixtral_name(name)
+        target = moe_name(name, self.model_type)
         if "{e}" not in target:
             return _read(self.entries[target], target, starts, lengths)
         experts = range(starts[0], starts[0] + lengths[0])
@@ -146,4 +147,6 @@ def pretrained_source(hf_config: str | None, model: ModelConfig) -> PieceSource 
     if hf_config is None:
         return None
     source = read_hf_config(hf_config)
-    return None if source.weights_dir is None else PretrainedWeights.open(source.weights_dir, model).piece
+    if source.weights_dir is None:
+        return None
+    return PretrainedWeights.open(source.weights_dir, model, source.model_type).piece

@@ -10,11 +10,25 @@ Architecture (Touvron et al., *LLaMA*, 2023; Ainslie et al., *GQA*, 2023): token
 Sennrich, 2019); rotary position embeddings (Su et al., *RoFormer*, 2021) in the
 rotate-half form; a final RMSNorm and an output head (or the embedding, tied).
 
+[Note: per-head query/key norms]
+With ``ModelConfig.qk_norm`` (Qwen3, Qwen3-MoE) each head's queries and keys ``[batch, seq,
+heads, head_dim]`` are RMS-normalised over ``head_dim`` (``q_norm``, ``k_norm``: RMSNorm
+weights ``[head_dim]``, epsilon ``norm_eps``, in float32 like the other norms) after the
+projections and before the rotary embedding: ``transformers``' ``Qwen3MoeAttention``
+order. They are norms (initial value 1, no draw: the other parameters' initial values
+are unchanged). Under tensor parallelism each rank holds ``heads / tp`` whole heads and
+the same whole ``[head_dim]`` weights; the weights' gradient on a rank sums over its own
+heads only, so ``TP_PLAN`` places them as a sequence-parallel norm's (``SequenceParallel``:
+``Replicate`` parameters whose gradient is all-reduced over ``tp``; the heads play the
+sequence's part). Context parallelism and pipelines see no difference: the norm is per
+token and per head.
+
 Parameter names (both frameworks)::
 
     tok_embeddings.weight                       [vocab, dim]
     layers.{i}.attention_norm.weight            [dim]
     layers.{i}.attention.w{q,k,v,o}.weight      [heads*head_dim | kv_heads*head_dim | dim, ...]
+    layers.{i}.attention.{q,k}_norm.weight      [head_dim]     (with ``qk_norm``: Qwen3's per-head norms)
     layers.{i}.ffn_norm.weight                  [dim]
     layers.{i}.feed_forward.w{1,3}.weight       [hidden, dim]
     layers.{i}.feed_forward.w2.weight           [dim, hidden]
@@ -63,6 +77,9 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[pre + "attention.wk.weight"] = (cfg.n_kv_heads * hd, cfg.dim)
         shapes[pre + "attention.wv.weight"] = (cfg.n_kv_heads * hd, cfg.dim)
         shapes[pre + "attention.wo.weight"] = (cfg.dim, cfg.n_heads * hd)
+        if cfg.qk_norm:
+            shapes[pre + "attention.q_norm.weight"] = (hd,)
+            shapes[pre + "attention.k_norm.weight"] = (hd,)
         shapes[pre + "ffn_norm.weight"] = (cfg.dim,)
         if cfg.is_moe_block(i):
             shapes.update(moe_parameter_shapes(cfg, pre))
@@ -294,10 +311,13 @@ class _Classes:
         float32 = p.dtype("float32")
 
         class RMSNorm(Module):
-            def __init__(self, cfg: ModelConfig) -> None:
+            """RMSNorm over the last dim, ``width`` features (``cfg.dim``; ``head_dim`` for
+            the per-head query/key norms)."""
+
+            def __init__(self, cfg: ModelConfig, width: int | None = None) -> None:
                 super().__init__()
                 self.eps = cfg.norm_eps
-                self.weight = p.make_parameter(p.full((cfg.dim,), 1.0, float32))
+                self.weight = p.make_parameter(p.full((width or cfg.dim,), 1.0, float32))
 
             def forward(self, x: Any) -> Any:
                 # normalized in float32 whatever x's dtype (--dtype bf16/fp16: 1/rms of a
@@ -333,13 +353,19 @@ class _Classes:
                 self.wk = Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
                 self.wv = Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
                 self.wo = Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+                self.qk_norm = cfg.qk_norm
+                if cfg.qk_norm:  # then q_norm, k_norm: [head_dim] each, Qwen3's order
+                    self.q_norm = RMSNorm(cfg, hd)
+                    self.k_norm = RMSNorm(cfg, hd)
                 # the core attention is its own (parameter-free) module so that ContextParallel can hook it
                 self.core = CoreAttention()
 
             def forward(self, x: Any, cos: Any, sin: Any, cache: LayerCache | None = None) -> Any:
                 b, s, hd = x.shape[0], x.shape[1], self.head_dim
-                q = _apply_rope(p, self.wq(x).reshape(b, s, -1, hd), cos, sin)
-                k = _apply_rope(p, self.wk(x).reshape(b, s, -1, hd), cos, sin)
+                q, k = self.wq(x).reshape(b, s, -1, hd), self.wk(x).reshape(b, s, -1, hd)
+                if self.qk_norm:  # [Note: per-head query/key norms]
+                    q, k = self.q_norm(q), self.k_norm(k)
+                q, k = _apply_rope(p, q, cos, sin), _apply_rope(p, k, cos, sin)
                 v = self.wv(x).reshape(b, s, -1, hd)
                 if cache is None:
                     return self.wo(self.core(q, k, v).reshape(b, s, -1))

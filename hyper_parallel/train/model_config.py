@@ -37,6 +37,13 @@ class ModelConfig:
         tie_embeddings: the output head reuses the token embedding matrix.
         rope_theta: rotary base frequency.
         norm_eps: RMSNorm epsilon.
+        explicit_head_dim: each attention head's width where it is not ``dim / n_heads``
+            (Qwen3-30B-A3B: dim 2048, 32 heads of 128); 0: ``dim / n_heads``. The
+            projections are ``wq`` ``[n_heads * head_dim, dim]``, ``wk``/``wv``
+            ``[n_kv_heads * head_dim, dim]``, ``wo`` ``[dim, n_heads * head_dim]``.
+        qk_norm: each head's queries and keys are RMS-normalised over ``head_dim``
+            (weights ``[head_dim]``, ``norm_eps``) before the rotary embedding, as
+            Qwen3's ``q_norm``/``k_norm`` (``model.py``).
         moe_experts: routed experts of each mixture-of-experts block (0: a dense decoder;
             ``train/moe_model.py``).
         moe_top_k: routed experts per token, ``1 <= moe_top_k <= moe_experts``.
@@ -46,6 +53,10 @@ class ModelConfig:
         moe_every: every ``moe_every``-th block (blocks ``moe_every - 1``,
             ``2 * moe_every - 1``, ...) is a mixture of experts, the others dense.
         moe_hidden_dim: each expert's SwiGLU inner width (0: ``hidden_dim``).
+        moe_norm_topk: with ``moe_top_k > 1`` the chosen experts' gates are renormalised
+            to sum to 1 (Mixtral, DeepSeek-V3); false: the chosen probabilities as they are
+            (Qwen3-MoE's ``norm_topk_prob: false``). Top-1 is never renormalised ([Note: the
+            job's MoE routing]).
         moe_balance: ``MOE_BALANCES``.
         moe_aux_loss_coef: the auxiliary loss's weight (``aux-loss`` only).
         moe_bias_rate: the bias update speed gamma of ``aux-free`` (DeepSeek-V3: 0.001).
@@ -61,11 +72,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     vocab_size: int = VOCAB_SIZE
+    explicit_head_dim: int = 0
+    qk_norm: bool = False
     moe_experts: int = 0
     moe_top_k: int = 2
     moe_shared_experts: int = 0
     moe_every: int = 1
     moe_hidden_dim: int = 0
+    moe_norm_topk: bool = True
     moe_balance: str = "aux-free"
     moe_aux_loss_coef: float = 0.01
     moe_bias_rate: float = 0.001
@@ -75,12 +89,19 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model: {name}={value!r} must be a positive integer")
-        if self.dim % self.n_heads:
+        explicit = self.explicit_head_dim
+        if not isinstance(explicit, int) or isinstance(explicit, bool) or explicit < 0:
+            raise ValueError(f"model: explicit_head_dim={explicit!r} must be an integer >= 0 (0: dim / n_heads)")
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"model: qk_norm={self.qk_norm!r} must be true or false")
+        if not explicit and self.dim % self.n_heads:
             raise ValueError(f"model: dim={self.dim} must be divisible by n_heads={self.n_heads} "
-                             f"(head_dim = dim / n_heads); pick dim as a multiple of {self.n_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"model: head_dim={self.dim // self.n_heads} (dim / n_heads) must be even for rotary "
-                             "embeddings, which rotate pairs of features; change dim or n_heads")
+                             f"(head_dim = dim / n_heads); pick dim as a multiple of {self.n_heads}, or give "
+                             "explicit_head_dim")
+        if self.head_dim % 2:
+            what = "explicit_head_dim" if explicit else "dim / n_heads"
+            raise ValueError(f"model: head_dim={self.head_dim} ({what}) must be even for rotary embeddings, which "
+                             "rotate pairs of features; change dim, n_heads or explicit_head_dim")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model: n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads} "
                              "(each key/value head serves n_heads / n_kv_heads query heads)")
@@ -92,6 +113,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"--{name.replace('_', '-')}={value!r} must be an integer >= 0")
+        if not isinstance(self.moe_norm_topk, bool):
+            raise ValueError(f"--moe-norm-topk={self.moe_norm_topk!r} must be true or false")
         if not self.moe_experts:
             changed = [name for name, default in MOE_DEFAULTS.items() if getattr(self, name) != default]
             if changed:
@@ -119,7 +142,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Each attention head's width: ``explicit_head_dim``, or ``dim / n_heads``."""
+        return self.explicit_head_dim or self.dim // self.n_heads
 
     @property
     def expert_hidden_dim(self) -> int:
@@ -136,6 +160,11 @@ class ModelConfig:
 #: so the checkpoints of dense runs written before MoE existed still resume.
 MOE_DEFAULTS: dict[str, object] = {f.name: f.default for f in dataclasses.fields(ModelConfig)
                                    if f.name.startswith("moe_")}
+
+#: Fields added after checkpoints first recorded models (``records.model_record``), with the
+#: value that means "as before": a record leaves such a field out at that value, so the
+#: checkpoints written before it existed still resume and export.
+LATER_DEFAULTS: dict[str, object] = {"explicit_head_dim": 0, "qk_norm": False, "moe_norm_topk": True}
 
 #: ``--model`` presets. ``tiny`` is for tests (a few seconds per step on CPU); ``small`` is
 #: the default job (about 0.8 M parameters, learns byte-level Python in minutes on CPU).

@@ -16,9 +16,11 @@ Each token ``x`` ``[tokens, dim]`` gets router probabilities ``softmax(x W_r^T)`
 float32 ``[experts]``: zero with ``aux-loss`` and ``none``, DeepSeek-V3's balance bias with
 ``aux-free``; it steers the choice only, never the gates), chosen on the host by numpy's
 stable argsort (ties go to the lower expert index, on both frameworks alike). The gates are
-the chosen probabilities, renormalized to sum to 1 when ``top_k > 1`` (Mixtral, Qwen3-MoE,
-DeepSeek-V3; with ``top_k = 1`` Switch's unnormalized probability, so the router keeps a
-gradient). The token's output is ``sum_j gate_j * expert_j(x) + shared(x)``, each expert a
+the chosen probabilities, renormalized to sum to 1 when ``top_k > 1`` (Mixtral, DeepSeek-V3,
+Qwen3-MoE's ``norm_topk_prob: true``; with ``top_k = 1`` Switch's unnormalized probability,
+so the router keeps a gradient), or left as they are with ``moe_norm_topk`` false
+(Qwen3-MoE's default ``norm_topk_prob: false``: the gradient reaches the router through
+the chosen probabilities alone). The token's output is ``sum_j gate_j * expert_j(x) + shared(x)``, each expert a
 SwiGLU. Routing is dropless: every (token, slot) row reaches its expert, whatever the
 load (no capacity factor); the step's metrics count the rows routed against the rows
 expected, so a dropped row would show. The routing decisions are integers on the host
@@ -110,18 +112,20 @@ class RoutingCounts:
         self.rows, self.aux_loss, self.forwards = 0, 0.0, 0
 
 
-def route(p: Platform, logits: Any, top_k: int, bias: np.ndarray) -> tuple[Any, np.ndarray, Any]:
+def route(p: Platform, logits: Any, top_k: int, bias: np.ndarray,
+          renormalize: bool = True) -> tuple[Any, np.ndarray, Any]:
     """``(probs, chosen, gates)`` of router ``logits`` ``[tokens, experts]``: float32 softmax
     probabilities ``[tokens, experts]`` (differentiable), the chosen experts int64 ``[tokens,
     top_k]`` (host) and their gates ``[tokens, top_k]`` float32 (differentiable), by
-    [Note: the job's MoE routing]."""
+    [Note: the job's MoE routing]; ``renormalize`` (``ModelConfig.moe_norm_topk``): the
+    gates of ``top_k > 1`` sum to 1."""
     probs = p.softmax(logits.float(), -1)  # the framework's fused softmax
     scores = p.to_numpy(p.detach(probs)) + bias[None, :]
     chosen = np.argsort(-scores, axis=1, kind="stable")[:, :top_k].astype(np.int64)
     eye = np.eye(scores.shape[1], dtype=np.float32)
     # one-hot products pick each slot's probability with a gradient on both frameworks
     gates = stack([(probs * p.from_numpy(eye[chosen[:, j]])).sum(-1) for j in range(top_k)], 1)
-    if top_k > 1:
+    if top_k > 1 and renormalize:
         gates = gates / gates.sum(-1).unsqueeze(-1)
     return probs, chosen, gates
 
@@ -232,7 +236,7 @@ def define_moe(p: Platform) -> type:
         def __init__(self, cfg: ModelConfig) -> None:
             super().__init__()
             self.num_experts, self.top_k, self.balance = cfg.moe_experts, cfg.moe_top_k, cfg.moe_balance
-            self.aux_coef = cfg.moe_aux_loss_coef
+            self.aux_coef, self.renormalize = cfg.moe_aux_loss_coef, cfg.moe_norm_topk
             # in parameter order: router, experts, shared expert
             self.router = Linear(cfg.dim, cfg.moe_experts, bias=False)
             self.experts = Experts(cfg)
@@ -254,7 +258,7 @@ def define_moe(p: Platform) -> type:
         def forward(self, x: Any) -> Any:
             b, s, d = x.shape[0], x.shape[1], x.shape[2]
             flat = x.reshape(-1, d)
-            probs, chosen, gates = route(p, self.router(flat), self.top_k, self.expert_bias)
+            probs, chosen, gates = route(p, self.router(flat), self.top_k, self.expert_bias, self.renormalize)
             plan = routing_plan(p, chosen, p.to_dtype(gates, x.dtype), self.num_experts)
             self.aux_loss = None
             if self.balance == "aux-loss":

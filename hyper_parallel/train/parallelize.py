@@ -38,7 +38,8 @@ from hyper_parallel.core.context_parallel import ContextParallel
 from hyper_parallel.core.dtensor import DeviceMesh, Shard, distribute_parameter, init_device_mesh
 from hyper_parallel.core.expert_parallel import MoE as ExpertParallelMoE
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
-from hyper_parallel.core.tensor_parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hyper_parallel.core.tensor_parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                 parallelize_module)
 from hyper_parallel.platform import Platform, get_platform
 from hyper_parallel.train.config import Layout
 from hyper_parallel.train.moe_model import moe_layers
@@ -52,9 +53,13 @@ from hyper_parallel.train.precision import apply_mixed_precision
 #: experts stay replicated over ``tp`` (each TP rank routes the same whole tokens and runs
 #: every expert on them: the experts' gradients are the same on every TP rank, with no
 #: collective), and fully_shard shards them over the data-parallel ranks like the rest.
+#: The per-head query/key norms (``--hf-config`` of a Qwen3-MoE) are replicated and norm
+#: each rank's own heads: their gradients are all-reduced over ``tp``, as a
+#: sequence-parallel norm's ([Note: per-head query/key norms] in ``model.py``).
 TP_PLAN = {
     "layers.*.attention.w[qkv]": ColwiseParallel(),
     "layers.*.attention.wo": RowwiseParallel(),
+    "layers.*.attention.[qk]_norm": SequenceParallel(),
     "layers.*.feed_forward.w[13]": ColwiseParallel(),
     "layers.*.feed_forward.w2": RowwiseParallel(),
     "layers.*.moe.shared_expert.w[13]": ColwiseParallel(),

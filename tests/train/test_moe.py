@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from hyper_parallel.train.export import moe_biases
 from hyper_parallel.train.hf_config import model_config, read_hf_config
 from hyper_parallel.train.loop import train
 from hyper_parallel.train.model import build_model, parameter_shapes
-from hyper_parallel.train.model_config import MOE_DEFAULTS, PRESETS
+from hyper_parallel.train.model_config import LATER_DEFAULTS, MOE_DEFAULTS, PRESETS
 from hyper_parallel.train.moe_model import balance_step, moe_layers, route, sequence_aux_loss
 from hyper_parallel.train.records import model_record
 from tests.train._moe_ranks import SKEWED_BIAS, check_moe_parity, check_resume_across_expert_parallel_degrees
@@ -81,6 +82,43 @@ def test_block_structure_and_names() -> None:
     assert parameter_shapes(TINY)["layers.1.moe.experts.w1"] == (4, 32, 32)
     assert parameter_shapes(TINY)["layers.1.moe.shared_expert.w2.weight"] == (32, 32)
     assert [name for name, _ in moe_layers(p, model)] == ["layers.1.moe"]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gates_and_their_router_gradient(renormalize: bool) -> None:
+    """``route``'s gates are the chosen probabilities, renormalised to sum to 1 or
+    (``moe_norm_topk`` false: Qwen3-MoE's ``norm_topk_prob: false``) as they are, and the
+    router logits' gradient of ``sum(gates * c)`` is the analytic one of that function of the
+    softmax (``p_k (c_k - sum_j p_j c_j)`` with ``c`` the weights on the chosen experts,
+    ``c_k / s - g . c / s`` renormalised, ``s`` the chosen probabilities' sum). 1e-5: the
+    framework's fused float32 softmax against numpy's float32 ``exp`` and sum, a few ulps
+    apart (MindSpore's measured 1.4e-6 relative)."""
+    p = get_platform()
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(16, 5)).astype(np.float32)
+    weights = rng.normal(size=(16, 2)).astype(np.float32)
+
+    def forward(x: Any) -> Any:
+        _, chosen, gates = route(p, x, 2, np.zeros(5, np.float32), renormalize)
+        forward.chosen = chosen
+        return (gates * p.from_numpy(weights)).sum().reshape(1)
+
+    _, backward = p.vjp(forward, [p.from_numpy(logits)])
+    (grad,), _ = backward([p.from_numpy(np.ones(1, np.float32))])
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = forward.chosen
+    picked = np.take_along_axis(probs, chosen, 1)
+    total = picked.sum(-1, keepdims=True)
+    gates = picked / total if renormalize else picked
+    _, _, got = route(p, p.from_numpy(logits), 2, np.zeros(5, np.float32), renormalize)
+    np.testing.assert_allclose(p.to_numpy(got), gates, rtol=1e-5)
+    # d(sum_j c_j q_j)/dq for the chosen q = p[chosen]: c (as they are) or c / s - (g . c) / s (renormalised)
+    dq = weights / total - (gates * weights).sum(-1, keepdims=True) / total if renormalize else weights
+    upstream = np.zeros_like(probs)
+    np.put_along_axis(upstream, chosen, dq, 1)
+    expected = probs * (upstream - (upstream * probs).sum(-1, keepdims=True))  # the softmax's backward
+    np.testing.assert_allclose(p.to_numpy(grad), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_routing_is_dropless_and_the_bias_steers_the_choice() -> None:
@@ -161,6 +199,7 @@ def _args(*flags: str) -> TrainConfig:
     (["--moe-top-k", "3"], "--moe-top-k=3 configure mixture-of-experts blocks, but --moe-experts is 0"),
     (["--model", "moe-tiny", "--moe-top-k", "5"], "--moe-top-k=5 must be in [1, --moe-experts=4]"),
     (["--model", "moe-tiny", "--moe-every", "3"], "--moe-every=3 must be in [1, n_layers=2]"),
+    (["--no-moe-norm-topk"], "--moe-norm-topk=False configure mixture-of-experts blocks, but --moe-experts is 0"),
     (["--model", "moe-tiny", "--moe-experts", "1"], "--moe-experts=1 must be 0 (dense) or at least 2"),
     (["--model", "moe-tiny", "--moe-bias-rate", "-1"], "--moe-bias-rate=-1.0 must be a finite number >= 0"),
     (["--model", "moe-tiny", "--cp", "2", "--nproc", "2", "--moe-balance", "aux-loss"],
@@ -187,16 +226,26 @@ def test_flags_build_the_model() -> None:
     m = cfg.model
     assert (m.moe_experts, m.moe_top_k, m.moe_shared_experts, m.moe_every, m.moe_balance) == (8, 1, 2, 2, "aux-loss")
     assert [m.is_moe_block(i) for i in range(m.n_layers)] == [False, True]
+    assert m.moe_norm_topk and not _args("--model", "moe-tiny", "--no-moe-norm-topk").model.moe_norm_topk
 
 
 def test_dense_checkpoint_record_is_unchanged() -> None:
     """A dense model's record has no MoE field (old dense checkpoints still resume); an
-    MoE model's has them all, so a resume with other MoE settings is refused."""
+    MoE model's has them all, so a resume with other MoE settings is refused, except the
+    fields added later (``LATER_DEFAULTS``), which a record has only away from their
+    default (so the checkpoints written before them still resume)."""
     dense = TrainConfig(platform="torch", nproc=1, layout=Layout(), model=PRESETS["tiny"])
-    assert not set(MOE_DEFAULTS) & set(model_record(dense))
+    assert not (set(MOE_DEFAULTS) | set(LATER_DEFAULTS)) & set(model_record(dense))
     moe = dense.replace(model=TINY)
-    assert {key: model_record(moe)[key] for key in MOE_DEFAULTS} == {key: getattr(TINY, key) for key in MOE_DEFAULTS}
-    assert ModelConfig(**model_record(moe)) == TINY
+    record = model_record(moe)
+    assert not set(LATER_DEFAULTS) & set(record)
+    assert {key: record.get(key, LATER_DEFAULTS.get(key)) for key in MOE_DEFAULTS} == \
+        {key: getattr(TINY, key) for key in MOE_DEFAULTS}
+    assert ModelConfig(**record) == TINY
+    later = dataclasses.replace(TINY, moe_norm_topk=False, qk_norm=True, explicit_head_dim=8)
+    record = model_record(moe.replace(model=later))
+    assert (record["moe_norm_topk"], record["qk_norm"], record["explicit_head_dim"]) == (False, True, 8)
+    assert ModelConfig(**record) == later
 
 
 def test_moe_checkpoint_without_biases_and_hf_moe_config_refused(tmp_path: Path) -> None:
@@ -205,8 +254,8 @@ def test_moe_checkpoint_without_biases_and_hf_moe_config_refused(tmp_path: Path)
     with pytest.raises(ValueError, match="holds a mixture-of-experts decoder without its balance biases"):
         moe_biases(tmp_path, manifest, TINY)
     config = tmp_path / "config.json"
-    config.write_text('{"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, '
+    config.write_text('{"model_type": "qwen2_moe", "hidden_size": 64, "num_hidden_layers": 2, '
                       '"num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 512, "num_experts": 8}')
     # refused where the sizes are derived (test_hf_moe.py: what maps to the job's decoder, what not)
-    with pytest.raises(ValueError, match=r"a mixture-of-experts model of type 'qwen3_moe'.*q_norm/k_norm"):
+    with pytest.raises(ValueError, match=r"a mixture-of-experts model of type 'qwen2_moe'.*sigmoid gate"):
         model_config(read_hf_config(str(config)), 64)

@@ -1,5 +1,5 @@
 """Checkpoints of the job's mixture-of-experts decoder outside training: ``hyper-parallel
-export`` as Hugging Face's Mixtral (``export.mixtral_state``), whose logits are the job's;
+export`` as Hugging Face's Mixtral (``export.moe_state``), whose logits are the job's;
 what the Mixtral format cannot hold, refused by name; and ``hyper-parallel generate`` /
 ``eval`` (``generate.load_decoder``), which route with the checkpoint's aux-free balance
 biases.
@@ -110,7 +110,7 @@ def test_moe_generate_loads_biases_on_mindspore(run_on_ranks, tmp_path: Path) ->
 
 def test_mixtral_refusals() -> None:
     """What Mixtral's format cannot hold, each named with the flag that avoids it."""
-    from hyper_parallel.train.export import mixtral_state
+    from hyper_parallel.train.export import moe_state
     from hyper_parallel.train.model import parameter_shapes
 
     cases = [
@@ -124,10 +124,10 @@ def test_mixtral_refusals() -> None:
         biases = {f"layers.{i}.moe": np.zeros(cfg.moe_experts, np.float32)
                   for i in range(cfg.n_layers) if cfg.is_moe_block(i)}
         with pytest.raises(ValueError, match="Mixtral format cannot hold") as err:
-            mixtral_state(Path("ckpt"), cfg, params, biases)
+            moe_state(Path("ckpt"), cfg, params, biases)
         assert needle in str(err.value), (needle, str(err.value))
     params = {name: np.zeros(shape, np.float32) for name, shape in parameter_shapes(MIXTRAL_LIKE).items()}
-    config, tensors = mixtral_state(Path("ckpt"), MIXTRAL_LIKE, params,
+    config, tensors = moe_state(Path("ckpt"), MIXTRAL_LIKE, params,
                                     {f"layers.{i}.moe": np.zeros(4, np.float32) for i in range(2)})
     assert tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"].shape == (32, 32)
     assert tensors["model.layers.0.block_sparse_moe.gate.weight"].shape == (4, 32)
