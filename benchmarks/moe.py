@@ -19,7 +19,16 @@ the other three ranks, and the overlap runs its segments one at a time ([Note: s
 tails] in ``core/pipeline_parallel/hook_coordinator.py``), so only the all-to-alls issued
 before a switch run under the other thread's compute; on CPU with gloo that hides little.
 The time a rank waits on the all-to-alls themselves is not separable here: torch's
-asynchronous all-to-all is waited for at its first use inside the next compute segment.
+asynchronous all-to-all is waited for at its first use inside the next compute segment,
+and in the backward inside the all-to-all's own autograd node; torch's profiler, which
+would see those waits (``_c10d_functional::wait_tensor``), records the calling thread
+only, not the overlap's two threads.
+
+torchtitan's recipe (its ``ExpertParallel`` and MoE on the same model) does not run on
+this machine: torchtitan 0.2.2's ``ExpertParallel._token_dispatch`` permutes the received
+tokens with a Triton kernel (``moe/kernels.py``, ``generate_permute_indices`` without its
+CPU path), which needs a GPU driver ("0 active drivers"), and torchtitan 0.3.0 needs a
+nightly torch and ``spmd_types``. The comparison belongs to a run on a GPU.
 
     python benchmarks/moe.py [--iters 5] [--seq-len 128] [--batch-size 8] [--microbatches 4]
 """
