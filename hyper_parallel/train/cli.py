@@ -34,8 +34,8 @@ from hyper_parallel.core.pipeline_parallel.schedule_table import SCHEDULES
 from hyper_parallel.platform import requested_platform
 from hyper_parallel.train import preflight, run_folder
 from hyper_parallel.train.checkpoint import KEEP, complete_steps
-from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, INIT_DEVICES, PRESETS, Layout, ModelConfig,
-                                         TrainConfig)
+from hyper_parallel.train.config import (CP_KV_EXCHANGES, CP_MODES, HF_BALANCE_FIELDS, INIT_DEVICES, PRESETS,
+                                         Layout, ModelConfig, TrainConfig)
 from hyper_parallel.train.model_config import MOE_BALANCES, MOE_DEFAULTS
 from hyper_parallel.train.metrics import LOGGERS, METRICS_FILE, read_metrics
 from hyper_parallel.train.optim import LR_SCHEDULES, WSD_DECAY_FRACTION
@@ -355,6 +355,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                          "(and --dim/--n-layers/... to change sizes)")
     sizes = {name: getattr(args, name) for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim",
                                                     *MOE_DEFAULTS) if getattr(args, name) is not None}
+    # an MoE --hf-config's balance (TrainConfig.hf_balance); its sizes are the configuration's
+    hf_balance = {name: sizes.pop(name) for name in HF_BALANCE_FIELDS if name in sizes} \
+        if args.hf_config is not None else {}
     preset = PRESETS[args.model]
     model = ModelConfig(**{**preset.__dict__, **sizes, "tie_embeddings": args.tie_embeddings,
                            "max_seq_len": max(preset.max_seq_len, args.seq_len)})
@@ -379,7 +382,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.hf_config is not None and (sizes or args.tie_embeddings or args.model != "small"):
         raise ValueError("--hf-config takes the model from the Hugging Face configuration (TrainConfig derives its "
                          "sizes): drop --model, --dim/--n-layers/--n-heads/--n-kv-heads/--hidden-dim, the --moe-* "
-                         "flags and --tie-embeddings")
+                         "sizes and --tie-embeddings (--moe-balance, --moe-aux-loss-coef and --moe-bias-rate may stay: "
+                         "an MoE model's balance)")
     out, _ = run_folder.choose(args.out, args.run_name, args.resume)
     return TrainConfig(platform=args.platform or requested_platform(), nproc=nproc, model=model, model_name=name,
                        layout=layout, seq_len=args.seq_len, batch_size=args.batch_size, steps=args.steps, lr=args.lr,
@@ -390,7 +394,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                        out=out, data=tuple(args.data), check_parity=args.check_parity, timeout_s=args.timeout,
                        progress=not args.no_progress, activation_checkpointing=args.activation_checkpointing,
                        hf_config=args.hf_config, dtype=args.dtype, grad_accum=args.grad_accum, log=tuple(args.log),
-                       init_device=args.init_device, compile=args.compile)
+                       init_device=args.init_device, compile=args.compile, hf_balance=tuple(hf_balance.items()))
 
 
 def parity_report(run: list[dict], reference: list[dict]) -> dict:

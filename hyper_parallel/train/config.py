@@ -26,6 +26,10 @@ from hyper_parallel.train.precision import resolve_dtype
 #: all-gathered key/value, and the 2-D Ulysses x ring hybrid).
 CP_MODES = ("ulysses", "ring", "allgather", "hybrid")
 
+#: The ``ModelConfig`` fields an MoE ``--hf-config`` takes from the command line: how its
+#: experts are balanced in training, not its shapes (``TrainConfig.hf_balance``).
+HF_BALANCE_FIELDS = ("moe_balance", "moe_aux_loss_coef", "moe_bias_rate")
+
 #: ``--cp-kv-exchange`` values: how ``--cp-mode hybrid`` exchanges key/value shards over
 #: its ``cp_kv`` axis (``ContextParallel(kv_exchange=...)``).
 CP_KV_EXCHANGES = ("ring", "allgather")
@@ -237,6 +241,11 @@ class TrainConfig:
         compile: run each decoder block's local compute under the framework's compiler
             (``torch.compile`` / ``mindspore.jit``; [Note: what --compile compiles] in
             ``train/compile.py``); the layouts it cannot take are refused here.
+        hf_balance: ``(field, value)`` pairs of ``HF_BALANCE_FIELDS`` (``--moe-balance``,
+            ``--moe-aux-loss-coef``, ``--moe-bias-rate``) for an MoE ``--hf-config``: how its
+            experts are balanced in training, set on the model it maps to (which otherwise
+            trains with ``none``, as ``transformers`` does: [Note: Mixtral as the job's MoE
+            decoder] in ``hf_moe``).
     """
 
     platform: str = field(default_factory=requested_platform)
@@ -274,8 +283,13 @@ class TrainConfig:
     log: tuple[str, ...] = ()
     init_device: str | None = None
     compile: bool = False
+    hf_balance: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
+        unknown = [name for name, _ in self.hf_balance if name not in HF_BALANCE_FIELDS]
+        if unknown or (self.hf_balance and self.hf_config is None):
+            raise ValueError(f"hf_balance={self.hf_balance!r}: it sets {', '.join(HF_BALANCE_FIELDS)} of the model an "
+                             "MoE --hf-config maps to; without --hf-config set them on model (the --moe-* flags)")
         if self.hf_config is not None:
             self._check_hf()
         if self.compile:
@@ -510,6 +524,12 @@ class TrainConfig:
         # frozen dataclass: the derived sizes are recorded once, here, before any rank starts
         object.__setattr__(self, "model", model_config(source, self.seq_len))
         object.__setattr__(self, "model_name", f"hf:{source.model_type}")
+        if self.hf_balance:
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name, _ in self.hf_balance)
+            if not self.model.moe_experts:
+                raise ValueError(f"{flags} choose how a mixture of experts is balanced, but --hf-config "
+                                 f"{self.hf_config!r} is a dense {source.model_type} model: drop {flags}")
+            object.__setattr__(self, "model", dataclasses.replace(self.model, **dict(self.hf_balance)))
         if not self.hf_module:  # the job's own decoder: any platform, no transformers
             if source.weights_dir is not None:  # the files' headers, here, before any rank starts
                 PretrainedWeights.open(source.weights_dir, self.model, source.model_type)

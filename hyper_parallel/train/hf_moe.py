@@ -183,7 +183,8 @@ def _problems(get: _Values) -> list[str]:
     if get("output_router_logits"):
         out.append("output_router_logits=true adds transformers' balance loss (pooled over the batch and all "
                    "layers), which is not the job's (per sequence and layer); set it to false (transformers' default: "
-                   "cross-entropy alone, the job's --moe-balance none)")
+                   "cross-entropy alone, the job's --moe-balance none), and give --moe-balance aux-loss (or aux-free) "
+                   "for the job's own balancing")
     if get("hidden_act") != "silu":
         out.append(f"hidden_act={get('hidden_act')!r}: the job's experts are SwiGLU (silu); use \"silu\"")
     if float(get("attention_dropout")):

@@ -98,8 +98,8 @@ def compare_with_reference(what: str, grads: dict[str, np.ndarray], boxes: dict[
     """This rank's pieces ``grads`` (``boxes``) of the first step's gradients against the
     reference's whole ``ref_grads`` (``GRAD_*``), the losses, the last validation loss and
     the global gradient norms against the reference's rows (``LOSS_RTOL``), and the routing
-    counts (``MOE_FIELDS``) exactly: integers summed over the ranks. Returns the losses and
-    the validation loss."""
+    counts (``MOE_FIELDS``: integers summed over the ranks) and the balance biases' norms
+    exactly. Returns the losses and the validation loss."""
     for name, grad in grads.items():
         box = boxes[name]
         expected = ref_grads[name][tuple(slice(s, s + n) for s, n in zip(box.starts, box.lengths))]
@@ -114,6 +114,8 @@ def compare_with_reference(what: str, grads: dict[str, np.ndarray], boxes: dict[
                                atol=0, err_msg=f"{what}: global gradient norms vs single process")
     for field in MOE_FIELDS:
         assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+    # aux-free: the biases move by +-rate on integer loads, the same on every layout
+    assert [r.get("moe_bias_norm") for r in rows] == [r.get("moe_bias_norm") for r in ref_rows], what
     return curve
 
 
@@ -199,19 +201,22 @@ def resume_in_one_process(cfg: TrainConfig) -> list[float]:
     return losses(resumed).tolist()
 
 
-def check_hf_moe_parity(out: str, hf_config: str, degrees: dict) -> list[float]:
+def check_hf_moe_parity(out: str, hf_config: str, degrees: dict, hf_balance: tuple = ()) -> list[float]:
     """An MoE ``--hf-config`` (the job's MoE decoder: ``hf_moe``) on the layout ``degrees``
     over this world against the single process, 3 steps, as ``check_moe_parity`` compares
-    (``compare_with_reference``). Returns the losses and the validation loss."""
+    (``compare_with_reference``); ``hf_balance``: ``TrainConfig.hf_balance``. Returns the
+    losses and the validation loss."""
     from tests.train._ranks import tiny_config
 
     cfg = tiny_config(f"{out}/hf_moe", nproc=get_platform().world_size(), layout=Layout(**degrees), steps=3,
-                      eval_every=3, hf_config=hf_config)
+                      eval_every=3, hf_config=hf_config, hf_balance=hf_balance)
     grads = _first_step_gradients(cfg)
     run = setup(cfg)
     rows = train(cfg, write_outputs=False, run=run)
     ref_grads = _first_step_gradients(cfg, reference=True)
     ref_rows = train(cfg, reference=True, write_outputs=False)
+    if cfg.model.moe_balance == "aux-free":  # compare_with_reference compares them
+        assert all(row["moe_bias_norm"] > 0 for row in rows), rows
     return compare_with_reference(f"--hf-config {cfg.layout.describe()}", grads, run.boxes, ref_grads, rows,
                                   ref_rows)
 
@@ -259,4 +264,6 @@ def check_hf_moe_run(out: str, hf_config: str, degrees: dict) -> list[float]:
                                atol=0, err_msg=f"{what}: gradient norms vs single process")
     for field in MOE_FIELDS:
         assert [r[field] for r in rows] == [r[field] for r in ref_rows], (what, field)
+    # aux-free: the biases move by +-rate on integer loads, the same on every layout
+    assert [r.get("moe_bias_norm") for r in rows] == [r.get("moe_bias_norm") for r in ref_rows], what
     return curve

@@ -96,14 +96,48 @@ def test_mixtral_flags_against_the_layout(tmp_path: Path) -> None:
                     hf_config=write_config(tmp_path / "mixtral"))
 
 
-def test_mixtral_trains_with_expert_parallelism(run_on_ranks, tmp_path: Path) -> None:
+def test_moe_balance_flags_with_an_moe_hf_config(tmp_path: Path) -> None:
+    """``--moe-balance``, ``--moe-aux-loss-coef`` and ``--moe-bias-rate`` set how an MoE
+    ``--hf-config`` is balanced (``TrainConfig.hf_balance``); its shapes stay the
+    configuration's, and a dense configuration refuses them."""
+    from hyper_parallel.train.cli import build_parser, config_from_args
+
+    path = write_config(tmp_path / "mixtral")
+
+    def parse(*flags: str):
+        return config_from_args(build_parser().parse_args(["train", "--platform", "mindspore", "--hf-config", path,
+                                                           "--dp-shard", "2", "--out", str(tmp_path / "run"),
+                                                           *flags]))
+
+    mod = parse("--moe-balance", "aux-loss", "--moe-aux-loss-coef", "0.05").model
+    assert (mod.moe_balance, mod.moe_aux_loss_coef, mod.moe_experts, mod.dim) == ("aux-loss", 0.05, 4, 32)
+    mod = parse("--moe-balance", "aux-free", "--moe-bias-rate", "0.01").model
+    assert (mod.moe_balance, mod.moe_bias_rate) == ("aux-free", 0.01)
+    assert parse().model.moe_balance == "none"  # transformers' training: the cross-entropy alone
+    with pytest.raises(ValueError, match="--moe-\\* sizes"):
+        parse("--moe-experts", "8")
+    dense = write_config(tmp_path / "llama", {k: v for k, v in TINY_MIXTRAL.items()
+                                              if k not in ("num_local_experts", "num_experts_per_tok")},
+                         model_type="llama", architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="--moe-balance choose how a mixture of experts is balanced, but --hf-config "
+                                         ".* is a dense llama model: drop --moe-balance"):
+        tiny_config(str(tmp_path / "run"), hf_config=dense, hf_balance=(("moe_balance", "aux-loss"),))
+    with pytest.raises(ValueError, match="without --hf-config set them on model"):
+        tiny_config(str(tmp_path / "run"), hf_balance=(("moe_balance", "aux-loss"),))
+
+
+@pytest.mark.parametrize("balance", ["none", "aux-free"])
+def test_mixtral_trains_with_expert_parallelism(run_on_ranks, tmp_path: Path, balance: str) -> None:
     """``--hf-config`` Mixtral on dp-shard 2 x ep 2 against one process: first-step gradients,
-    losses, gradient norms and routing counts (``_moe_ranks.check_hf_moe_parity``)."""
+    losses, gradient norms, routing counts and balance biases
+    (``_moe_ranks.check_hf_moe_parity``); as mapped (``none``) and with ``--moe-balance
+    aux-free``."""
     from tests.train._moe_ranks import check_hf_moe_parity
 
     hf_config = write_config(tmp_path / "mixtral")
-    curves = run_on_ranks(check_hf_moe_parity, str(tmp_path), hf_config, {"dp_shard": 2, "ep": 2}, world_size=2,
-                          timeout_s=600)
+    hf_balance = () if balance == "none" else (("moe_balance", balance),)
+    curves = run_on_ranks(check_hf_moe_parity, str(tmp_path), hf_config, {"dp_shard": 2, "ep": 2}, hf_balance,
+                          world_size=2, timeout_s=600)
     assert curves[0] == curves[1] and len(curves[0]) == 4
 
 
