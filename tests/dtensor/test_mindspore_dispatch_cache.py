@@ -150,6 +150,11 @@ def check_recorded_and_plain() -> None:
         for _ in range(3):
             _ = x + x
     assert seen == ["add"] * 3
+    with recorded_rules() as seen:  # the class's own reshape records as __fallback__ does
+        for _ in range(3):
+            _ = x.reshape(4, 2, 3)
+            _ = x.view((4, 2, 3))
+    assert seen == ["view"] * 6
     with recorded_rules() as seen:
         _ = plain + plain
         _ = plain.sum(0)
@@ -178,7 +183,8 @@ def check_methods_cached() -> None:
 
     elementwise = [(a, b, hp.Shard(0)), (a, b, hp.Shard(0)), (tall, tall, hp.Shard(0)), (a, b, hp.Shard(1)),
                    (a, b, hp.Shard(1))]
-    shapes = [(a, a, hp.Shard(0)), (a, a, hp.Shard(0)), (tall, tall, hp.Shard(0)), (tall, tall, hp.Shard(0))]
+    shapes = [(a, a, hp.Shard(0)), (a, a, hp.Shard(0)), (tall, tall, hp.Shard(0)), (tall, tall, hp.Shard(0)),
+              (a, a, hp.Replicate()), (a, a, hp.Replicate())]
     cases = [  # (the method call, its value on numpy arrays, the layouts to call it on, in order)
         (lambda x, y: x + y, lambda u, v: u + v, elementwise), (lambda x, y: x - y, lambda u, v: u - v, elementwise),
         (lambda x, y: x * y, lambda u, v: u * v, elementwise), (lambda x, y: x / y, lambda u, v: u / v, elementwise),
@@ -186,10 +192,11 @@ def check_methods_cached() -> None:
         (lambda x, y: x * 3, lambda u, v: u * 3, elementwise), (lambda x, y: x - 1, lambda u, v: u - 1, elementwise),
         (lambda x, y: x / 2.0, lambda u, v: u / np.float32(2.0), elementwise),
         # reshapes that split the unsharded dim only (core plans them without communication):
-        # the three forms MindSpore hands over, the shape spread, a tuple, and Tensor.view
+        # the forms MindSpore hands over: the shape spread, a tuple, Tensor.view, a list
         (lambda x, y: x.reshape(x.shape[0], -1, 3), lambda u, v: u.reshape(u.shape[0], -1, 3), shapes),
         (lambda x, y: x.reshape((x.shape[0], 4, 3)), lambda u, v: u.reshape(u.shape[0], 4, 3), shapes),
         (lambda x, y: x.view(x.shape[0], 2, -1), lambda u, v: u.reshape(u.shape[0], 2, -1), shapes),
+        (lambda x, y: x.reshape([x.shape[0], 6, 2]), lambda u, v: u.reshape(u.shape[0], 6, 2), shapes),
     ]
 
     cls.__fallback__ = counting

@@ -33,7 +33,10 @@ arguments as given) and, where the cache holds that key, runs the method on the 
 tensors ([Note: MindSpore dispatch cache]); any other call runs the method itself,
 which reaches ``__fallback__``, the one place calls are translated and planned. The
 same key means the same primitive on the same arguments, so a name MindSpore changes
-costs only the fast path (its key is then never held), never a wrong plan.
+costs only the fast path (its key is then never held), never a wrong plan. A reshape
+with a shape of ints has a shorter key still (spec, dtype, shape), filled from the
+generic entry (``cached_reshape``): building the generic key cost as much as a third of
+the reshape itself.
 ``tests/dtensor/test_mindspore_dispatch_cache.py`` checks that the methods take it.
 ``mint`` functions (``mint.nn.functional.softmax``, ``linear``) have no method to
 define and always take the round trip.
@@ -230,6 +233,34 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                 return run_cached(cached, method, args, _NO_KWARGS)
         return method(*args)
 
+    def cached_reshape(method: Any, self: Any, shape: tuple[Any, ...]) -> Any:
+        """``Tensor.reshape`` / ``view``: ``cached_method``, and for a shape of ints (spread
+        out or one tuple) a shorter key, (spec, dtype, shape) -> (this rank's shape
+        arguments, output spec, rule), filled from the generic entry after the first call
+        where that entry only reshapes the local tensor (a reshape costs less than the
+        generic key)."""
+        fast = type(self) is DTensor and shape and not skipped()
+        if fast:
+            for s in shape[0] if len(shape) == 1 and type(shape[0]) is tuple else shape:
+                if type(s) is not int:
+                    fast = False
+                    break
+        if not fast:
+            return cached_method("Reshape", method, (self, *shape))
+        key = (self._spec, self.dtype, shape)
+        hit = reshapes.get(key)
+        if hit is not None:
+            if recording() is not None:
+                entry.record_rule(hit[2])
+            return wrap(method(self._local_tensor, *hit[0]), hit[1])
+        out = cached_method("Reshape", method, (self, *shape))
+        cached = plans.get(_call_key(DTensor, "Reshape", (self, *shape), _NO_KWARGS))
+        if type(cached) is _Cached and cached.grads is None and cached.shape_args is not None:
+            if len(reshapes) >= _PLAN_CACHE_SIZE:
+                reshapes.clear()
+            reshapes[key] = (cached.shape_args, cached.out_spec, cached.rule)
+        return out
+
     def binary(tensor_name: str, scalar_name: str, method: Any) -> Callable[[Any, Any], Any]:
         def call(self: Any, other: Any) -> Any:
             kind = type(other)
@@ -311,14 +342,14 @@ def build_dtensor_type(base: type, ms: Any) -> type:
         __truediv__ = binary("Div", "Divs", Tensor.__truediv__)
 
         def reshape(self, *shape: Any, **kwargs: Any) -> Any:
-            if kwargs:
+            if kwargs:  # reshape(shape=...)
                 return Tensor.reshape(self, *shape, **kwargs)
-            return cached_method("Reshape", Tensor.reshape, (self, *shape))
+            return cached_reshape(Tensor.reshape, self, shape)
 
         def view(self, *shape: Any, **kwargs: Any) -> Any:
             if kwargs:
                 return Tensor.view(self, *shape, **kwargs)
-            return cached_method("Reshape", Tensor.view, (self, *shape))
+            return cached_reshape(Tensor.view, self, shape)
 
         @property
         def _local(self) -> Any:
@@ -401,6 +432,8 @@ def build_dtensor_type(base: type, ms: Any) -> type:
     # _dispatch every time); owned by this class, which the platform instance builds once;
     # bounded (cleared when full)
     plans: dict[tuple[Any, ...], _Cached | None] = {}
+    # the same for reshape / view with the shape spread out as ints (see cached_reshape)
+    reshapes: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any, str]] = {}
     skipped = entry.skip_depth()
     recording = entry.recording
     records = recording_gradients()
