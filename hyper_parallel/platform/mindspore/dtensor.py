@@ -239,7 +239,8 @@ def build_dtensor_type(base: type, ms: Any) -> type:
         arguments, output spec, rule), filled from the generic entry after the first call
         where that entry only reshapes the local tensor (a reshape costs less than the
         generic key)."""
-        fast = type(self) is DTensor and shape and not skipped()
+        # (a plain local tensor: the reshape on it cannot reach a __fallback__ again)
+        fast = type(self) is DTensor and type(self._local_tensor) is Tensor and shape and not skipped()
         if fast:
             for s in shape[0] if len(shape) == 1 and type(shape[0]) is tuple else shape:
                 if type(s) is not int:
