@@ -24,6 +24,25 @@ of per-repetition hyper_parallel / plain (``--mindspore-only`` runs that half al
 | reshape (MindSpore) | ``a.reshape(64, 8, 8)``, ``[64, 64]`` ``Shard(0)`` (stays ``Shard(0)``) |
 
     python benchmarks/dtensor_dispatch.py [--calls 200] [--iters 21] [--no-mindspore | --mindspore-only]
+
+Where a MindSpore call's time went (issue 38 item 2; 2 ranks, calling-thread CPU time per
+call, so that other sessions' load on the 2-core host stays out; ``uptime`` beside each run):
+
+1. MindSpore's ``__fallback__`` round trip itself, in its C++ (finding the hook, building the
+   primitive's call object and the arguments, calling into Python, taking a Tensor subclass
+   back): a subclass whose hook only unwraps and calls costs 3.0x a plain reshape (+7 us),
+   1.3x an add and 1.3-1.4x a softmax (+13-25 us), and a DTensor result handed back costs
+   about 5 us more than a plain one. Nothing in this project can shorten it; ``+ - * /`` and
+   ``reshape`` / ``view`` now go around it (methods of the class, [Note: MindSpore Tensor
+   methods on DTensors]); ``mint`` functions (softmax, linear) cannot.
+2. linear: the gradient sum of its Replicate input (the Megatron "f" operator, a MindSpore
+   custom function per call): 27 us of the 32 us Python; now left out while MindSpore records
+   nothing (a cached call outside ``value_and_grad``/``grad``/``vjp``).
+3. The cached path's Python (5.2-6.0 us for softmax, reshape, add): copies of the arguments,
+   ``DTensor.__new__``/``__init__``, ``NoFallbackGuard`` (1 us), the key (a MindSpore dtype's
+   hash is a pybind call, 0.3-0.6 us); now 3.4-4.2 us, 2.5 us on a reshape's shorter key.
+4. Wrapping the result (``Tensor._make_subclass`` of a new output, its attributes): ~1.7 us,
+   half of a plain reshape (3.7 us): a reshape cannot come under 1.5x through a subclass.
 """
 
 from __future__ import annotations

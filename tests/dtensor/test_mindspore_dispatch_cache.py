@@ -117,6 +117,12 @@ def check_gradient_layout_cached() -> None:
     def loss(x_: object) -> object:
         return mint.nn.functional.linear(x_, w).full_tensor().sum()
 
+    # first at top level, where MindSpore records nothing and the cached call leaves the
+    # sum out: the calls under ms.grad of the same key must still put it in
+    for _ in range(2):
+        out = mint.nn.functional.linear(x, w)
+        assert out.placements == (hp.Shard(1),)
+        np.testing.assert_allclose(p.to_numpy(out.full_tensor()), x_full @ w_full.T, **TOL)
     for _ in range(3):
         grad = ms.grad(loss, grad_position=0)(x)
         np.testing.assert_allclose(p.to_numpy(grad), np.ones((4, 8), np.float32) @ w_full, **TOL)
@@ -144,13 +150,84 @@ def check_recorded_and_plain() -> None:
         for _ in range(3):
             _ = x + x
     assert seen == ["add"] * 3
+    with recorded_rules() as seen:  # the class's own reshape records as __fallback__ does
+        for _ in range(3):
+            _ = x.reshape(4, 2, 3)
+            _ = x.view((4, 2, 3))
+    assert seen == ["view"] * 6
     with recorded_rules() as seen:
         _ = plain + plain
         _ = plain.sum(0)
     assert seen == []
 
 
-@pytest.mark.parametrize("check", [check_key_parts, check_gradient_layout_cached, check_recorded_and_plain],
+def check_methods_cached() -> None:
+    """The Tensor methods the class defines ([Note: MindSpore Tensor methods on DTensors])
+    run a call whose key the cache holds without MindSpore's ``__fallback__``, with the
+    values and placements of the planned call; a call with another key (placements,
+    global shape, numbers, a shape form) goes through ``__fallback__``."""
+    hp, p, mesh, rng, dist = _setup()
+    # shapes no other check here uses: the worker pool (and the cache) outlive one check
+    a, b = rng.standard_normal((6, 12)).astype(np.float32), rng.standard_normal((6, 12)).astype(np.float32)
+    tall = rng.standard_normal((12, 12)).astype(np.float32)
+    cls = type(dist(a, hp.Shard(0)))
+    handed: list[str] = []
+    original = cls.__fallback__
+
+    def counting(self: object, op: object, args: object = (), kwargs: object = None) -> object:
+        handed.append(getattr(op, "name", "?"))
+        return original(self, op, args, kwargs)
+
+    def full(x: object) -> np.ndarray:
+        return p.to_numpy(x.full_tensor())
+
+    elementwise = [(a, b, hp.Shard(0)), (a, b, hp.Shard(0)), (tall, tall, hp.Shard(0)), (a, b, hp.Shard(1)),
+                   (a, b, hp.Shard(1))]
+    shapes = [(a, a, hp.Shard(0)), (a, a, hp.Shard(0)), (tall, tall, hp.Shard(0)), (tall, tall, hp.Shard(0)),
+              (a, a, hp.Replicate()), (a, a, hp.Replicate())]
+    cases = [  # (the method call, its value on numpy arrays, the layouts to call it on, in order)
+        (lambda x, y: x + y, lambda u, v: u + v, elementwise), (lambda x, y: x - y, lambda u, v: u - v, elementwise),
+        (lambda x, y: x * y, lambda u, v: u * v, elementwise), (lambda x, y: x / y, lambda u, v: u / v, elementwise),
+        (lambda x, y: x + 2.0, lambda u, v: u + np.float32(2.0), elementwise),
+        (lambda x, y: x * 3, lambda u, v: u * 3, elementwise), (lambda x, y: x - 1, lambda u, v: u - 1, elementwise),
+        (lambda x, y: x / 2.0, lambda u, v: u / np.float32(2.0), elementwise),
+        # reshapes that split the unsharded dim only (core plans them without communication):
+        # the forms MindSpore hands over: the shape spread, a tuple, Tensor.view, a list
+        (lambda x, y: x.reshape(x.shape[0], -1, 3), lambda u, v: u.reshape(u.shape[0], -1, 3), shapes),
+        (lambda x, y: x.reshape((x.shape[0], 4, 3)), lambda u, v: u.reshape(u.shape[0], 4, 3), shapes),
+        (lambda x, y: x.view(x.shape[0], 2, -1), lambda u, v: u.reshape(u.shape[0], 2, -1), shapes),
+        (lambda x, y: x.reshape([x.shape[0], 6, 2]), lambda u, v: u.reshape(u.shape[0], 6, 2), shapes),
+    ]
+
+    cls.__fallback__ = counting
+    try:
+        for index, (call, expected, layouts) in enumerate(cases):
+            planned: dict[tuple, tuple] = {}  # key -> the planned call's placements
+            for left, right, placement in layouts:
+                key = (index, left.shape, placement)
+                x, y = dist(left, placement), dist(right, placement)
+                handed.clear()
+                out = call(x, y)
+                want = expected(left, right)
+                assert out.shape == want.shape
+                np.testing.assert_allclose(full(out), want, **TOL)
+                if key in planned:  # held: no __fallback__, the planned call's placements
+                    assert handed == [], (index, handed)
+                    assert out.placements == planned[key]
+                else:
+                    assert handed, (index, "a new key went around __fallback__")
+                    planned[key] = out.placements
+        x, y = dist(a, hp.Shard(0)), dist(b, hp.Replicate())
+        for _ in range(2):  # needs communication: never run from the cache
+            handed.clear()
+            np.testing.assert_allclose(full(x + y), a + b, **TOL)
+            assert handed, "a call that redistributes went around __fallback__"
+    finally:
+        cls.__fallback__ = original
+
+
+@pytest.mark.parametrize("check", [check_key_parts, check_gradient_layout_cached, check_recorded_and_plain,
+                                   check_methods_cached],
                          ids=lambda f: f.__name__)
 def test_dispatch_cache(run_on_ranks, check) -> None:
     run_on_ranks(check, world_size=2, timeout_s=300)

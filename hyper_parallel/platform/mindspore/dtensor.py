@@ -19,6 +19,28 @@ a translation takes core's fallback (inputs to Replicate, one warning per op). A
 that needs no communication is translated and planned once per key and then run from a
 cache ([Note: MindSpore dispatch cache] at ``_call_key``).
 
+[Note: MindSpore Tensor methods on DTensors]
+MindSpore's ``__fallback__`` round trip (its C++ finds the hook, builds the primitive's
+call object and the argument tuple, calls into Python, takes a Tensor subclass back)
+costs more than launching a small kernel: measured on the 2-core CPU host, in the
+calling thread, about 7 µs beside a 3.5 µs reshape and 20-30 µs beside a 45-70 µs
+softmax or add. So the methods most called on activations, ``+ - * /`` (with a DTensor
+or a number) and ``reshape`` / ``view``, are defined on the class: each builds the key
+``__fallback__`` would build for the primitive MindSpore hands over for that call
+(checked on MindSpore 2.10: ``AddExt``/``AddScalar``, ``SubExt``/``SubScalar``,
+``Mul``/``Muls``, ``Div``/``Divs``, ``Reshape`` for both reshape and view, the
+arguments as given) and, where the cache holds that key, runs the method on the local
+tensors ([Note: MindSpore dispatch cache]); any other call runs the method itself,
+which reaches ``__fallback__``, the one place calls are translated and planned. The
+same key means the same primitive on the same arguments, so a name MindSpore changes
+costs only the fast path (its key is then never held), never a wrong plan. A reshape
+with a shape of ints has a shorter key still (spec, dtype, shape), filled from the
+generic entry (``cached_reshape``): building the generic key cost as much as a third of
+the reshape itself.
+``tests/dtensor/test_mindspore_dispatch_cache.py`` checks that the methods take it.
+``mint`` functions (``mint.nn.functional.softmax``, ``linear``) have no method to
+define and always take the round trip.
+
 What ``__fallback__`` does not reach (checked on MindSpore 2.10 CPU): indexing
 (``x[..., :4]`` runs on the local tensor and returns it), the ops inside
 ``mindspore.experimental.optim.AdamW`` (they update each parameter's local storage
@@ -159,6 +181,144 @@ def build_dtensor_type(base: type, ms: Any) -> type:
         with NoFallbackGuard():
             return op(*args, **kwargs)
 
+    make_subclass = Tensor._make_subclass
+
+    def wrap(out: Any, spec: Any) -> DTensor:
+        # DTensor(out, spec) without the Python-level __new__/__init__ calls
+        t = make_subclass(DTensor, out)
+        t._local_tensor = out
+        t._spec = spec
+        return t
+
+    def run_cached(cached: _Cached, op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """A call whose key is cached ([Note: MindSpore dispatch cache]): ``op`` on the
+        local tensors, the result wrapped in the plan's output spec."""
+        if recording() is not None:
+            entry.record_rule(cached.rule)
+        call_args = list(args)
+        plain = True  # every local a plain Tensor: op cannot reach a __fallback__ again
+        grads = cached.grads if cached.grads is not None and records() else None
+        for index, position in enumerate(cached.positions):
+            a = args[position]
+            # a parameter's local tensor is read through the property (see _local)
+            local = a._local_tensor if type(a) is DTensor else a._local
+            if grads is not None and grads[index] is not None:
+                local = entry.to_local_with_grad_placements(local, a._spec, grads[index])
+            if type(local) is not Tensor:
+                plain = False
+            call_args[position] = local
+        if cached.shape_args is not None:
+            call_args = [call_args[0], *cached.shape_args]
+        if plain:
+            out = op(*call_args, **kwargs) if kwargs else op(*call_args)
+        else:
+            with NoFallbackGuard():
+                out = op(*call_args, **kwargs)
+        if cached.inplace is not None:
+            _written(call_args[cached.inplace], out)
+            return args[cached.inplace]
+        return wrap(out, cached.out_spec)
+
+    def cached_method(name: str, method: Any, args: tuple[Any, ...]) -> Any:
+        """``method`` (a ``Tensor`` method) on ``args`` (the DTensor first): from the cache
+        where MindSpore's ``__fallback__`` would hand over a call of primitive ``name``
+        with these arguments whose key is held, else the method itself, which reaches
+        ``__fallback__`` (see [Note: MindSpore Tensor methods on DTensors])."""
+        if not skipped():
+            try:
+                cached = plans.get(_call_key(DTensor, name, args, _NO_KWARGS))
+            except TypeError:  # an argument that cannot be hashed
+                cached = None
+            if type(cached) is _Cached:
+                return run_cached(cached, method, args, _NO_KWARGS)
+        return method(*args)
+
+    def cached_reshape(method: Any, self: Any, shape: tuple[Any, ...]) -> Any:
+        """``Tensor.reshape`` / ``view``: ``cached_method``, and for a shape of ints (spread
+        out or one tuple) a shorter key, (spec, dtype, shape) -> (this rank's shape
+        arguments, output spec, rule), filled from the generic entry after the first call
+        where that entry only reshapes the local tensor (a reshape costs less than the
+        generic key)."""
+        # (a plain local tensor: the reshape on it cannot reach a __fallback__ again)
+        fast = type(self) is DTensor and type(self._local_tensor) is Tensor and shape and not skipped()
+        if fast:
+            for s in shape[0] if len(shape) == 1 and type(shape[0]) is tuple else shape:
+                if type(s) is not int:
+                    fast = False
+                    break
+        if not fast:
+            return cached_method("Reshape", method, (self, *shape))
+        key = (self._spec, self.dtype, shape)
+        hit = reshapes.get(key)
+        if hit is not None:
+            if recording() is not None:
+                entry.record_rule(hit[2])
+            return wrap(method(self._local_tensor, *hit[0]), hit[1])
+        out = cached_method("Reshape", method, (self, *shape))
+        cached = plans.get(_call_key(DTensor, "Reshape", (self, *shape), _NO_KWARGS))
+        if type(cached) is _Cached and cached.grads is None and cached.shape_args is not None:
+            if len(reshapes) >= _PLAN_CACHE_SIZE:
+                reshapes.clear()
+            reshapes[key] = (cached.shape_args, cached.out_spec, cached.rule)
+        return out
+
+    def binary(tensor_name: str, scalar_name: str, method: Any) -> Callable[[Any, Any], Any]:
+        def call(self: Any, other: Any) -> Any:
+            kind = type(other)
+            name = scalar_name if kind is int or kind is float or kind is bool else tensor_name
+            return cached_method(name, method, (self, other))
+
+        call.__name__ = method.__name__
+        return call
+
+    def dispatch_uncached(op: Any, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        """A call the cache does not hold (yet): translated and handed to core."""
+        if len(args) == 3 and isinstance(args[1], str) and isinstance(args[2], tuple):
+            # a legacy primitive (ops.gather, ReduceSum) calls op(primitive, name, inputs)
+            prim, name, inputs = args
+            legacy = op
+
+            def op(*inner: Any, **_: Any) -> Any:  # noqa: ANN401
+                return legacy(prim, name, tuple(inner))
+
+            args = list(inputs)
+            legacy_call = True  # the wrapper is made per call: not cached
+        else:
+            legacy_call = False
+        if skipped():
+            out = call_op(op, unwrap(args), unwrap(kwargs))
+            inplace = _PRIMITIVES.get(name, ("", ""))[1] == "inplace"
+            return args[0] if inplace else out
+        key = None if legacy_call else _call_key(DTensor, name, args, kwargs)
+        try:
+            cached = plans.get(key, _UNSEEN) if key is not None else None
+        except TypeError:  # an argument that cannot be hashed: not cached
+            key = cached = None
+        rule, kind = _PRIMITIVES.get(name, (name, "plain"))
+        if name not in _PRIMITIVES and _draws_from_generator(name):
+            # core's fallback would draw the whole tensor on each rank from its own
+            # generator: a Replicate result whose replicas differ, silently
+            raise RuntimeError(f"{name} on a DTensor draws from MindSpore's generator, whose values would "
+                               "differ across ranks and layouts; the draws hyper_parallel makes layout-invariant "
+                               "are Tensor.normal_, uniform_, bernoulli_(p), mint.rand_like, mint.randn_like, "
+                               "ops.dropout and mint.nn.functional.dropout (from its own stream: "
+                               "hyper_parallel.core.dtensor.random.manual_seed); draw with one of them, or on "
+                               "the local tensor (DTensor.to_local()) if per-rank values are meant")
+        if name not in _PRIMITIVES and name.startswith("Inplace"):
+            # core's fallback computes on Replicate copies and returns a new DTensor:
+            # the DTensor the call was to write would keep its old values, silently
+            raise RuntimeError(f"{name} on a DTensor: this in-place operation has no sharding rule in "
+                               "hyper_parallel, and running it on copies would leave the DTensor unchanged; "
+                               "use the out-of-place operation (x = op(x, ...)), or run it on the local tensor "
+                               "(DTensor.to_local()) where per-rank values are meant")
+        out = _dispatch(entry, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
+        if cached is _UNSEEN:
+            # only once the call went through: what it raised, the next call raises too
+            if len(plans) >= _PLAN_CACHE_SIZE:
+                plans.clear()
+            plans[key] = _remember(entry, rule, kind, args, kwargs, is_dtensor)
+        return out
+
     class DTensor(Tensor, base):  # type: ignore[misc, valid-type]
         # MindSpore's optimizers create their state with Parameter.clone, whose initializer
         # rejects a zero-size shape: a parameter may not have an empty local piece.
@@ -175,6 +335,22 @@ def build_dtensor_type(base: type, ms: Any) -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             pass  # __new__ sets the attributes
+
+        # [Note: MindSpore Tensor methods on DTensors]: the primitive each one hands over
+        __add__ = binary("AddExt", "AddScalar", Tensor.__add__)
+        __sub__ = binary("SubExt", "SubScalar", Tensor.__sub__)
+        __mul__ = binary("Mul", "Muls", Tensor.__mul__)
+        __truediv__ = binary("Div", "Divs", Tensor.__truediv__)
+
+        def reshape(self, *shape: Any, **kwargs: Any) -> Any:
+            if kwargs:  # reshape(shape=...)
+                return Tensor.reshape(self, *shape, **kwargs)
+            return cached_reshape(Tensor.reshape, self, shape)
+
+        def view(self, *shape: Any, **kwargs: Any) -> Any:
+            if kwargs:
+                return Tensor.view(self, *shape, **kwargs)
+            return cached_reshape(Tensor.view, self, shape)
 
         @property
         def _local(self) -> Any:
@@ -238,85 +414,35 @@ def build_dtensor_type(base: type, ms: Any) -> type:
                 "module's parameters with hyper_parallel.core.fully_shard.full_state_dict(cell)")
 
         def __fallback__(self, op: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
-            kwargs = dict(kwargs or {})
-            args = list(args)
             name = _name(op)
-            if len(args) == 3 and isinstance(args[1], str) and isinstance(args[2], tuple):
-                # a legacy primitive (ops.gather, ReduceSum) calls op(primitive, name, inputs)
-                prim, name, inputs = args
-                legacy = op
-
-                def op(*inner: Any, **_: Any) -> Any:  # noqa: ANN401
-                    return legacy(prim, name, tuple(inner))
-
-                args = list(inputs)
-                legacy_call = True  # the wrapper is made per call: not cached
-            else:
-                legacy_call = False
-            if skipped():
-                out = call_op(op, unwrap(args), unwrap(kwargs))
-                inplace = _PRIMITIVES.get(name, ("", ""))[1] == "inplace"
-                return args[0] if inplace else out
-            key = None if legacy_call else _call_key(DTensor, name, args, kwargs)
-            try:
-                cached = plans.get(key, _UNSEEN) if key is not None else None
-            except TypeError:  # an argument that cannot be hashed: not cached
-                key = cached = None
-            if type(cached) is _Cached:
-                # [Note: MindSpore dispatch cache]: the op on the local tensors, wrapped
-                if recording() is not None:
-                    entry.record_rule(cached.rule)
-                call_args = list(args)
-                for position, grad in zip(cached.positions, cached.call.grads):
-                    a = args[position]
-                    # a parameter's local tensor is read through the property (see _local)
-                    local = a._local_tensor if type(a) is DTensor else a._local
-                    call_args[position] = local if grad is None else \
-                        entry.to_local_with_grad_placements(local, a._spec, grad)
-                if cached.shape_args is not None:
-                    call_args = [call_args[0], *cached.shape_args]
-                with NoFallbackGuard():
-                    out = op(*call_args, **kwargs)
-                if cached.inplace is not None:
-                    _written(call_args[cached.inplace], out)
-                    return args[cached.inplace]
-                return DTensor(out, cached.call.plan.out_spec)
-            rule, kind = _PRIMITIVES.get(name, (name, "plain"))
-            if name not in _PRIMITIVES and _draws_from_generator(name):
-                # core's fallback would draw the whole tensor on each rank from its own
-                # generator: a Replicate result whose replicas differ, silently
-                raise RuntimeError(f"{name} on a DTensor draws from MindSpore's generator, whose values would "
-                                   "differ across ranks and layouts; the draws hyper_parallel makes layout-invariant "
-                                   "are Tensor.normal_, uniform_, bernoulli_(p), mint.rand_like, mint.randn_like, "
-                                   "ops.dropout and mint.nn.functional.dropout (from its own stream: "
-                                   "hyper_parallel.core.dtensor.random.manual_seed); draw with one of them, or on "
-                                   "the local tensor (DTensor.to_local()) if per-rank values are meant")
-            if name not in _PRIMITIVES and name.startswith("Inplace"):
-                # core's fallback computes on Replicate copies and returns a new DTensor:
-                # the DTensor the call was to write would keep its old values, silently
-                raise RuntimeError(f"{name} on a DTensor: this in-place operation has no sharding rule in "
-                                   "hyper_parallel, and running it on copies would leave the DTensor unchanged; "
-                                   "use the out-of-place operation (x = op(x, ...)), or run it on the local tensor "
-                                   "(DTensor.to_local()) where per-rank values are meant")
-            out = _dispatch(entry, op, name, rule, kind, args, kwargs, is_dtensor, call_op)
-            if cached is _UNSEEN:
-                # only once the call went through: what it raised, the next call raises too
-                if len(plans) >= _PLAN_CACHE_SIZE:
-                    plans.clear()
-                plans[key] = _remember(entry, rule, kind, args, kwargs, is_dtensor)
-            return out
+            if kwargs is None:
+                kwargs = {}
+            # [Note: MindSpore dispatch cache]: a cached call first, with nothing copied
+            if not (len(args) == 3 and isinstance(args[1], str)) and not skipped():
+                key = _call_key(DTensor, name, args, kwargs)
+                try:
+                    cached = plans.get(key, _UNSEEN) if key is not None else None
+                except TypeError:  # an argument that cannot be hashed: not cached
+                    key = cached = None
+                if type(cached) is _Cached:
+                    return run_cached(cached, op, args, kwargs)
+            return dispatch_uncached(op, name, list(args), dict(kwargs))
 
     DTensor.__qualname__ = DTensor.__name__ = "DTensor"
     # [Note: MindSpore dispatch cache] (call key -> _Cached, or None: the call takes
     # _dispatch every time); owned by this class, which the platform instance builds once;
     # bounded (cleared when full)
     plans: dict[tuple[Any, ...], _Cached | None] = {}
+    # the same for reshape / view with the shape spread out as ints (see cached_reshape)
+    reshapes: dict[tuple[Any, ...], tuple[tuple[Any, ...], Any, str]] = {}
     skipped = entry.skip_depth()
     recording = entry.recording
+    records = recording_gradients()
     return DTensor
 
 
 _UNSEEN = object()  # a key not in the cache yet
+_NO_KWARGS: dict[str, Any] = {}  # never written
 _PLAN_CACHE_SIZE = 4096
 #: the kinds whose local call is the primitive on the local tensors (with this rank's
 #: shape for a reshape): what the cache may run itself
@@ -330,9 +456,22 @@ class _Cached(NamedTuple):
 
     rule: str
     positions: tuple[int, ...]  # the arguments that are DTensors, in order
-    call: Any  # core's LocalCall: the plan and each input's grad_placements
+    #: per DTensor argument, the grad_placements its local tensor is taken with (core's
+    #: LocalCall.grads); None where no argument needs one
+    grads: tuple[Any, ...] | None
+    out_spec: Any  # the plan's output spec
     inplace: int | None  # the argument an in-place op writes (and returns)
     shape_args: tuple[Any, ...] | None  # a reshape's shape arguments for this rank's piece
+
+
+def recording_gradients() -> Callable[[], bool]:
+    """Whether MindSpore records the ops run now for a gradient (inside ``value_and_grad``,
+    ``grad``, ``vjp``, with grad enabled): ``_pynative_executor.requires_grad``, the
+    executor's own flag (PyNative records only while such a transform runs its function;
+    at top level, under ``no_grad`` and inside a custom function's forward it is off)."""
+    from mindspore.graph.api import _pynative_executor
+
+    return _pynative_executor.requires_grad
 
 
 def _call_key(cls: type, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -353,7 +492,13 @@ def _call_key(cls: type, name: str, args: Sequence[Any], kwargs: dict[str, Any])
     axis) and wrap the result in the plan's output spec, without translating or planning
     again, and without reading the result's shape or dtype (each such read waits for
     PyNative's asynchronous queue). Same key, same local shapes and dtypes (a rank's
-    coordinate is fixed), so the first call's checks hold for every later one.
+    coordinate is fixed), so the first call's checks hold for every later one. Two
+    things a cached call leaves out when they cannot matter: the gradient sum
+    (``to_local_with_grad_placements``, a custom function costing about as much as a
+    small kernel) while MindSpore records nothing (``recording_gradients``: outside
+    ``value_and_grad``/``grad``/``vjp`` no backward can reach the call), and
+    ``NoFallbackGuard`` when every local tensor is a plain ``Tensor`` (then nothing in
+    the call can reach a ``__fallback__``).
     ``tests/dtensor/test_mindspore_dispatch_cache.py`` changes one part of the key at a
     time and checks the values."""
     parts: list[Any] = [name]
@@ -404,7 +549,9 @@ def _remember(entry: Any, rule: str, kind: str, args: Sequence[Any], kwargs: dic
     if kind == "reshape":
         local_shape = tuple(call.plan.out_local_shape)
         shape_args = (local_shape,) if len(args) == 2 and isinstance(args[1], (list, tuple)) else local_shape
-    return _Cached(rule, positions, call, None if inplace is None else positions[inplace], shape_args)
+    grads = call.grads if any(grad is not None for grad in call.grads) else None
+    return _Cached(rule, positions, grads, call.plan.out_spec, None if inplace is None else positions[inplace],
+                   shape_args)
 
 
 def _dispatch(entry: Any, op: Any, name: str, rule: str, kind: str, args: list[Any], kwargs: dict[str, Any],
