@@ -31,10 +31,11 @@ of each shard in ``WaitReduce`` (M / N), a zero-padding copy of each full gradie
 its reduce-scatter copy-in, even with no padding (M), a zero fill of the placeholder
 gradient ``GatherParam.backward`` returns (M / N) and, at world 1, a copy per gather of a
 shard held whole (2 M: forward and the backward's reload) and a multiply by one of each
-gradient (``ReduceOp.AVG`` over one rank: M). All but the ``GatherParam`` copy are gone;
-that one stays because MindSpore saves a copy of a custom function's output made outside
-it, which the saved-tensor release cannot match ([Note: gathered parameters and autograd]
-in ``hsdp_state``). Python overhead per parameter is not the difference: cProfile counts
+gradient (``ReduceOp.AVG`` over one rank: M). All are gone: the ``GatherParam`` copy is
+now the copy-out itself, made inside ``GatherParam`` (MindSpore needs a custom function's
+output made inside it: [Note: gathered parameters and autograd] in ``hsdp_state``) from
+the held all-gather output ([Note: flat all-gather copy-in] in ``param_group``);
+``test_flat_collectives.py`` counts at most one copy per parameter per gather. Python overhead per parameter is not the difference: cProfile counts
 about 24,000 Python calls per step for ours at world 2, 32,000 for FSDP2's.
 """
 

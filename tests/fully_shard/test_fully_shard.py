@@ -137,7 +137,7 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
                        for state in _units(model, config) for hp in state.params), \
                 f"{config}: a reduce-scatter is still pending after the backward of step {step}"
             # A backward prefetch of a unit whose backward is done gathers nothing.
-            assert all(hp.unsharded is None and hp.pending is None
+            assert all(not hp.is_gathered and hp.pending is None
                        for state in _units(model, config) for hp in state.params), \
                 f"{config}: a unit is still gathered after the backward of step {step}"
         if pool is not None:
@@ -161,7 +161,7 @@ def run_config(config: dict, ref_losses: list[float], ref_params: dict[str, np.n
         full = p.to_numpy(value.full_tensor()) if isinstance(value, DTensor) else p.to_numpy(value)
         np.testing.assert_allclose(full, ref_params[fqn], **_tol(p, config), err_msg=f"{config}: {fqn} after training")
     for state in _units(model, config):
-        assert all(hp.unsharded is None and hp.pending is None for hp in state.params), f"{config}: not resharded"
+        assert all(not hp.is_gathered and hp.pending is None for hp in state.params), f"{config}: not resharded"
 
 
 def _check_grads(p, model, trainer, ref: dict, config: dict) -> None:
@@ -199,16 +199,16 @@ def _check_memory_model(p, model, config: dict) -> None:
         for hp in state.params:
             assert hp.pending is None, f"{config}: {hp.fqn} has an all-gather in flight after the forward"
             if reshard is True:
-                assert hp.unsharded is None and hp.block is None, f"{config}: {hp.fqn} kept after the forward"
+                assert not hp.is_gathered and hp.block is None, f"{config}: {hp.fqn} kept after the forward"
             elif reshard is False:
-                assert tuple(hp.unsharded.shape) == hp.shape, f"{config}: {hp.fqn} not kept after the forward"
+                assert tuple(hp.full().shape) == hp.shape, f"{config}: {hp.fqn} not kept after the forward"
             elif hp.replicated:  # [Note: no empty chunks on MindSpore]: it keeps the whole tensor
-                assert hp.unsharded is None and hp.block is None, f"{config}: {hp.fqn} kept a block"
+                assert not hp.is_gathered and hp.block is None, f"{config}: {hp.fqn} kept a block"
             else:
-                assert hp.unsharded is None and tuple(hp.block.shape)[0] == reshard * hp.chunk, \
+                assert not hp.is_gathered and tuple(hp.block.shape)[0] == reshard * hp.chunk, \
                     f"{config}: {hp.fqn} should keep a block of {reshard} shards"
         state.reshard()
-        assert all(hp.unsharded is None and hp.block is None for hp in state.params), \
+        assert all(not hp.is_gathered and hp.block is None for hp in state.params), \
             f"{config}: reshard() left gathered parameters"
 
 

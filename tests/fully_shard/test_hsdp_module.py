@@ -225,17 +225,17 @@ def check_methods() -> None:
     assert all(hp.pending is not None for hp in blocks[0].params)
     model.blocks[0].reshard()
     model.blocks[0].unshard()
-    assert all(tuple(hp.unsharded.shape) == hp.shape for hp in blocks[0].params)
-    assert all(hp.unsharded is None for hp in blocks[1].params + root.params)
+    assert all(tuple(hp.full().shape) == hp.shape for hp in blocks[0].params)
+    assert all(not hp.is_gathered for hp in blocks[1].params + root.params)
     model.blocks[0].reshard()
-    assert all(hp.unsharded is None and hp.pending is None for hp in blocks[0].params)
+    assert all(not hp.is_gathered and hp.pending is None for hp in blocks[0].params)
 
     # set_reshard_after_forward: False keeps every unit gathered from forward to backward.
     model.set_reshard_after_forward(False)
     assert all(state.reshard_after_forward is False for state in _units(p, model))
     loss = trainer._loss(p.from_numpy(x), 1.0) if p.framework == "torch" else None
     if loss is not None:  # torch: look between the forward and the backward
-        assert all(hp.unsharded is not None for s in _units(p, model) for hp in s.params), "not kept"
+        assert all(hp.is_gathered for s in _units(p, model) for hp in s.params), "not kept"
         loss.backward()
     else:
         trainer.backward(x)
@@ -245,7 +245,7 @@ def check_methods() -> None:
     model.set_reshard_after_forward(True)
     with p.no_grad():
         model(p.from_numpy(x))
-    assert all(hp.unsharded is None for s in _units(p, model) for hp in s.params), "kept after the forward"
+    assert all(not hp.is_gathered for s in _units(p, model) for hp in s.params), "kept after the forward"
     trainer.backward(x)
     _check_grads(p, model, _take_grads(p, trainer), ref, "reshard_after_forward=True again")
 

@@ -1,6 +1,6 @@
 """A pool of reusable buffers for the all-gathers of gathered weights (and for the
 units' flat all-gather and reduce-scatter buffers: [Note: flat all-gather copy-in] in
-``param_group``, where a buffer goes back right after the collective's copy-out).
+``param_group``, where an output buffer goes back after its parameters' copy-outs).
 
 Used by ``weight_parallel(..., buffer_pool=True)`` (the ISP idea of InternEvo, arXiv
 2401.09149: the gathered weights of a few blocks live at any time, so a handful of

@@ -132,6 +132,9 @@ class HSDPParam:
                 DTensor.from_local(local, self.spec.mesh, self.spec.placements, shape=self.spec.shape),
                 requires_grad=True)
         self.unsharded: Any = None  # the gathered full tensor while unsharded, else None
+        # a group member's columns of its group's all-gather output, gathered but not yet
+        # copied out (ParamGroup.copy_out: GatherParam makes that copy), else None
+        self.gathered_columns: Any = None
         self.pending: Any = None  # a Work of an all-gather in flight (prefetch)
         self.grad_accum: Any = None  # the full gradient summed over micro-steps without sync
         # reshard_after_forward=int k: after the forward this rank keeps the k shards of
@@ -263,30 +266,44 @@ class HSDPParam:
                     p.wait_event(free)
                 self.pending = p.all_gather_into_tensor(front, group=group, async_op=True, out=out)
 
-    def finish_gather(self) -> Any:
+    def finish_gather(self) -> None:
         """Wait for the all-gather (on accelerators: the current stream waits for the
-        collective); drop the padding; set and return ``self.unsharded`` (a group's
-        member: the group's wait, which sets every member's)."""
+        collective); drop the padding; set ``self.unsharded`` (a group's member: the
+        group's wait, which leaves every member's columns for ``full``)."""
         if self.group is not None:
             self.group.finish_gather()
-            return self.unsharded
+            return
         p = get_platform()
         with p.no_grad():
             gathered = self.pending.wait()  # [Ns * chunk, ...] with dim moved to the front
             self.pending = None
             if self.whole_here:
                 self.unsharded = gathered
-                return gathered
+                return
             full = p.narrow(gathered, 0, 0, self.shape[self.dim])
             if self.dim:
                 full = full.transpose(0, self.dim)
             self.unsharded = full.contiguous()
+
+    @property
+    def is_gathered(self) -> bool:
+        """Gathered, and the all-gather waited for (copied out or not)."""
+        return self.unsharded is not None or self.gathered_columns is not None
+
+    def full(self, no_grad: bool = True) -> Any:
+        """The gathered tensor, ``unsharded``, copied out of the group's all-gather output
+        first if it has not been (``ParamGroup.copy_out``, under ``no_grad``); ``None``
+        when not gathered."""
+        if self.unsharded is None and self.gathered_columns is not None:
+            self.unsharded = self.group.copy_out(self, no_grad)
         return self.unsharded
 
     def drop_unsharded(self) -> None:
         """Forget the gathered tensor; a pooled buffer goes back to the pool (see
         [Note: when a pooled buffer may be overwritten] in ``buffer_pool``)."""
         self.unsharded = None
+        if self.gathered_columns is not None:
+            self.group.forget(self)
         if self.buffer is not None and self.pending is None:
             self.pool.release(self.buffer)
             self.buffer = None
@@ -403,8 +420,10 @@ class WaitReduce(CustomFunction):
 
 class GatherParam(CustomFunction):
     """``full = GatherParam(sharded, hsdp_param, state)``: hands the module the gathered
-    parameter (all-gathered beforehand by the unit's unshard) while recording the
-    sharded parameter (through ``WaitReduce``) as its source. Backward: the full gradient
+    parameter (all-gathered beforehand by the unit's unshard; a group member's copied out
+    of the all-gather output here, its one copy: [Note: flat all-gather copy-in] in
+    ``param_group``) while recording the sharded parameter (through ``WaitReduce``) as
+    its source. Backward: the full gradient
     goes to ``state.on_grad``, which issues its reduce-scatter (collected by
     ``WaitReduce``) or accumulates it when gradient sync is off. Nothing is saved here
     (SimpleFSDP, arXiv 2411.00284)."""
@@ -413,6 +432,12 @@ class GatherParam(CustomFunction):
     def forward(ctx: Any, sharded: Any, hsdp_param: HSDPParam, state: Any) -> Any:
         ctx.hsdp_param = hsdp_param
         ctx.state = state
+        if hsdp_param.unsharded is None and hsdp_param.gathered_columns is not None:
+            # [Note: flat all-gather copy-in] (param_group): the copy out of the group's
+            # all-gather output, made here, is the tensor the module reads (FSDP2's one
+            # copy); made by this function's own operation, not under no_grad, as the clone
+            # below is ([Note: gathered parameters and autograd] in hsdp_state)
+            return hsdp_param.full(no_grad=False)
         if not state.reshard_after_forward and hsdp_param.unsharded is not hsdp_param.local_tensor():
             return hsdp_param.unsharded  # a gathered copy of its own (the shard itself is copied below)
         # [Note: gathered parameters and autograd] (hsdp_state): the output must be a

@@ -254,7 +254,7 @@ class HSDPState:
                 # Waited for here (a prefetch of a unit whose backward has partly run),
                 # kept for its WaitReduce; dropped at the next step if never collected.
                 hp.reduced = hp.finish_reduce()
-            if hp.unsharded is None and hp.pending is None:
+            if not hp.is_gathered and hp.pending is None:
                 hp.start_gather(self._param_dtype or hp.sharded.dtype, self.context.streams()[0])
         if not async_op:
             self._wait_unshard()
@@ -393,7 +393,7 @@ class HSDPState:
             full = p.apply_function(GatherParam, src, hp, self)
             fulls.append(full)
             if self.reshard_after_forward:
-                hp.drop_unsharded()  # the module reads ``full``, a copy (see GatherParam)
+                hp.drop_unsharded()  # the module reads ``full``, GatherParam's own copy
             for owner, name in hp.uses:
                 vars(owner)[name] = hp.presented(full, owner)
         self._grads_pending = len(self.params)
@@ -498,12 +498,12 @@ class HSDPState:
 
     def _gathered(self, hp: HSDPParam) -> Any:
         self._group()
-        if hp.unsharded is None:
+        if not hp.is_gathered:
             self._hook_copy = True
             if hp.pending is None:
                 hp.start_gather(self._param_dtype or hp.sharded.dtype, self.context.streams()[0])
             hp.finish_gather()
-        return hp.unsharded
+        return hp.full()
 
     def on_grad(self, hp: HSDPParam, grad: Any) -> Any:
         """What ``GatherParam.backward`` returns for ``hp`` given its full gradient ``grad``

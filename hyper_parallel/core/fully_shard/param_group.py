@@ -25,18 +25,24 @@ Each all-gather copies every parameter's shard into the input buffer with one
 framework's copy kernel converts dtypes), so ``MixedPrecisionPolicy.param_dtype`` costs
 no separate cast and no padded copy is made: the padding columns of a short chunk are
 not written (what they hold, zeros or an earlier use's values of a pooled buffer, only
-reaches padding rows of the output, which are dropped). The
-gathered parameters are copied out of the output buffer (one copy of each column
-block: rows of different ranks are ``total`` apart, so no parameter is a contiguous
-view of it; FSDP2 copies out likewise; a parameter sharded on a dim other than 0 has its
-dims put back in place on a view first, so that copy is the only one, unless its chunk
-is padded), after which both buffers go back to the tree's
-pool (``HSDPContext.flat_buffers``): buffers of one shape serve every unit of that size
-and every step. Orderings on accelerators ([Note: collectives and overlap] in
+reaches padding rows of the output, which are dropped). The input buffer goes back to
+the tree's pool (``HSDPContext.flat_buffers``) once the all-gather is waited for; the
+output is held, each parameter's columns in its ``gathered_columns``, until each is
+copied out (one copy of each column block: rows of different ranks are ``total`` apart,
+so no parameter is a contiguous view of it; FSDP2 copies out likewise; a parameter
+sharded on a dim other than 0 has its dims put back in place on a view first, so that
+copy is the only one, unless its chunk is padded) and then goes back too: buffers of one
+shape serve every unit of that size and every step. The copy-out is made where the
+parameter is read (``HSDPParam.full``): in ``GatherParam``'s forward, whose output it
+is (MindSpore needs a custom function's output made inside it: [Note: gathered
+parameters and autograd] in ``hsdp_state``), or by a backward's reload. So the module
+reads the one copy FSDP2 also makes, not a copy of a copy, and a gathered parameter the
+backward does not read is not copied out at all; what is never copied out is forgotten
+when the unit reshards. Orderings on accelerators ([Note: collectives and overlap] in
 ``hsdp_state``): the copy-in runs on the current stream after the buffer's last
 readers (the pool's event); the all-gather stream waits for an event recorded after the
 copy-in; ``Work.wait()`` makes the current stream wait for the collective before the
-copy-out, and the buffers are released (an event on the current stream) after it.
+copy-outs, and the output is released (an event on the current stream) after the last.
 
 [Note: flat reduce-scatter]
 Each full gradient is written into the reduce-scatter input when ``GatherParam``'s
@@ -65,7 +71,6 @@ from typing import Any
 from hyper_parallel.core.fully_shard.buffer_pool import GatherBufferPool
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import ReduceOp
-from hyper_parallel.core.tensor_ops import clone
 
 
 class _FlatGather:
@@ -114,6 +119,9 @@ class ParamGroup:
         self.offsets: list[int] = [sum(self.numels[:i]) for i in range(len(params))]
         self.total: int = sum(self.numels)
         self.gather: _FlatGather | None = None  # the all-gather in flight
+        # the all-gather outputs whose members' copy-outs are still to come (GatherParam
+        # makes them: [Note: flat all-gather copy-in]), each with those members
+        self.held: list[tuple[Any, list[Any]]] = []
         self.reduce: _FlatReduce | None = None  # the round gradients are written into now
         for hp in params:
             hp.group = self
@@ -143,7 +151,7 @@ class ParamGroup:
         p = get_platform()
         if self.gather is not None:  # a member dropped since: finish that one first
             self.finish_gather()
-        members = [hp for hp in self.params if hp.unsharded is None and hp.pending is None]
+        members = [hp for hp in self.params if not hp.is_gathered and hp.pending is None]
         if not members:
             return
         pool = self._pool()
@@ -176,44 +184,67 @@ class ParamGroup:
             hp.pending = self.gather
 
     def finish_gather(self) -> None:
-        """Wait for the all-gather in flight; copy each member's parameter out of the
-        output buffer (padding dropped, ``dim`` back in place) into its ``unsharded``;
-        give both buffers back to the pool."""
+        """Wait for the all-gather in flight; give the input buffer back to the pool and
+        hold the output, each member's columns in its ``gathered_columns`` until
+        ``copy_out`` (GatherParam's forward, or a reader of ``HSDPParam.full``) copies
+        them out."""
         p = get_platform()
         flat, self.gather = self.gather, None
         if flat is None:
             return
         with p.no_grad():
             out = flat.work.wait()  # [Ns, total]
-            for hp in flat.members:
-                i = self.params.index(hp)
-                off, n = self.offsets[i], self.numels[i]
-                hp.unsharded = self._copy_out(hp, out[:, off:off + n])
-                hp.pending = None
-            pool = self._pool()
-            pool.release(flat.inp)
-            pool.release(out)
+        self._pool().release(flat.inp)
+        self.held.append((out, list(flat.members)))
+        for hp in flat.members:
+            i = self.params.index(hp)
+            off, n = self.offsets[i], self.numels[i]
+            hp.gathered_columns = out[:, off:off + n]
+            hp.pending = None
+
+    def copy_out(self, hp: Any, no_grad: bool = True) -> Any:
+        """``hp`` gathered, ``hp.shape`` and contiguous, copied out of the held all-gather
+        output (padding dropped, ``dim`` back in place): the one copy a gathered
+        parameter costs; under ``no_grad`` unless the caller is a custom function's
+        forward, whose output it is. The output goes back to the pool after its last
+        member's."""
+        p = get_platform()
+        if no_grad:
+            with p.no_grad():
+                full = self._copy_out(hp, hp.gathered_columns)
+        else:
+            full = self._copy_out(hp, hp.gathered_columns)
+        self.forget(hp)
+        return full
+
+    def forget(self, hp: Any) -> None:
+        """``hp``'s columns are not needed any more (copied out, or its gathered copy
+        dropped); the held output goes back to the pool after the last member's."""
+        hp.gathered_columns = None
+        for index, (out, members) in enumerate(self.held):
+            if hp in members:
+                members.remove(hp)
+                if not members:
+                    self._pool().release(out)
+                    del self.held[index]
+                return
 
     def _copy_out(self, hp: Any, columns: Any) -> Any:
         """``hp`` gathered, ``hp.shape`` and contiguous, from its columns ``[Ns, numel]``
-        of the all-gather output: one copy (two for a padded chunk on a dim other than
-        0). Row ``r`` holds rank ``r``'s chunk laid out as ``_front``, so the chunk's
-        dims are put back in place on a view (``[Ns, chunk, *rest]``, ``dim``'s two
-        factors beside each other) before the one copy that makes them contiguous."""
+        of the all-gather output: one copy, a ``cat`` along ``dim`` of the ranks' chunks,
+        their padding left out. Row ``r`` holds rank ``r``'s chunk laid out as
+        ``_front``; on a view it is put back in ``hp``'s layout (``reshape`` of the row,
+        ``transpose(0, dim)``, the padding cut) before the copy. The result is the ``cat``'s own tensor,
+        not a view of it: ``GatherParam`` returns it, and MindSpore hands out a copy of a
+        custom function's output that is a view, which the saved-tensor release cannot
+        match ([Note: gathered parameters and autograd] in ``hsdp_state``)."""
         p = get_platform()
-        dim, rows = hp.dim, self.shard_size * hp.chunk
-        if not dim:
-            return p.narrow(clone(columns).reshape(self._front_shape(hp, rows)), 0, 0, hp.shape[0])
-        front = self._front_shape(hp, hp.chunk)
-        split = columns.reshape(self.shard_size, *front)  # splits dim 1 only: a view
-        # the view's dims in ``hp``'s order: ``dim`` <- (ranks, chunk), 0 <- front dim ``dim``
-        order = [d for t in range(len(hp.shape)) for d in ((0, 1) if t == dim else (dim + 1,) if t == 0 else (t + 1,))]
-        shape = list(hp.shape)
-        shape[dim] = rows
-        full = split.permute(*order).contiguous().reshape(shape)
-        if rows == hp.shape[dim]:
-            return full
-        return p.narrow(full, dim, 0, hp.shape[dim]).contiguous()  # a padded chunk: the second copy
+        front, pieces = self._front_shape(hp, hp.chunk), []
+        for r in range(self.shard_size):
+            rows = min(hp.chunk, hp.shape[hp.dim] - r * hp.chunk)  # a short or empty last chunk's padding: left out
+            if rows > 0:
+                pieces.append(p.narrow(self._front(p, columns[r].reshape(front), hp.dim), hp.dim, 0, rows))
+        return p.cat(pieces, hp.dim)
 
     # -- reduce-scatter ----------------------------------------------------------------
     def start_reduce(self, hp: Any, grad: Any, reduce_dtype: Any, stream: Any) -> None:
