@@ -29,9 +29,9 @@ reaches padding rows of the output, which are dropped). The input buffer goes ba
 the tree's pool (``HSDPContext.flat_buffers``) once the all-gather is waited for; the
 output is held, each parameter's columns in its ``gathered_columns``, until each is
 copied out (one copy of each column block: rows of different ranks are ``total`` apart,
-so no parameter is a contiguous view of it; FSDP2 copies out likewise; a parameter
-sharded on a dim other than 0 has its dims put back in place on a view first, so that
-copy is the only one, unless its chunk is padded) and then goes back too: buffers of one
+so no parameter is a contiguous view of it; FSDP2 copies out likewise; each rank's
+chunk is put back in the parameter's layout and cut to its unpadded rows on a view, so
+the ``cat`` of the chunks is the only copy, on any dim) and then goes back too: buffers of one
 shape serve every unit of that size and every step. The copy-out is made where the
 parameter is read (``HSDPParam.full``): in ``GatherParam``'s forward, whose output it
 is (MindSpore needs a custom function's output made inside it: [Note: gathered
