@@ -3,8 +3,9 @@
 parallelism, with and without ``--ep-overlap``, in the same run.
 
 4 ranks on gloo (torch-cpu): ``--model`` (``moe-small``: 4 blocks, each an MoE of 8 routed
-experts, top-2, a shared expert) on pp 2 x dp-shard 2 x ep 2 with 1F1B over
-``--microbatches``, through the job's own ``setup`` and ``train`` (forward, backward, the
+experts, top-2, a shared expert) on pp 2 x dp-shard 2 x ep 2 with ``--pp-schedule`` (1F1B by
+default; ``interleaved-1f1b``; ``dualpipev``, whose pairs are its own and whose split backwards'
+weight gradients reach fully_shard once per step) over ``--microbatches``, through the job's own ``setup`` and ``train`` (forward, backward, the
 routing all-reduce, global-norm clipping, AdamW). Each layout runs ``--warmup + --iters``
 steps; a step's time (``loop._train_step``, after a barrier) is the slowest rank's; the median over the timed steps
 is reported, with tokens/s (``batch x seq`` per step) and the ratio overlap / plain (below 1:
@@ -31,6 +32,7 @@ CPU path), which needs a GPU driver ("0 active drivers"), and torchtitan 0.3.0 n
 nightly torch and ``spmd_types``. The comparison belongs to a run on a GPU.
 
     python benchmarks/moe.py [--iters 5] [--seq-len 128] [--batch-size 8] [--microbatches 4]
+                             [--pp-schedule 1f1b|interleaved-1f1b|dualpipev]
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from benchmarks._common import add_step_arguments, host_meta, write_results  # n
 
 
 def bench_rank(model_name: str, seq_len: int, batch_size: int, microbatches: int, iters: int,
-               warmup: int) -> list[dict]:
+               warmup: int, pp_schedule: str = "1f1b") -> list[dict]:
     """Runs on every rank: the job's step (``loop._train_step``, then ``balance_step`` as the
     loop runs it) on both layouts; returns this rank's per-step seconds, losses and
     (overlap) rendezvous waits."""
@@ -64,7 +66,8 @@ def bench_rank(model_name: str, seq_len: int, batch_size: int, microbatches: int
     rows = []
     with tempfile.TemporaryDirectory() as out:
         for overlap in (False, True):
-            layout = Layout(pp=2, dp_shard=2, ep=2, microbatches=microbatches, ep_overlap=overlap)
+            layout = Layout(pp=2, dp_shard=2, ep=2, microbatches=microbatches, ep_overlap=overlap,
+                            pp_schedule=pp_schedule)
             cfg = TrainConfig(platform="torch", nproc=4, layout=layout, model=PRESETS[model_name],
                               model_name=model_name, data=(str(Path(json.__file__).parent),), seq_len=seq_len,
                               batch_size=batch_size, steps=warmup + iters, lr=1e-3, warmup_steps=2,
@@ -116,7 +119,7 @@ def markdown(results: list[dict], meta: dict) -> str:
     plain, overlap = results
     lines = [
         f"# MoE pipeline step with and without --ep-overlap ({meta['world_size']} ranks, gloo, CPU, model "
-        f"{meta['model']}, pp 2 x dp-shard 2 x ep 2, 1F1B, {meta['microbatches']} microbatches, seq "
+        f"{meta['model']}, pp 2 x dp-shard 2 x ep 2, {meta['pp_schedule']}, {meta['microbatches']} microbatches, seq "
         f"{meta['seq_len']}, batch {meta['batch_size']})",
         "",
         "Median of the slowest rank per step (the job's step, loop._train_step). ratio = overlap / plain (below 1: faster). "
@@ -139,8 +142,12 @@ def main() -> int:
     add_step_arguments(parser, iters=5, warmup=2)
     parser.set_defaults(model="moe-small")
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "moe")
+    parser.add_argument("--pp-schedule", default="1f1b", choices=("1f1b", "interleaved-1f1b", "dualpipev"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results stem (default: benchmarks/results/moe, or moe_<schedule> for another schedule)")
     args = parser.parse_args()
+    stem = "moe" if args.pp_schedule == "1f1b" else f"moe_{args.pp_schedule.replace('-', '_')}"
+    args.out = args.out or REPO / "benchmarks" / "results" / stem
 
     from hyper_parallel.testing import run_on_ranks
 
@@ -148,10 +155,11 @@ def main() -> int:
     from benchmarks.moe import bench_rank as rank_fn
 
     per_rank = run_on_ranks(rank_fn, 4, args.model, args.seq_len, args.batch_size, args.microbatches, args.iters,
-                            args.warmup, platform="torch-cpu", timeout_s=1800)
+                            args.warmup, args.pp_schedule, platform="torch-cpu", timeout_s=1800)
     results = summarize(per_rank, args.seq_len * args.batch_size)
     meta = {"world_size": 4, "backend": "torch-cpu (gloo)", "model": args.model, "seq_len": args.seq_len,
-            "batch_size": args.batch_size, "microbatches": args.microbatches, "iters": args.iters,
+            "batch_size": args.batch_size, "microbatches": args.microbatches, "pp_schedule": args.pp_schedule,
+            "iters": args.iters,
             "warmup": args.warmup, **host_meta()}
     write_results(args.out, meta, results, markdown(results, meta))
     return 0

@@ -46,8 +46,8 @@ INIT_DEVICES = ("meta", "host")
 #: The schedules with the zero-bubble I/W split of the backward (``weight_grad.py``).
 ZERO_BUBBLE_SCHEDULES = tuple(name for name, entry in SCHEDULES.items() if entry.splits_backward)
 #: the ``--pp-schedule``s ``--ep-overlap`` runs: those that pair a backward with a forward
-#: (``OVERLAP_B_F``) on the fully_shard layouts ``--ep`` needs
-EP_OVERLAP_SCHEDULES = ("1f1b", "interleaved-1f1b")
+#: (``OVERLAP_B_F``: 1F1B and interleaved 1F1B with ``overlap_b_f``, DualPipeV's own pairs)
+EP_OVERLAP_SCHEDULES = ("1f1b", "interleaved-1f1b", "dualpipev")
 
 #: Parallel features a layout may need, and whether ``hyper-parallel train`` runs them yet.
 #: A layout that needs one that is not wired into the job is refused before any rank starts;
@@ -381,14 +381,6 @@ class TrainConfig:
             except ValueError as err:
                 raise ValueError(f"--microbatches={lay.microbatches} does not fit --pp-schedule {lay.pp_schedule} "
                                  f"with --pp={lay.pp}: {err}") from None
-            if lay.pp_schedule in ZERO_BUBBLE_SCHEDULES and lay.dp * lay.cp > 1:
-                # the split linear layers' weight gradients, computed in W from the gathered
-                # weight, are not handed to fully_shard's gathered parameter (whose backward
-                # reduce-scatters them): they would land on the shard with the full shape
-                raise ValueError(f"--pp-schedule {lay.pp_schedule} cannot be combined with fully_shard (--dp-shard={lay.dp_shard}, "
-                                 f"--dp-replicate={lay.dp_replicate}, --cp={lay.cp}): its deferred weight gradients "
-                                 "do not reach fully_shard's reduce-scatter yet; use --pp-schedule 1f1b or "
-                                 f"interleaved-1f1b with data or context parallelism, or {lay.pp_schedule} with --pp and --tp only")
             if mod.tie_embeddings:
                 raise ValueError("--tie-embeddings cannot be pipelined: the embedding sits on the first stage and the "
                                  "output head on the last, so the shared weight's gradient would have to be summed "
@@ -508,11 +500,8 @@ class TrainConfig:
                              f"schedule, but --pp={lay.pp}; give --pp 2 or more with --pp-schedule "
                              f"{' or '.join(EP_OVERLAP_SCHEDULES)}, or drop --ep-overlap")
         if lay.pp_schedule not in EP_OVERLAP_SCHEDULES:
-            why = ("DualPipeV splits its backwards (a zero-bubble schedule), which cannot be combined with the "
-                   "fully_shard that --ep needs" if lay.pp_schedule == "dualpipev" else
-                   "it has no forward/backward pairs to overlap")
-            raise ValueError(f"--ep-overlap cannot run with --pp-schedule {lay.pp_schedule}: {why}; use --pp-schedule "
-                             f"{' or '.join(EP_OVERLAP_SCHEDULES)}")
+            raise ValueError(f"--ep-overlap cannot run with --pp-schedule {lay.pp_schedule}: it has no "
+                             f"forward/backward pairs to overlap; use --pp-schedule {' or '.join(EP_OVERLAP_SCHEDULES)}")
 
     def _check_hf(self) -> None:
         """``--hf-config``: ``model`` becomes the sizes of its configuration

@@ -38,9 +38,10 @@ every stage module is fully_sharded (each block, then the stage's root) over the
 data-parallel submesh of its pipeline coordinate: each microbatch's backward
 reduce-scatters (averages) its gradient over the data-parallel ranks, and the stage adds
 the microbatches' shards. That is one
-reduce-scatter per microbatch and unit instead of one per step (accumulating unreduced
-gradients with ``set_requires_gradient_sync(False)`` would save them, at the price of
-knowing which backward of each unit comes last); the values are the same sums in another
+reduce-scatter per microbatch and unit under GPipe and 1F1B; schedules with split or
+paired backwards (the zero-bubble ones, ``--ep-overlap``) accumulate the full gradients and
+reduce-scatter once per step instead ([Note: one reduction per step] in
+``core/pipeline_parallel/gradient_sync.py``); the values are the same sums in another
 order. All data-parallel ranks of one pipeline coordinate run the same action list, so
 their all-gathers and reduce-scatters are issued in the same order, also where MindSpore
 recomputes a forward for an out-of-order backward (``[Note: out-of-order backwards]`` in
@@ -71,7 +72,7 @@ by the single process's integers, and every rank reports the stats of all the la
 balance loss does not reach the last stage's loss.
 
 [Note: the overlap in the job]
-``--ep-overlap`` (with ``--ep`` >= 2 and ``--pp-schedule 1f1b | interleaved-1f1b``: ``TrainConfig``)
+``--ep-overlap`` (with ``--ep`` >= 2 and ``--pp-schedule 1f1b | interleaved-1f1b | dualpipev``: ``TrainConfig``)
 builds the schedule with ``overlap_b_f=True``: each steady-state backward is paired with the
 next forward (``OVERLAP_B_F``), and ``CommComputeOverlap.run`` runs the two on two threads.
 Every MoE layer of a stage calls its expert-parallel dispatch and combine through the
@@ -85,13 +86,15 @@ inside it) need:
 
 - the coordinator holds the forward's tail ([Note: serial tails]): each segment of the
   two threads runs alone, in the same order on every rank;
-- fully_shard's gradient sync is off during the step (``set_requires_gradient_sync``)
-  and on for each stage's last backward, which no schedule pairs (every forward of the
-  rank precedes it; checked when the schedule is built): a paired forward starts its stage
-  (the root's pre-forward collects what an earlier backward left unreduced) while the
-  paired backward of the same stage is still running, so no reduce-scatter may be in
-  flight then. Each unit accumulates its full gradient over the microbatches and
-  reduce-scatters the sum once.
+- no reduce-scatter is issued inside a pair: the runtime turns fully_shard's gradient
+  sync off for the step and each unit reduce-scatters its summed gradient once, after
+  the stage's last backward work ([Note: one reduction per step] in
+  ``core/pipeline_parallel/gradient_sync.py``).
+
+``--pp-schedule dualpipev`` brings its own pairs (a forward of one V chunk with a backward
+of the other) and split backwards in its warm-up and drain: its ``W`` hands the deferred
+weight gradients of the fully_shard'ed linear layers to their units, which reduce them
+with the rest ([Note: zero-bubble schedules in train]).
 
 The values are the run without ``--ep-overlap``'s, up to float32 summation order: the
 per-microbatch reduce-scatters of that run become one reduce-scatter of the summed
@@ -111,16 +114,19 @@ building stages ``r`` and ``2 pp - 1 - r`` (the schedule gives its stages the V 
 [Note: stage placement] in ``core/pipeline_parallel/stage.py``), so the last stage's
 backward starts on the rank that ran stage 0. ``interleaved-zero-bubble`` runs ZB-H1 on two
 loop-placed stages per rank, ``dualpipev`` DualPipeV (``ScheduleDualPipeV``, V-placed like ZB-V;
-its forward/backward pairs run on two threads, which meet at no hook in this model, so each
-pair runs one after the other; ``--ep-overlap``, which would hook them, needs the fully_shard
-that DualPipeV's split backwards refuse: [Note: the overlap in the job]). Checkpoints are placement-free (each rank saves its
+its forward/backward pairs run on two threads, which meet at no hook in a dense model, so
+each pair runs one after the other; with ``--ep-overlap`` an MoE model's dispatch and
+combine hook them: [Note: the overlap in the job]). Checkpoints are placement-free (each rank saves its
 stages' parameters under the decoder's names), so a ZB-V run resumes like any other. Under
 tensor parallelism the split
 layers are the TP-hooked projections, whose weights are the local shards, so ``W`` lands
-local gradients. fully_shard is refused by ``TrainConfig`` (``--dp-shard``,
-``--dp-replicate``, ``--cp``): a fully_sharded layer computes with the gathered weight,
-whose gradient fully_shard reduce-scatters in the backward of its gather, and the split's
-deferred gradient, computed in ``W`` after that backward ran, does not reach it.
+local gradients. With fully_shard (``--dp-shard``, ``--dp-replicate``, ``--cp``) a split
+layer computes with the gathered weight, whose gradient fully_shard reduce-scatters in
+the backward of its gather, which ``I`` runs before ``W`` computed it: ``W`` hands it to
+the layer's unit instead, the runtime keeps gradient sync off for the step, and each unit
+reduce-scatters its summed gradient once, after its stage's last ``W`` ([Note: one
+reduction per step] in ``core/pipeline_parallel/gradient_sync.py``; torch's pipelining
+drives FSDP2 the same way).
 """
 
 from __future__ import annotations
@@ -132,10 +138,9 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.dtensor import DeviceMesh
-from hyper_parallel.core.fully_shard import HSDPModule, MixedPrecisionPolicy
+from hyper_parallel.core.fully_shard import MixedPrecisionPolicy
 from hyper_parallel.core.pipeline_parallel import (SCHEDULES, CommComputeOverlap, HookCoordinator, PipelineSchedule,
                                                    PipelineStage)
-from hyper_parallel.core.pipeline_parallel.schedules.actions import ActionType
 from hyper_parallel.platform import Platform
 from hyper_parallel.train.config import TrainConfig
 from hyper_parallel.train.model import build_stage, cross_entropy, stage_layers
@@ -276,13 +281,11 @@ def build_pipeline(p: Platform, cfg: TrainConfig, model: Any, mesh: DeviceMesh,
 
 def _overlapped_schedule(p: Platform, schedule_class: type, modules: list[Any], stages: list[PipelineStage],
                          microbatches: int, loss_fn: Callable[[Any, Any], Any]) -> PipelineSchedule:
-    """``schedule_class`` (1F1B or interleaved 1F1B) with its ``OVERLAP_B_F`` pairs run on two
-    threads, the MoE layers of ``modules`` hooked to them, and fully_shard's gradient sync
-    turned on for each stage's last backward ([Note: the overlap in the job]).
-
-    Raises:
-        RuntimeError: the schedule pairs a stage's last backward (the rule above would
-            reduce-scatter while a paired forward runs)."""
+    """``schedule_class`` (1F1B, interleaved 1F1B or DualPipeV) with its ``OVERLAP_B_F`` pairs
+    run on two threads and the MoE layers of ``modules`` hooked to them ([Note: the overlap
+    in the job]); the runtime reduces fully_shard's gradients once per step, after each
+    stage's last backward work ([Note: one reduction per step] in
+    ``core/pipeline_parallel/gradient_sync``)."""
     overlap = CommComputeOverlap(HookCoordinator(hold_forward_tail=True))
     for module in modules:
         layers = moe_layers(p, module)
@@ -290,22 +293,9 @@ def _overlapped_schedule(p: Platform, schedule_class: type, modules: list[Any], 
             assert layer.expert_parallel is not None, "TrainConfig: --ep-overlap needs --ep"
             layer.dispatch = overlap.wrap_dispatch(layer.expert_parallel.dispatch)
             layer.combine = overlap.wrap_combine(layer.expert_parallel.combine, is_last_layer=i == len(layers) - 1)
-    schedule: PipelineSchedule = schedule_class(stages, microbatches, loss_fn, overlap_b_f=True, overlap=overlap)
-    last = microbatches - 1
-    for action in schedule.actions:
-        if action.type is ActionType.OVERLAP_B_F and action.sub_actions[0].microbatch_index == last:
-            raise RuntimeError(f"{schedule_class.__name__}: the pair {action} holds stage "
-                               f"{action.sub_actions[0].stage_index}'s last backward; --ep-overlap reduces the "
-                               "gradients there and needs it outside the pairs")
-    by_index = dict(zip((stage.stage_index for stage in stages), modules))
-
-    def backward(action: Any, ctx: Any) -> None:
-        if action.microbatch_index == last and isinstance(by_index[action.stage_index], HSDPModule):
-            by_index[action.stage_index].set_requires_gradient_sync(True)  # reduce the summed gradients
-        ctx.schedule._stage_dict[action.stage_index].backward_one_chunk(action.microbatch_index)
-
-    schedule.register_custom_function(ActionType.B, backward)
-    return schedule
+    if schedule_class.splits_backward:  # DualPipeV: pairs are its own
+        return schedule_class(stages, microbatches, loss_fn, overlap=overlap)
+    return schedule_class(stages, microbatches, loss_fn, overlap_b_f=True, overlap=overlap)
 
 
 def train_step(pipe: Pipeline, tensors: list[Any], loss_scale: float = 1.0) -> float | None:
@@ -316,15 +306,10 @@ def train_step(pipe: Pipeline, tensors: list[Any], loss_scale: float = 1.0) -> f
     on the rank of the last stage (the mean over this rank's tokens: microbatches are
     equal), ``None`` elsewhere."""
     pipe.loss_scale = loss_scale
-    sharded = [module for module in pipe.modules if isinstance(module, HSDPModule)] if pipe.overlap else []
-    for module in sharded:  # on again for each stage's last backward: [Note: the overlap in the job]
-        module.set_requires_gradient_sync(False)
     try:
         mean = _mean_loss(pipe, tensors, pipe.schedule.step)
     finally:
         pipe.loss_scale = 1.0
-        for module in sharded:
-            module.set_requires_gradient_sync(True)
     return None if mean is None else mean / loss_scale
 
 

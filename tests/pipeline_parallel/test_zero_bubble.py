@@ -13,10 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hyper_parallel.core.dtensor import init_device_mesh
-from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.core.pipeline_parallel import (PipelineStage, ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
                                                    ScheduleZBVZeroBubble)
+from hyper_parallel.core.pipeline_parallel.gradient_sync import defers_reduction, last_gradient_actions
 from hyper_parallel.core.pipeline_parallel.schedules import (ActionType, ScheduleError, add_communication, dualpipe_v,
                                                              interleaved_1f1b, interleaved_zero_bubble, one_f_one_b,
                                                              simulate, v_placement, validate, zbv_zero_bubble)
@@ -97,12 +96,6 @@ def _check_bad_input(p) -> None:
                                PipelineStage(chain, r + n, 2 * n, placement="loop")], 4, mse)
     with pytest.raises(TypeError, match="must be a non-empty list of PipelineStage"):
         ScheduleInterleavedZeroBubble([], 4, mse)
-    # fully_shard's reduce-scatter would not get the deferred weight gradients: refused when
-    # the schedule is built, on every rank
-    sharded = build_chain(p, layer_weights(1))
-    fully_shard(sharded, mesh=init_device_mesh(p.device_type, (n,), mesh_dim_names=("dp",)))
-    with pytest.raises(ValueError, match=r"holds fully sharded modules \['<the stage module>'\]; the zero-bubble"):
-        ScheduleInterleavedZeroBubble([PipelineStage(sharded, r, n)], 2 * n, mse)
 
 
 def check_zero_bubble(layers_per_stage: int, configs: list[tuple[str, int]]) -> None:
@@ -144,3 +137,23 @@ def test_zero_bubble_matches_unpipelined(run_on_ranks, world_size: int) -> None:
     full = [(kind, m) for kind, m in _FULL if kind != "dualpipev" or m >= 2 * world_size]  # its minimum
     run_on_ranks(check_zero_bubble, 2 if world_size == 2 else 1, full, world_size=world_size,
                  timeout_s=300)
+
+
+@pytest.mark.parametrize("kind", ["zbh1", "zbv", "dualpipev", "1f1b"])
+def test_reduction_points(kind: str) -> None:
+    """[Note: one reduction per step]: each stage of a rank is reduced once, after the last
+    action that computes its gradients (a ``W``, a ``B``, or a pair holding its backward),
+    and only ranks with ``W`` or ``OVERLAP_B_F`` actions defer."""
+    n, m = 2, 4
+    compute = {"zbh1": lambda: interleaved_zero_bubble(n, 1, m), "zbv": lambda: zbv_zero_bubble(n, m),
+               "dualpipev": lambda: dualpipe_v(n, m), "1f1b": lambda: one_f_one_b(n, m)}[kind]()
+    for rank, actions in compute.items():
+        assert defers_reduction(actions) is (kind != "1f1b")
+        after = last_gradient_actions(actions)
+        stages = sorted(s for group in after.values() for s in group)
+        assert stages == sorted({a.stage_index for a in actions}), (kind, rank, after)
+        for index, group in after.items():
+            for s in group:
+                later = actions[index + 1:]
+                assert not any(a.stage_index == s and a.type in (A.B, A.W) for a in later), (kind, rank, s)
+                assert not any(a.type is A.OVERLAP_B_F and a.sub_actions[0].stage_index == s for a in later)

@@ -515,9 +515,7 @@ class HSDPState:
         self._group()
         reduce_dtype = self._reduce_dtype or hp.sharded.dtype
         if not self.requires_gradient_sync:
-            with p.no_grad():
-                g = p.to_dtype(grad, reduce_dtype)
-                hp.grad_accum = g if hp.grad_accum is None else hp.grad_accum + g
+            self.accumulate_grad(hp, grad)
             result = hp.to_home(p.zeros(hp.local_shape(), hp.sharded.dtype))
         else:
             if hp.grad_accum is not None:
@@ -538,6 +536,38 @@ class HSDPState:
         if self._grads_pending <= 0:
             self.training_state = TrainingState.IDLE
         return result
+
+    def accumulate_grad(self, hp: HSDPParam, grad: Any) -> None:
+        """Add ``grad``, a full gradient of ``hp`` (the gathered parameter's shape), to what
+        this step accumulates without sync (``HSDPParam.grad_accum``, in the reduce dtype);
+        ``reduce_accumulated`` or the next backward with gradient sync reduces it. The
+        backwards add theirs here when gradient sync is off, and a zero-bubble ``W`` its
+        deferred weight gradients ([Note: one reduction per step] in
+        ``core/pipeline_parallel/gradient_sync``). No collective."""
+        p = get_platform()
+        with p.no_grad():
+            g = p.to_dtype(grad, self._reduce_dtype or hp.sharded.dtype)
+            hp.grad_accum = g if hp.grad_accum is None else hp.grad_accum + g
+
+    def reduce_accumulated(self) -> list[tuple[HSDPParam, Any]]:
+        """Reduce what was accumulated without sync (``accumulate_grad``), as a backward
+        with gradient sync would have: the unit's flat **reduce-scatter** (and on HSDP the
+        **all-reduce** over the replicate axis), each parameter's sharded gradient
+        averaged under ``ReduceOp.AVG``. Returns ``(hp, sharded gradient)`` (the local
+        chunk in the parameter's dtype, home) for each parameter that accumulated one, in
+        the unit's order (the same on every rank); the accumulation is cleared."""
+        self._group()
+        started = []
+        for hp in self.params:
+            if hp.grad_accum is None:
+                continue
+            grad, hp.grad_accum = hp.grad_accum, None
+            if hp.pending_reduce is not None:
+                hp.finish_reduce()  # a gradient never collected (see _pre_forward): dropped
+            hp.reduced = None
+            hp.start_reduce(grad, self._reduce_dtype or hp.sharded.dtype, self.context.streams()[1])
+            started.append(hp)
+        return [(hp, hp.finish_reduce()) for hp in started]
 
     def _cast(self, value: Any, dtype: Any) -> Any:
         p = get_platform()

@@ -40,6 +40,7 @@ from hyper_parallel.core.pipeline_parallel.messages import (META_LEN, Mailbox, M
                                                             encode_specs, receive, send, spec_of)
 from hyper_parallel.core.pipeline_parallel.microbatch import merge_microbatches, split_microbatches
 from hyper_parallel.core.pipeline_parallel.custom_step import CUSTOM_TYPES, CustomStepFn, PipelineContext
+from hyper_parallel.core.pipeline_parallel.gradient_sync import StepReduction, defers_reduction
 from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType, Schedule
 from hyper_parallel.core.pipeline_parallel.schedules.lowering import add_communication, forward_only
 from hyper_parallel.core.pipeline_parallel.schedules.validate import validate
@@ -158,6 +159,7 @@ class PipelineSchedule:
         if any(a.type is A.W for a in self.schedule[self._rank]):
             for stage in stages:  # split backwards: I computes no weight gradient of linear layers
                 stage._split_weight_grads()
+        self._defers_reduction = defers_reduction(self.actions)  # [Note: one reduction per step]
         self._incoming = self._incoming_messages(self.schedule)
         self._eval_incoming = self._incoming_messages(self.eval_schedule)
         self._specs_known = False
@@ -456,11 +458,17 @@ class PipelineSchedule:
         self.peak_activations = 0
         for stage in self._stages.values():
             stage._step = run  # forward_one_chunk / backward_one_chunk run inside this step
+        # fully_shard'ed stages reduce once per step here: [Note: one reduction per step]
+        reduction = StepReduction(self.platform, self._stages, self.actions) if self._defers_reduction else None
         try:
-            for action in self.actions:
+            for index, action in enumerate(self.actions):
                 run.execute(action)
                 self.peak_activations = max(self.peak_activations, len(run.backward))
+                if reduction is not None:
+                    reduction.after(index)
         finally:
+            if reduction is not None:
+                reduction.restore()
             for stage in self._stages.values():
                 stage._step = None
         for work in run.sends:
@@ -688,5 +696,4 @@ class _StepState:
         if capture is not None and stage.weight_split is not None:
             landed = stage.weight_split.land(capture, params)
             grads = [own if new is None else (new if own is None else own + new) for own, new in zip(grads, landed)]
-        stage._accumulate([self.p.zeros(tuple(param.shape), param.dtype) if grad is None else grad
-                           for grad, param in zip(grads, params)])
+        stage._accumulate(grads)

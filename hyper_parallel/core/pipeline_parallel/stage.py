@@ -275,10 +275,12 @@ class PipelineStage:
         self._grads = None
 
     def _accumulate(self, grads: Sequence[Any]) -> None:
+        """Add one backward's gradients (per parameter; ``None``: none) to the step's."""
         if self._grads is None:
-            self._grads = list(grads)
+            self._grads = [self.platform.zeros(tuple(param.shape), param.dtype) if grad is None else grad
+                           for grad, (_, param) in zip(grads, self.named_params, strict=True)]
         else:
-            self._grads = [acc + grad for acc, grad in zip(self._grads, grads)]
+            self._grads = [acc if grad is None else acc + grad for acc, grad in zip(self._grads, grads, strict=True)]
 
     def __repr__(self) -> str:
         return f"PipelineStage({self.stage_index}/{self.num_stages}, rank {self.group_rank}/{self.group_size})"

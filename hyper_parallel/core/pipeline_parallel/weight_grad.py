@@ -50,7 +50,7 @@ from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR
+from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPState
 from hyper_parallel.platform.base import CustomFunction, Platform, RemovableHandle
 
 
@@ -132,7 +132,7 @@ class LinearWeightSplit:
     Args:
         platform: the platform whose hooks and autograd are used.
         module: a stage's submodule; its linear layers (``named_modules(linear_only=True)``)
-            with tensor (not DTensor) weights are split.
+            with tensor weights (DTensor ones included) are split.
 
     Attributes:
         layers: ``(fqn, module)`` of the split linear layers.
@@ -141,23 +141,13 @@ class LinearWeightSplit:
         needs_rewalk: the module has parameters outside the split layers (their
             gradients come from ``vjp``'s ``part="weight"``).
 
-    Raises:
-        ValueError: ``module`` holds a module passed to ``fully_shard`` (before any
-            collective: the schedules with a ``W`` action build the split when they are
-            constructed).
+    A layer whose parameters a ``fully_shard`` unit manages computes with the gathered
+    weight, whose gradient the unit reduces: ``W`` hands its deferred gradients to the
+    unit (``HSDPState.accumulate_grad``) instead of landing them, and the runtime reduces
+    them once per step ([Note: one reduction per step] in ``gradient_sync``).
     """
 
     def __init__(self, platform: Platform, module: Any) -> None:
-        sharded = [name or "<the stage module>" for name, sub in platform.named_modules(module)
-                   if STATE_ATTR in vars(sub)]
-        if sharded:
-            # W computes each deferred weight gradient from the gathered weight after
-            # fully_shard's backward for that gather has run: the gradient would reach the
-            # shard with the full shape instead of its reduce-scatter.
-            raise ValueError(f"LinearWeightSplit: the stage module holds fully sharded modules {sharded[:3]}; the "
-                             "zero-bubble weight-gradient split does not compose with fully_shard yet: use "
-                             "Schedule1F1B / ScheduleInterleaved1F1B (no split) for fully sharded stages, or do not "
-                             "fully_shard the stage")
         self.platform = platform
         self.layers: list[tuple[str, Any]] = [
             (name, layer) for name, layer in platform.named_modules(module, linear_only=True)
@@ -168,6 +158,7 @@ class LinearWeightSplit:
                      for name, param in platform.named_parameters(sub) if "." not in name}
         self.needs_rewalk = any(id(param) not in split_ids or id(param) in other_ids
                                 for _, param in platform.named_parameters(module))
+        self._module = module
         self.input_grad_matmuls = 0
         self.weight_grad_matmuls = 0
         self._local = threading.local()  # .capture: the capture of the forward running on this thread
@@ -214,8 +205,9 @@ class LinearWeightSplit:
 
     def land(self, capture: Capture, params: Sequence[Any]) -> list[Any | None]:
         """``W``: the deferred weight gradients of ``capture`` (summed per parameter),
-        landed through ``platform.vjp`` ([Note: landing weight gradients]); one entry per
-        ``params`` (``None`` where it got none)."""
+        landed through ``platform.vjp`` ([Note: landing weight gradients]), or added to
+        the fully_shard unit of a fully sharded layer (``HSDPState.accumulate_grad``);
+        one entry per ``params`` (``None`` where it got none here)."""
         p = self.platform
         sums: dict[int, tuple[Any, Any]] = {}
         with p.no_grad():
@@ -227,30 +219,33 @@ class LinearWeightSplit:
                     grad_w, grad_b = old_w + grad_w, (old_b + grad_b if has_bias else None)
                 sums[layer] = (grad_w, grad_b)
         capture.entries.clear()
-        if not sums:
-            return [None] * len(params)
-        landed = []
+        sharded = self._fully_sharded()
+        landed: list[Any] = []
+        grads: list[Any] = []
         for layer in sorted(sums):
             module = self.layers[layer][1]
-            landed += [module.weight] + ([module.bias] if module.bias is not None else [])
-
-        def placeholders() -> Any:
-            total = None
-            for layer in sorted(sums):
-                module = self.layers[layer][1]
-                # a tensor-parallel layer's parameters are DTensors whose local pieces the
-                # forward used: the gradients land on the pieces, and through the
-                # differentiable ``to_local`` on the DTensor parameters
-                weight, bias = (_local_piece(t) for t in (module.weight, module.bias))
-                out = p.apply_function(_LandWeightGrads, weight, bias, *sums[layer], p)
-                total = out if total is None else total + out
-            return total
-
-        unique = list({id(param): param for param in landed}.values())  # tied layers: one gradient
-        total, backward = p.vjp(placeholders, [], unique)
-        _, grads = backward([p.full((1,), 1.0, total.dtype)])
-        by_id = {id(param): grad for param, grad in zip(unique, grads)}
+            for name, grad in zip(("weight", "bias"), sums[layer]):
+                if grad is None:
+                    continue
+                entry = sharded.get((id(module), name))
+                if entry is not None:  # reduced once per step: [Note: one reduction per step]
+                    entry[0].accumulate_grad(entry[1], grad)
+                else:
+                    landed.append(getattr(module, name))
+                    grads.append(grad)
+        if not landed:
+            return [None] * len(params)
+        by_id = land_gradients(p, landed, grads)
         return [by_id.get(id(param)) for param in params]
+
+    def _fully_sharded(self) -> dict[tuple[int, str], tuple[HSDPState, Any]]:
+        """``(id(layer), attribute) -> (unit, HSDPParam)`` for each parameter a fully_shard
+        unit in the module manages, found when used (a stage may be fully_shard'ed after
+        its schedule is built, as MindFormers' ``apply_pp`` does)."""
+        p = self.platform
+        return {(id(owner), name): (state, hp)
+                for _, sub in p.named_modules(self._module) if isinstance(vars(sub).get(STATE_ATTR), HSDPState)
+                for state in (vars(sub)[STATE_ATTR],) for hp in state.params for owner, name in hp.uses}
 
     def remove(self) -> None:
         """Give the split layers their own forward back."""
@@ -262,3 +257,27 @@ class LinearWeightSplit:
 def _local_piece(tensor: Any) -> Any:
     """A DTensor parameter's differentiable local tensor; anything else as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def land_gradients(platform: Platform, params: Sequence[Any], grads: Sequence[Any]) -> dict[int, Any]:
+    """Hand ``grads[i]`` to ``params[i]`` where autograd puts gradients ([Note: landing
+    weight gradients]): one ``platform.vjp`` over the parameters (torch: ``param.grad``
+    accumulated, post-accumulate hooks fired). A DTensor parameter takes its local
+    piece's gradient (``grads[i]`` is local) through the differentiable ``to_local``.
+    A parameter listed twice (tied) takes the sum. Returns ``{id(param): gradient}``
+    as the vjp reports it (what the runtime adds to the stage's ``param_grads()``).
+    No collective."""
+    p = platform
+    pairs = list(zip(params, grads, strict=True))
+
+    def placeholders() -> Any:
+        total = None
+        for param, grad in pairs:
+            out = p.apply_function(_LandWeightGrads, _local_piece(param), None, grad, None, p)
+            total = out if total is None else total + out
+        return total
+
+    unique = list({id(param): param for param in params}.values())
+    total, backward = p.vjp(placeholders, [], unique)
+    _, found = backward([p.full((1,), 1.0, total.dtype)])
+    return {id(param): grad for param, grad in zip(unique, found)}
