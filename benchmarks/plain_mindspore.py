@@ -13,8 +13,9 @@ runs); the plain step is ``PlainDecoder`` + ``mindspore.value_and_grad`` +
 textbook one a MindSpore user writes: ``softmax(q k^T * scale + causal mask) v``, each
 key/value head broadcast over its group of query heads (grouped-query attention). The compiled row runs the same
 plain step as one ``mindspore.jit`` function (forward, gradients, clipping, AdamW). At one rank the
-job also runs with ``--compile`` (``job compiled``: each block's MLP under ``mindspore.jit``,
-train/compile.py), compared with its PyNative step and the plain jit step.
+job also runs with ``--compile`` (``job compiled``: each block's MLP math under ``mindspore.jit``,
+train/compile.py), compared with its PyNative step and the plain jit step; at two ranks
+dp-shard 2 does too (``job dp-shard 2 compiled``, compared with its PyNative step).
 
 Timing: the implementations alternate step by step (the order rotates every repetition), so
 load that comes and goes on a shared machine reaches every side of a ratio alike; medians
@@ -178,9 +179,10 @@ def bench_rank(model_name: str, seq_len: int, batch_size: int, iters: int, warmu
     from hyper_parallel.train.model import initial_weights, rope_tables
 
     cfg = PRESETS[model_name]
-    # (layout, --compile); --compile runs on one rank on MindSpore (train/compile.py)
+    # (layout, --compile); MindSpore's --compile refuses --tp (train/compile.py)
     layouts = {"job": (Layout(), False), "job compiled": (Layout(), True)} if world == 1 else \
-        {"job tp 2": (Layout(tp=2), False), "job dp-shard 2": (Layout(dp_shard=2), False)}
+        {"job tp 2": (Layout(tp=2), False), "job dp-shard 2": (Layout(dp_shard=2), False),
+         "job dp-shard 2 compiled": (Layout(dp_shard=2), True)}
     runs = {name: loop.setup(TrainConfig(platform="mindspore-cpu", nproc=world, model=cfg, model_name=model_name,
                                          layout=layout, seq_len=seq_len, batch_size=batch_size, steps=10_000,
                                          max_norm=MAX_NORM, lr=LR, warmup_steps=0, lr_schedule="constant",
@@ -236,9 +238,10 @@ def summarize(per_rank: list[list[dict]], world: int) -> list[dict]:
     for name, times in slowest.items():
         entry = {"impl": name, "world_size": world, "ms": statistics.median(times) * 1e3,
                  "cpu_ms": statistics.median(rows[name]["cpu_seconds"]) * 1e3, "final_loss": rows[name]["losses"][-1]}
-        for reference in ("plain PyNative", "plain jit", "job"):
+        eager = name.removesuffix(" compiled")  # a compiled row beside its PyNative one
+        for reference in ("plain PyNative", "plain jit", eager):
             if reference in slowest and reference != name:
-                key = "ratio_to_" + reference.replace(" ", "_").lower()
+                key = "ratio_to_" + ("job" if reference == eager else reference.replace(" ", "_").lower())
                 entry[key] = statistics.median(a / b for a, b in zip(times, slowest[reference]))
                 entry["cpu_" + key] = statistics.median(
                     a / b for a, b in zip(rows[name]["cpu_seconds"], rows[reference]["cpu_seconds"]))
@@ -265,8 +268,9 @@ def markdown(results: list[dict], meta: dict) -> str:
              "Median ms per step (the slowest rank per step at 2 ranks), steps alternating within each "
              "repetition; ratio = median over repetitions of this step / the plain step of that repetition. "
              "The plain step does the whole batch on one rank. CPU: this process's CPU time per step (all its "
-             "threads, rank 0), less sensitive than wall time to other processes' load. job compiled: "
-             "`--compile` (each block's MLP under mindspore.jit, the rest of the step PyNative).", "",
+             "threads, rank 0), less sensitive than wall time to other processes' load. compiled: "
+             "`--compile` (each block's MLP math under mindspore.jit, the rest of the step PyNative); "
+             "/ job PyNative: against the same layout's PyNative step.", "",
              "| step | ranks | ms | / plain PyNative | / plain jit | / job PyNative | CPU ms | CPU / plain PyNative "
              "| final loss |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

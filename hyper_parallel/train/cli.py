@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--compile", action="store_true",
                     help="run each decoder block's local compute compiled: torch.compile of each block on torch "
                          "(one rank, --tp, --dp-shard, --dp-replicate), mindspore.jit of each block's MLP "
-                         "on MindSpore (one rank); other layouts are refused (docs/train_compile.md)")
+                         "on MindSpore (one rank, --dp-shard, --dp-replicate); other layouts are refused "
+                         "(docs/train_compile.md)")
     tr.add_argument("--eval-every", type=int, default=25, help="validation loss every K steps")
     tr.add_argument("--data", nargs="+", default=[], metavar="PATH",
                     help="text files or folders (default: the standard library's .py files)")

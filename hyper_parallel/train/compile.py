@@ -14,15 +14,25 @@ TransformerBlock:
   torch.compile] in ``platform/torch/compile.py``). Single rank, ``--tp``,
   ``--dp-shard``, ``--dp-replicate`` and their compositions.
 - MindSpore (no such capability: ``mindspore.jit`` traces submodules' hooks): each block's
-  SwiGLU MLP (``feed_forward``: three GEMMs, the SiLU and the product), MindSpore
-  operations alone. The attention stays in PyNative: it calls core's
+  SwiGLU MLP math (``feed_forward.swiglu``: three GEMMs, the SiLU and the product),
+  MindSpore operations alone, as a function of the three weights: the feed-forward's
+  forward is replaced (``register_forward_hook(replace_forward=True)``) by one that reads
+  ``w1``/``w2``/``w3``'s weights in PyNative and hands them to the compiled ``swiglu``. So
+  what the compiler sees are its inputs, whatever put them in the parameters' place:
+  fully_shard's gathered weights (``--dp-shard``, ``--dp-replicate``) take their whole
+  gradient through it, which they did not when the compiled forward read the substituted
+  attributes itself (seen: the dp-shard 2 job's gradient norm 2.0785 against PyNative's
+  2.0814). The linear layers' own forwards, and so the tensor-parallel styles' hooks on
+  them, do not run on that path: ``--tp`` stays refused on MindSpore
+  (``check_compile_layout``). The attention stays in PyNative: it calls core's
   ``scaled_dot_product_attention``, whose context-parallel frame lookup and custom
   autograd function the bytecode capture cannot trace. The RMSNorms stay in PyNative too:
   with the MLP and a norm compiled, MindSpore 2.10's PyNative backward through the jitted
   graphs fails on the 4-block ``small`` preset ("Number of args excced the number of
   edges", ``pynative_jit_grad.cc`` ``FilterGradOutput``; the 2-block ``tiny`` one runs),
-  with the MLP alone it does not. Single rank only (``check_compile_layout`` refuses the
-  rest on every rank, before the first collective, with the reason).
+  with the MLP alone it does not. One rank, ``--dp-shard`` and ``--dp-replicate``
+  (``check_compile_layout`` refuses ``--tp`` on every rank, before the first collective,
+  with the reason).
 
 What neither compiles (refused by ``check_compile`` before any rank starts, naming the flag,
 the layout and the fix): ``--cp`` and ``--pp`` (their hooks and stages are not checked under a compiler),
@@ -38,8 +48,9 @@ from typing import Any
 
 from hyper_parallel.platform import Capability, Platform
 
-#: The parts of a block MindSpore compiles (see [Note: what --compile compiles]).
-MINDSPORE_PARTS = ("feed_forward",)
+#: The part of a block MindSpore compiles, and the module whose forward is routed through
+#: it (see [Note: what --compile compiles]).
+MINDSPORE_PART, MINDSPORE_ROUTED = "swiglu", "feed_forward"
 
 
 def check_compile(layout: Any, *, moe: bool, hf_config: bool, activation_checkpointing: bool) -> None:
@@ -70,36 +81,47 @@ def check_compile(layout: Any, *, moe: bool, hf_config: bool, activation_checkpo
 
 
 def check_compile_layout(p: Platform, layout: Any) -> None:
-    """Refuse ``--compile`` on more than one rank where the platform's compiler traces the
-    hooks inside what it compiles (no ``Capability.COMPILE_AROUND_HOOKS``: MindSpore's jit
-    traces the tensor-parallel styles' hooks of the MLP's linear layers, and fully_shard's
-    gathered weights, put in the parameters' place, lose part of their gradient under it;
-    the platform's ``compile_module``). Runs on every rank at the start of ``loop.setup``,
-    before the first collective: the capability is the platform's, which the launching
-    process does not build.
+    """Refuse ``--compile`` with ``--tp`` where the platform's compiler traces the hooks
+    inside what it compiles (no ``Capability.COMPILE_AROUND_HOOKS``: MindSpore's jit; the
+    compiled MLP math bypasses the linear layers and so the tensor-parallel styles' hooks
+    on them: [Note: what --compile compiles]). Runs on every rank at the start of
+    ``loop.setup``, before the first collective: the capability is the platform's, which
+    the launching process does not build.
 
     Raises:
         ValueError: naming ``--compile``, the platform, the layout and the fix.
     """
-    if layout.world_size > 1 and Capability.COMPILE_AROUND_HOOKS not in p.capabilities():
-        raise ValueError(f"--compile on {p.name} runs on one rank only, not on layout {layout.describe()}: its "
-                         "compiler traces the tensor-parallel hooks of the MLP's linear layers and does not "
-                         "differentiate fully_shard's gathered weights correctly; drop --compile, or use --compile "
-                         "with --nproc 1 (or with a platform whose compiler runs hooks eagerly: torch)")
+    if layout.tp > 1 and Capability.COMPILE_AROUND_HOOKS not in p.capabilities():
+        raise ValueError(f"--compile on {p.name} cannot take --tp={layout.tp} (layout {layout.describe()}): its "
+                         "compiler traces the tensor-parallel hooks of the MLP's linear layers, so the job compiles "
+                         "the MLP's math around them, which tensor parallelism needs to run; drop --compile or --tp "
+                         "(--compile runs with --nproc 1, --dp-shard and --dp-replicate there), or use a platform "
+                         "whose compiler runs hooks eagerly: torch")
 
 
 def compiled_parts(p: Platform, model: Any) -> list[Any]:
     """The modules ``apply_compile`` compiles in ``model`` (a parallelized decoder):
     every block on a platform with ``Capability.COMPILE_AROUND_HOOKS``, else each block's
-    ``MINDSPORE_PARTS`` ([Note: what --compile compiles])."""
+    ``feed_forward.swiglu`` ([Note: what --compile compiles])."""
     blocks = list(model.layers)
     if Capability.COMPILE_AROUND_HOOKS in p.capabilities():
         return blocks
-    return [getattr(block, name) for block in blocks for name in MINDSPORE_PARTS]
+    return [getattr(getattr(block, MINDSPORE_ROUTED), MINDSPORE_PART) for block in blocks]
+
+
+def _through_swiglu(module: Any, args: tuple[Any, ...], native: Any) -> Any:
+    """The feed-forward's forward as its weights handed to its (compiled) ``swiglu``."""
+    (x,) = args
+    return module.swiglu(x, module.w1.weight, module.w2.weight, module.w3.weight)
 
 
 def apply_compile(p: Platform, model: Any) -> list[Any]:
-    """Compile ``compiled_parts(p, model)`` in place (``Platform.compile_module``); returns
-    their handles (``remove()`` restores the eager forwards). Compilation itself happens in
-    the first step. No communication."""
-    return [p.compile_module(module) for module in compiled_parts(p, model)]
+    """Compile ``compiled_parts(p, model)`` in place (``Platform.compile_module``), and on a
+    platform without ``COMPILE_AROUND_HOOKS`` route each feed-forward through its compiled
+    ``swiglu``; returns the handles (``remove()`` in reverse order restores the eager
+    forwards). Compilation itself happens in the first step. No communication."""
+    handles = [p.compile_module(module) for module in compiled_parts(p, model)]
+    if Capability.COMPILE_AROUND_HOOKS not in p.capabilities():
+        handles += [p.register_forward_hook(getattr(block, MINDSPORE_ROUTED), _through_swiglu, replace_forward=True)
+                    for block in model.layers]
+    return handles

@@ -373,6 +373,19 @@ class _Classes:
                 k, v, causal = cache.extend(p, k, v)
                 return self.wo(scaled_dot_product_attention(q, k, v, is_causal=causal).reshape(b, s, -1))
 
+        class SwiGLU(Module):
+            """The feed-forward's math as a function of its weights, parameter-free:
+            ``w2 (silu(w1 x) * w3 x)`` for ``x [batch, seq, dim]``, ``w1``/``w3 [hidden, dim]``,
+            ``w2 [dim, hidden]``. The eager forward calls the linear layers (their hooks
+            run); ``--compile`` on a compiler that traces hooks compiles this instead, its
+            weights read outside it ([Note: what --compile compiles] in ``compile.py``)."""
+
+            def forward(self, x: Any, w1: Any, w2: Any, w3: Any) -> Any:
+                # transpose(1, 0): a swap of the two dims on both frameworks (MindSpore's
+                # Tensor.transpose takes a permutation; its jit bakes ``.T`` in as a constant)
+                gate = p.activation(x @ w1.transpose(1, 0), Activation.SILU)
+                return (gate * (x @ w3.transpose(1, 0))) @ w2.transpose(1, 0)
+
         class FeedForward(Module):
             def __init__(self, cfg: ModelConfig) -> None:
                 super().__init__()
@@ -380,6 +393,7 @@ class _Classes:
                 self.w1 = Linear(cfg.dim, cfg.hidden_dim, bias=False)
                 self.w2 = Linear(cfg.hidden_dim, cfg.dim, bias=False)
                 self.w3 = Linear(cfg.dim, cfg.hidden_dim, bias=False)
+                self.swiglu = SwiGLU()
 
             def forward(self, x: Any) -> Any:
                 return self.w2(p.activation(self.w1(x), Activation.SILU) * self.w3(x))

@@ -28,7 +28,7 @@ LAYOUTS = [{}, {"tp": 2}, {"dp_shard": 2}]
 
 #: (framework, degrees) the job refuses to compile, and what the message must name
 REFUSED = {
-    "mindspore": [{"tp": 2}, {"dp_shard": 2}],
+    "mindspore": [{"tp": 2}],
 }
 
 
