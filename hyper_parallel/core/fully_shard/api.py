@@ -36,7 +36,8 @@ from hyper_parallel.core.activation_checkpoint.checkpoint import is_checkpointed
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
-from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPContext, HSDPState, parse_reduce_op_type
+from hyper_parallel.core.fully_shard.hsdp_state import (STATE_ATTR, HSDPContext, HSDPState, parse_reduce_op_type,
+                                                     units_in)
 from hyper_parallel.core.fully_shard.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.tensor_parallel.style import SEQUENCE_PARALLEL_ATTR
 from hyper_parallel.platform import get_platform
@@ -337,11 +338,7 @@ def fully_shard(module: Any | Sequence[Any], *, mesh: DeviceMesh | None = None,
     ignored = {id(param) for param in (ignored_params or ())}
     replicate = {id(param) for param in (replicate_params or ())}
     # Parameters already managed by units below, and the submodules those units own.
-    children: list[HSDPState] = []
-    for _, sub in p.named_modules(module):
-        state = vars(sub).get(STATE_ATTR)
-        if state is not None:
-            children.append(state)
+    children = units_in(module)
     in_children = {id(hp.sharded) for child in children for hp in child.params}
     replaced = {hp.source_id for child in children for hp in child.params}
     managed = _managed_params(module, ignored | in_children)

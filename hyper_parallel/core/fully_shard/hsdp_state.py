@@ -598,6 +598,13 @@ def parse_reduce_op_type(op: str | ReduceOp) -> ReduceOp:
     raise ValueError(f"set_reduce_op_type: op={op!r} is not supported for gradient reduction; use {allowed}")
 
 
+def units_in(module: Any) -> list[HSDPState]:
+    """The fully_shard units of ``module`` and its submodules (``platform.named_modules``
+    order, ``module`` first)."""
+    return [state for _, sub in get_platform().named_modules(module)
+            if isinstance(state := vars(sub).get(STATE_ATTR), HSDPState)]
+
+
 def _state_of(module: Any, what: str) -> HSDPState:
     state = vars(module).get(STATE_ATTR)
     if not isinstance(state, HSDPState):

@@ -30,19 +30,13 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.dtensor_spec import local_offset
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.core.fully_shard.hsdp_param import HSDPParam
-from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPState
+from hyper_parallel.core.fully_shard.hsdp_state import units_in
 from hyper_parallel.platform import get_platform
 
 
 def _managed(module: Any) -> dict[int, HSDPParam]:
     """``id(sharded parameter) -> HSDPParam`` for every unit under ``module``."""
-    p = get_platform()
-    out: dict[int, HSDPParam] = {}
-    for _, sub in p.named_modules(module):
-        state: HSDPState | None = vars(sub).get(STATE_ATTR)
-        if state is not None:
-            out.update({id(hp.sharded): hp for hp in state.params})
-    return out
+    return {id(hp.sharded): hp for state in units_in(module) for hp in state.params}
 
 
 def _plain(param: Any) -> Any:

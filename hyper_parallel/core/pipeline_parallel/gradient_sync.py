@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPState
+from hyper_parallel.core.fully_shard.hsdp_state import HSDPState, units_in
 from hyper_parallel.core.pipeline_parallel.schedules.actions import Action, ActionType
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.weight_grad import land_gradients
@@ -69,12 +69,6 @@ def last_gradient_actions(actions: Sequence[Action]) -> dict[int, list[int]]:
     return after
 
 
-def sharded_units(platform: Platform, module: Any) -> list[HSDPState]:
-    """The fully_shard units inside ``module`` (itself included), in module order."""
-    return [vars(sub)[STATE_ATTR] for _, sub in platform.named_modules(module)
-            if isinstance(vars(sub).get(STATE_ATTR), HSDPState)]
-
-
 class StepReduction:
     """One step's deferred reductions on this rank ([Note: one reduction per step]).
 
@@ -93,7 +87,7 @@ class StepReduction:
         self._after = last_gradient_actions(actions)
         self._units: dict[int, list[HSDPState]] = {}
         for index, stage in stages.items():
-            units = [unit for unit in sharded_units(platform, stage.submodule) if unit.requires_gradient_sync]
+            units = [unit for unit in units_in(stage.submodule) if unit.requires_gradient_sync]
             for unit in units:
                 unit.set_requires_gradient_sync(False)
             self._units[index] = units

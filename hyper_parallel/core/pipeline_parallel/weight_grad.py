@@ -50,7 +50,7 @@ from typing import Any
 
 from hyper_parallel.core.activation_checkpoint.region import CheckpointPhase, checkpoint_phase
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.core.fully_shard.hsdp_state import STATE_ATTR, HSDPState
+from hyper_parallel.core.fully_shard.hsdp_state import HSDPState, units_in
 from hyper_parallel.platform.base import CustomFunction, Platform, RemovableHandle
 
 
@@ -242,10 +242,8 @@ class LinearWeightSplit:
         """``(id(layer), attribute) -> (unit, HSDPParam)`` for each parameter a fully_shard
         unit in the module manages, found when used (a stage may be fully_shard'ed after
         its schedule is built, as MindFormers' ``apply_pp`` does)."""
-        p = self.platform
         return {(id(owner), name): (state, hp)
-                for _, sub in p.named_modules(self._module) if isinstance(vars(sub).get(STATE_ATTR), HSDPState)
-                for state in (vars(sub)[STATE_ATTR],) for hp in state.params for owner, name in hp.uses}
+                for state in units_in(self._module) for hp in state.params for owner, name in hp.uses}
 
     def remove(self) -> None:
         """Give the split layers their own forward back."""
