@@ -18,7 +18,8 @@ nearly scale-free). Layouts that fully_shard the stages (``--dp-shard``, ``--dp-
 fully_shard units, which reduce once per step after the stage's last ``W`` ([Note: one
 reduction per step] in ``core/pipeline_parallel/gradient_sync.py``): pp 2 x dp-shard 2
 gradients under ZB-H1 and ZB-V equal 1F1B's (whose units reduce per microbatch), and
-pp 2 x dp-shard 2, pp 2 x dp-replicate 2 and pp 2 x cp 2 match the single process."""
+pp 2 x dp-shard 2, pp 2 x dp-replicate 2 and pp 2 x cp 2 match the single process; ZB-V on
+pp 2 x dp-shard 2 checkpointed equals it without checkpointing bit for bit."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ SHARDED_4 = [{"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "zbh1"},
              {"pp": 2, "cp": 2, "microbatches": 2, "pp_schedule": "zbh1"}]
 #: activation checkpointing on top (``PIPELINE_MODEL``: 4 blocks, 2 per stage under ZB-H1, 1 under ZB-V)
 CHECKPOINTED = [{"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "zbh1"},
-                {"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "zbv"}]
+                {"pp": 2, "tp": 2, "microbatches": 2, "pp_schedule": "zbv"},
+                {"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "zbv"}]
 
 
 def check_gradients_match_1f1b(out: str, degrees: dict) -> None:

@@ -114,9 +114,12 @@ class StepReduction:
         stage._accumulate([by_id.get(id(param)) for _, param in stage.named_params])
 
     def restore(self) -> None:
-        """Gradient sync back on in the units this step turned off and did not reduce
-        (a step cut short by an error)."""
+        """After the step: gradient sync back on in the units it turned off and did not
+        reduce (a step cut short by an error), their partial sums dropped, so that the
+        next step does not add them to its own."""
         for units in self._units.values():
             for unit in units:
                 unit.set_requires_gradient_sync(True)
+                for hp in unit.params:
+                    hp.grad_accum = None
         self._units.clear()
