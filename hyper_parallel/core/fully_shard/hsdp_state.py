@@ -513,19 +513,14 @@ class HSDPState:
         sharded gradient is zero."""
         p = get_platform()
         self._group()
-        reduce_dtype = self._reduce_dtype or hp.sharded.dtype
         if not self.requires_gradient_sync:
             self.accumulate_grad(hp, grad)
             result = hp.to_home(p.zeros(hp.local_shape(), hp.sharded.dtype))
         else:
-            if hp.grad_accum is not None:
-                with p.no_grad():
-                    grad = p.to_dtype(grad, reduce_dtype) + hp.grad_accum
-                hp.grad_accum = None
-            if hp.pending_reduce is not None:
-                hp.finish_reduce()  # a gradient never collected (see _pre_forward): dropped
-            hp.reduced = None
-            hp.start_reduce(grad, reduce_dtype, self.context.streams()[1])
+            if hp.grad_accum is not None:  # the sum of the backwards without sync, this one's added
+                self.accumulate_grad(hp, grad)
+                grad, hp.grad_accum = hp.grad_accum, None
+            self._start_reduce(hp, grad)
             # A placeholder that WaitReduce replaces with the reduced gradient unread, so unfilled.
             result = hp.to_home(p.zeros(hp.local_shape(), hp.sharded.dtype, fill=False))
         # This parameter's gradient is final: its gathered copies are no longer needed.
@@ -538,7 +533,8 @@ class HSDPState:
         return result
 
     def accumulate_grad(self, hp: HSDPParam, grad: Any) -> None:
-        """Add ``grad``, a full gradient of ``hp`` (the gathered parameter's shape), to what
+        """Add ``grad``, a full gradient of ``hp`` (``hp.shape``, the gathered parameter's;
+        any float dtype, cast to the reduce dtype), to what
         this step accumulates without sync (``HSDPParam.grad_accum``, in the reduce dtype);
         ``reduce_accumulated`` or the next backward with gradient sync reduces it. The
         backwards add theirs here when gradient sync is off, and a zero-bubble ``W`` its
@@ -554,7 +550,7 @@ class HSDPState:
         with gradient sync would have: the unit's flat **reduce-scatter** (and on HSDP the
         **all-reduce** over the replicate axis), each parameter's sharded gradient
         averaged under ``ReduceOp.AVG``. Returns ``(hp, sharded gradient)`` (the local
-        chunk in the parameter's dtype, home) for each parameter that accumulated one, in
+        chunk, ``hp.local_shape()``, in the parameter's dtype, home) for each parameter that accumulated one, in
         the unit's order (the same on every rank); the accumulation is cleared."""
         self._group()
         started = []
@@ -562,12 +558,17 @@ class HSDPState:
             if hp.grad_accum is None:
                 continue
             grad, hp.grad_accum = hp.grad_accum, None
-            if hp.pending_reduce is not None:
-                hp.finish_reduce()  # a gradient never collected (see _pre_forward): dropped
-            hp.reduced = None
-            hp.start_reduce(grad, self._reduce_dtype or hp.sharded.dtype, self.context.streams()[1])
+            self._start_reduce(hp, grad)
             started.append(hp)
         return [(hp, hp.finish_reduce()) for hp in started]
+
+    def _start_reduce(self, hp: HSDPParam, grad: Any) -> None:
+        """Issue ``hp``'s reduce-scatter of the full gradient ``grad`` in the reduce dtype,
+        dropping a result never collected (see ``_pre_forward``)."""
+        if hp.pending_reduce is not None:
+            hp.finish_reduce()
+        hp.reduced = None
+        hp.start_reduce(grad, self._reduce_dtype or hp.sharded.dtype, self.context.streams()[1])
 
     def _cast(self, value: Any, dtype: Any) -> Any:
         p = get_platform()
