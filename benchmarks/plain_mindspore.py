@@ -13,7 +13,7 @@ runs); the plain step is ``PlainDecoder`` + ``mindspore.value_and_grad`` +
 textbook one a MindSpore user writes: ``softmax(q k^T * scale + causal mask) v``, each
 key/value head broadcast over its group of query heads (grouped-query attention). The compiled row runs the same
 plain step as one ``mindspore.jit`` function (forward, gradients, clipping, AdamW). At one rank the
-job also runs with ``--compile`` (``job compiled``: each block's MLP math under ``mindspore.jit``,
+job also runs with ``--compile`` (``job compiled``: each dense block's math but its core attention under ``mindspore.jit``,
 train/compile.py), compared with its PyNative step and the plain jit step; at two ranks
 dp-shard 2 does too (``job dp-shard 2 compiled``, compared with its PyNative step).
 
@@ -269,7 +269,7 @@ def markdown(results: list[dict], meta: dict) -> str:
              "repetition; ratio = median over repetitions of this step / the plain step of that repetition. "
              "The plain step does the whole batch on one rank. CPU: this process's CPU time per step (all its "
              "threads, rank 0), less sensitive than wall time to other processes' load. compiled: "
-             "`--compile` (each block's MLP math under mindspore.jit, the rest of the step PyNative); "
+             "`--compile` (each block's math but its core attention under mindspore.jit, in two graphs; the rest of the step PyNative); "
              "/ job PyNative: against the same layout's PyNative step.", "",
              "| step | ranks | ms | / plain PyNative | / plain jit | / job PyNative | CPU ms | CPU / plain PyNative "
              "| final loss |",

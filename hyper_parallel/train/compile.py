@@ -13,26 +13,30 @@ TransformerBlock:
   eagerly between compiled pieces, collectives included ([Note: hooks stay eager under
   torch.compile] in ``platform/torch/compile.py``). Single rank, ``--tp``,
   ``--dp-shard``, ``--dp-replicate`` and their compositions.
-- MindSpore (no such capability: ``mindspore.jit`` traces submodules' hooks): each block's
-  SwiGLU MLP math (``feed_forward.swiglu``: three GEMMs, the SiLU and the product),
-  MindSpore operations alone, as a function of the three weights: the feed-forward's
-  forward is replaced (``register_forward_hook(replace_forward=True)``) by one that reads
-  ``w1``/``w2``/``w3``'s weights in PyNative and hands them to the compiled ``swiglu``. So
-  what the compiler sees are its inputs, whatever put them in the parameters' place:
-  fully_shard's gathered weights (``--dp-shard``, ``--dp-replicate``) take their whole
-  gradient through it, which they did not when the compiled forward read the substituted
-  attributes itself (seen: the dp-shard 2 job's gradient norm 2.0785 against PyNative's
-  2.0814). The linear layers' own forwards, and so the tensor-parallel styles' hooks on
-  them, do not run on that path: ``--tp`` stays refused on MindSpore
-  (``check_compile_layout``). The attention stays in PyNative: it calls core's
-  ``scaled_dot_product_attention``, whose context-parallel frame lookup and custom
-  autograd function the bytecode capture cannot trace. The RMSNorms stay in PyNative too:
-  with the MLP and a norm compiled, MindSpore 2.10's PyNative backward through the jitted
-  graphs fails on the 4-block ``small`` preset ("Number of args excced the number of
-  edges", ``pynative_jit_grad.cc`` ``FilterGradOutput``; the 2-block ``tiny`` one runs),
-  with the MLP alone it does not. One rank, ``--dp-shard`` and ``--dp-replicate``
-  (``check_compile_layout`` refuses ``--tp`` on every rank, before the first collective,
-  with the reason).
+- MindSpore (no such capability: ``mindspore.jit`` traces submodules' hooks): each dense
+  block's math in two parameter-free modules of the block (``train/model.py``), MindSpore
+  operations alone, as functions of the weights: ``attention_inputs`` (``attention_norm``,
+  the q/k/v projections, the per-head norms, RoPE) and ``block_outputs`` (the output
+  projection and residual, ``ffn_norm``, the SwiGLU MLP and residual). The block's forward
+  is replaced (``register_forward_hook(replace_forward=True)``: the block's own hooks,
+  fully_shard's unit, still run around it) by ``_through_block_math``, which reads the
+  weights in PyNative and hands them in, and runs the core attention between the two
+  compiled graphs in PyNative: core's ``scaled_dot_product_attention``, the platform's
+  fused kernel with its own backward (an autograd function, which the bytecode capture
+  cannot trace: ``Unsupported function``; traced whole, the block crashed MindSpore 2.10,
+  a segmentation fault). So what the compiler sees are its inputs, whatever put them in
+  the parameters' place: fully_shard's gathered weights (``--dp-shard``,
+  ``--dp-replicate``) take their whole gradient, which they did not when a compiled
+  forward read the substituted attributes itself (seen: the dp-shard 2 job's gradient
+  norm 2.0785 against PyNative's 2.0814). The compiled math is straight-line code on
+  tensors: MindSpore 2.10's bytecode capture handles it, but not everything Python
+  allows. Seen, each on the ``small`` block's ``attention_inputs``: ``x[..., :half]``
+  aborts the capture ("must be call"; the math runs in PyNative, so RoPE uses
+  ``narrow``); projections handed in as functions (lambdas, or a module-level function
+  as an argument) ran 7-300x slower than the same operations written inline (2.8 ms a
+  call inline, about 0.9 s with lambdas). The linear layers' own forwards, and so the
+  tensor-parallel styles' hooks on them, do not run on that path: ``--tp`` stays refused on
+  MindSpore (``check_compile_layout``). One rank, ``--dp-shard`` and ``--dp-replicate``.
 
 What neither compiles (refused by ``check_compile`` before any rank starts, naming the flag,
 the layout and the fix): ``--cp`` and ``--pp`` (their hooks and stages are not checked under a compiler),
@@ -48,9 +52,9 @@ from typing import Any
 
 from hyper_parallel.platform import Capability, Platform
 
-#: The part of a block MindSpore compiles, and the module whose forward is routed through
-#: it (see [Note: what --compile compiles]).
-MINDSPORE_PART, MINDSPORE_ROUTED = "swiglu", "feed_forward"
+#: The parts of a dense block MindSpore compiles (parameter-free modules of its math: see
+#: [Note: what --compile compiles]).
+MINDSPORE_PARTS = ("attention_inputs", "block_outputs")
 
 
 def check_compile(layout: Any, *, moe: bool, hf_config: bool, activation_checkpointing: bool) -> None:
@@ -83,8 +87,8 @@ def check_compile(layout: Any, *, moe: bool, hf_config: bool, activation_checkpo
 def check_compile_layout(p: Platform, layout: Any) -> None:
     """Refuse ``--compile`` with ``--tp`` where the platform's compiler traces the hooks
     inside what it compiles (no ``Capability.COMPILE_AROUND_HOOKS``: MindSpore's jit; the
-    compiled MLP math bypasses the linear layers and so the tensor-parallel styles' hooks
-    on them: [Note: what --compile compiles]). Runs on every rank at the start of
+    compiled block math bypasses the linear layers and so the tensor-parallel styles'
+    hooks on them: [Note: what --compile compiles]). Runs on every rank at the start of
     ``loop.setup``, before the first collective: the capability is the platform's, which
     the launching process does not build.
 
@@ -93,8 +97,8 @@ def check_compile_layout(p: Platform, layout: Any) -> None:
     """
     if layout.tp > 1 and Capability.COMPILE_AROUND_HOOKS not in p.capabilities():
         raise ValueError(f"--compile on {p.name} cannot take --tp={layout.tp} (layout {layout.describe()}): its "
-                         "compiler traces the tensor-parallel hooks of the MLP's linear layers, so the job compiles "
-                         "the MLP's math around them, which tensor parallelism needs to run; drop --compile or --tp "
+                         "compiler traces the tensor-parallel hooks of the block's linear layers, so the job compiles "
+                         "the block's math around them, which tensor parallelism needs to run; drop --compile or --tp "
                          "(--compile runs with --nproc 1, --dp-shard and --dp-replicate there), or use a platform "
                          "whose compiler runs hooks eagerly: torch")
 
@@ -102,26 +106,36 @@ def check_compile_layout(p: Platform, layout: Any) -> None:
 def compiled_parts(p: Platform, model: Any) -> list[Any]:
     """The modules ``apply_compile`` compiles in ``model`` (a parallelized decoder):
     every block on a platform with ``Capability.COMPILE_AROUND_HOOKS``, else each block's
-    ``feed_forward.swiglu`` ([Note: what --compile compiles])."""
+    ``attention_inputs`` and ``block_outputs`` ([Note: what --compile compiles])."""
     blocks = list(model.layers)
     if Capability.COMPILE_AROUND_HOOKS in p.capabilities():
         return blocks
-    return [getattr(getattr(block, MINDSPORE_ROUTED), MINDSPORE_PART) for block in blocks]
+    return [getattr(block, part) for block in blocks for part in MINDSPORE_PARTS]
 
 
-def _through_swiglu(module: Any, args: tuple[Any, ...], native: Any) -> Any:
-    """The feed-forward's forward as its weights handed to its (compiled) ``swiglu``."""
-    (x,) = args
-    return module.swiglu(x, module.w1.weight, module.w2.weight, module.w3.weight)
+def _through_block_math(block: Any, args: tuple[Any, ...], native: Any) -> Any:
+    """A dense block's forward as its weights, read here (fully_shard's gathered ones where
+    its hooks put them), handed to its (compiled) ``attention_inputs`` and
+    ``block_outputs``, the core attention (``attention.core``: the platform's fused
+    attention) run between them; a call with a KV cache runs the block's own forward."""
+    if len(args) != 3:
+        return native(*args)
+    x, cos, sin = args
+    attention, ffn = block.attention, block.feed_forward
+    qk_norms = (attention.q_norm.weight, attention.k_norm.weight) if attention.qk_norm else ()
+    q, k, v = block.attention_inputs(x, cos, sin, block.attention_norm.weight, attention.wq.weight,
+                                     attention.wk.weight, attention.wv.weight, *qk_norms)
+    return block.block_outputs(x, attention.core(q, k, v), attention.wo.weight, block.ffn_norm.weight,
+                               ffn.w1.weight, ffn.w2.weight, ffn.w3.weight)
 
 
 def apply_compile(p: Platform, model: Any) -> list[Any]:
     """Compile ``compiled_parts(p, model)`` in place (``Platform.compile_module``), and on a
-    platform without ``COMPILE_AROUND_HOOKS`` route each feed-forward through its compiled
-    ``swiglu``; returns the handles (``remove()`` in reverse order restores the eager
+    platform without ``COMPILE_AROUND_HOOKS`` route each block through its compiled math
+    (``_through_block_math``); returns the handles (``remove()`` in reverse order restores the eager
     forwards). Compilation itself happens in the first step. No communication."""
     handles = [p.compile_module(module) for module in compiled_parts(p, model)]
     if Capability.COMPILE_AROUND_HOOKS not in p.capabilities():
-        handles += [p.register_forward_hook(getattr(block, MINDSPORE_ROUTED), _through_swiglu, replace_forward=True)
+        handles += [p.register_forward_hook(block, _through_block_math, replace_forward=True)
                     for block in model.layers]
     return handles

@@ -230,8 +230,17 @@ def _apply_rope(p: Platform, x: Any, cos: Any, sin: Any) -> Any:
     """Rotate feature pairs ``(i, i + head_dim/2)`` of ``x`` ``[batch, seq, heads, head_dim]`` by
     the angles whose cos/sin are ``[batch, seq, 1, head_dim/2]``."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    x1, x2 = x.narrow(-1, 0, half), x.narrow(-1, half, half)
     return p.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _rms_norm(p: Platform, x: Any, weight: Any, eps: float) -> Any:
+    """RMSNorm of ``x`` ``[..., width]`` times ``weight`` ``[width]``, normalized in float32
+    whatever ``x``'s dtype (``--dtype bf16/fp16``: 1/rms of a float16 ``x`` overflows in the
+    backward), then back to ``x``'s dtype (Llama's RMSNorm); for a float32 ``x`` both casts
+    are no-ops."""
+    x32 = x.float()
+    return p.to_dtype(x32 * ((x32 * x32).mean(-1, True) + eps).rsqrt(), x.dtype) * weight
 
 
 def _rope(module: Any, positions: Any) -> tuple[Any, Any]:
@@ -320,12 +329,7 @@ class _Classes:
                 self.weight = p.make_parameter(p.full((width or cfg.dim,), 1.0, float32))
 
             def forward(self, x: Any) -> Any:
-                # normalized in float32 whatever x's dtype (--dtype bf16/fp16: 1/rms of a
-                # float16 x overflows in the backward), then back to x's dtype (Llama's
-                # RMSNorm); for a float32 x both casts are no-ops: the float32 arithmetic
-                x32 = x.float()
-                normed = p.to_dtype(x32 * ((x32 * x32).mean(-1, True) + self.eps).rsqrt(), x.dtype)
-                return normed * self.weight
+                return _rms_norm(p, x, self.weight, self.eps)
 
         class Embedding(Module):
             """Rows of ``weight`` ``[vocab, dim]`` for int ids (the platform's embedding op)."""
@@ -373,19 +377,6 @@ class _Classes:
                 k, v, causal = cache.extend(p, k, v)
                 return self.wo(scaled_dot_product_attention(q, k, v, is_causal=causal).reshape(b, s, -1))
 
-        class SwiGLU(Module):
-            """The feed-forward's math as a function of its weights, parameter-free:
-            ``w2 (silu(w1 x) * w3 x)`` for ``x [batch, seq, dim]``, ``w1``/``w3 [hidden, dim]``,
-            ``w2 [dim, hidden]``. The eager forward calls the linear layers (their hooks
-            run); ``--compile`` on a compiler that traces hooks compiles this instead, its
-            weights read outside it ([Note: what --compile compiles] in ``compile.py``)."""
-
-            def forward(self, x: Any, w1: Any, w2: Any, w3: Any) -> Any:
-                # transpose(1, 0): a swap of the two dims on both frameworks (MindSpore's
-                # Tensor.transpose takes a permutation; its jit bakes ``.T`` in as a constant)
-                gate = p.activation(x @ w1.transpose(1, 0), Activation.SILU)
-                return (gate * (x @ w3.transpose(1, 0))) @ w2.transpose(1, 0)
-
         class FeedForward(Module):
             def __init__(self, cfg: ModelConfig) -> None:
                 super().__init__()
@@ -393,10 +384,58 @@ class _Classes:
                 self.w1 = Linear(cfg.dim, cfg.hidden_dim, bias=False)
                 self.w2 = Linear(cfg.hidden_dim, cfg.dim, bias=False)
                 self.w3 = Linear(cfg.dim, cfg.hidden_dim, bias=False)
-                self.swiglu = SwiGLU()
 
             def forward(self, x: Any) -> Any:
                 return self.w2(p.activation(self.w1(x), Activation.SILU) * self.w3(x))
+
+        class AttentionInputs(Module):
+            """A dense block's math up to the core attention as a function of its weights,
+            parameter-free: ``attention_norm``, the q/k/v projections, the per-head norms
+            (``qk_norm``) and RoPE, as ``Attention.forward`` computes them.
+            ``forward(x, cos, sin, norm, wq, wk, wv, *qk_norms)``: ``x`` ``[batch, seq,
+            dim]``, ``cos``/``sin`` ``[batch, seq, 1, head_dim/2]``, ``norm`` ``[dim]``,
+            ``wq`` ``[heads*head_dim, dim]``, ``wk``/``wv`` ``[kv_heads*head_dim, dim]``,
+            ``qk_norms``: the per-head norms' ``[head_dim]`` weights with ``qk_norm``;
+            returns ``(q, k, v)``, BSHD. The eager forward calls the modules (their hooks
+            run); ``--compile`` on a compiler that traces hooks compiles this and
+            ``BlockOutputs`` instead, the weights read outside them ([Note: what --compile
+            compiles] in ``compile.py``, which says why this is straight-line code)."""
+
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                self.eps, self.head_dim = cfg.norm_eps, cfg.head_dim
+
+            def forward(self, x: Any, cos: Any, sin: Any, norm: Any, wq: Any, wk: Any, wv: Any, *qk_norms: Any) -> Any:
+                b, s, hd = x.shape[0], x.shape[1], self.head_dim
+                x = _rms_norm(p, x, norm, self.eps)
+                # transpose(1, 0): a swap of the two dims on both frameworks (MindSpore's
+                # Tensor.transpose takes a permutation; its jit bakes ``.T`` in as a constant)
+                q = (x @ wq.transpose(1, 0)).reshape(b, s, -1, hd)
+                k = (x @ wk.transpose(1, 0)).reshape(b, s, -1, hd)
+                if qk_norms:
+                    q, k = _rms_norm(p, q, qk_norms[0], self.eps), _rms_norm(p, k, qk_norms[1], self.eps)
+                v = (x @ wv.transpose(1, 0)).reshape(b, s, -1, hd)
+                return _apply_rope(p, q, cos, sin), _apply_rope(p, k, cos, sin), v
+
+        class BlockOutputs(Module):
+            """A dense block's math after the core attention as a function of its weights,
+            parameter-free (see ``AttentionInputs``): ``forward(x, attended, wo, norm, w1,
+            w2, w3)`` with the block's input ``x`` ``[batch, seq, dim]``, the core
+            attention's output ``attended`` ``[batch, seq, heads, head_dim]``, ``wo`` ``[dim,
+            heads*head_dim]``, ``ffn_norm``'s ``norm`` ``[dim]``, ``w1``/``w3`` ``[hidden,
+            dim]``, ``w2`` ``[dim, hidden]``; returns the block's output ``[batch, seq,
+            dim]``: the output projection and residual, ``ffn_norm``, the SwiGLU
+            ``w2(silu(w1 x) * w3 x)`` and residual."""
+
+            def __init__(self, cfg: ModelConfig) -> None:
+                super().__init__()
+                self.eps = cfg.norm_eps
+
+            def forward(self, x: Any, attended: Any, wo: Any, norm: Any, w1: Any, w2: Any, w3: Any) -> Any:
+                h = x + attended.reshape(x.shape[0], x.shape[1], -1) @ wo.transpose(1, 0)
+                y = _rms_norm(p, h, norm, self.eps)
+                gate = p.activation(y @ w1.transpose(1, 0), Activation.SILU)
+                return h + (gate * (y @ w3.transpose(1, 0))) @ w2.transpose(1, 0)
 
         MoE = define_moe(p)
 
@@ -414,6 +453,8 @@ class _Classes:
                     self.moe = MoE(cfg)
                 else:
                     self.feed_forward = FeedForward(cfg)
+                    # parameter-free: the math --compile compiles where hooks are traced
+                    self.attention_inputs, self.block_outputs = AttentionInputs(cfg), BlockOutputs(cfg)
 
             def forward(self, x: Any, cos: Any, sin: Any, cache: LayerCache | None = None) -> Any:
                 attended = self.attention(self.attention_norm(x), cos, sin) if cache is None else \

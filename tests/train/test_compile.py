@@ -26,6 +26,10 @@ STEPS = 3
 #: the layouts of issue 38 item 4: one rank, tensor parallel, fully sharded
 LAYOUTS = [{}, {"tp": 2}, {"dp_shard": 2}]
 
+#: (layout, qk_norm): the layouts, and one rank with per-head query/key norms (which
+#: MindSpore's compiled block math computes on a path of its own)
+CASES = [(degrees, False) for degrees in LAYOUTS] + [({}, True)]
+
 #: (framework, degrees) the job refuses to compile, and what the message must name
 REFUSED = {
     "mindspore": [{"tp": 2}],
@@ -36,8 +40,10 @@ def _compiles(framework: str, degrees: dict) -> bool:
     return degrees not in REFUSED.get(framework, [])
 
 
-@pytest.mark.parametrize("degrees", LAYOUTS, ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()) or "one_rank")
-def test_compiled_matches_eager(run_on_ranks, tmp_path: Path, degrees: dict) -> None:
+@pytest.mark.parametrize("degrees,qk_norm", CASES,
+                         ids=["x".join(f"{k}{v}" for k, v in d.items()) or "one_rank" + ("_qk_norm" if qk else "")
+                              for d, qk in CASES])
+def test_compiled_matches_eager(run_on_ranks, tmp_path: Path, degrees: dict, qk_norm: bool) -> None:
     """Three steps compiled and three eager, same seed and data: the losses and global
     gradient norms of every step and this rank's pieces of the weights after the last step
     agree, on every rank; every part ``compiled_parts`` names runs a compiled forward.
@@ -52,12 +58,15 @@ def test_compiled_matches_eager(run_on_ranks, tmp_path: Path, degrees: dict) -> 
     if not _compiles(framework, degrees):
         pytest.skip(f"{framework} refuses --compile on {degrees}: test_refusals checks the message")
     world = Layout(**degrees).world_size
-    results = run_on_ranks(compiled_and_eager, str(tmp_path), degrees, STEPS, world_size=world, timeout_s=600)
+    results = run_on_ranks(compiled_and_eager, str(tmp_path), degrees, STEPS, qk_norm, world_size=world,
+                           timeout_s=600)
     for rank, result in enumerate(results):
         eager, compiled = result["eager"], result["compiled"]
         assert compiled["parts"] > 0 and compiled["replaced"] == compiled["parts"], \
             f"rank {rank}: {compiled['replaced']} of {compiled['parts']} parts run a compiled forward"
-        assert eager["replaced"] == 0, f"rank {rank}: the eager run has compiled parts"
+        assert compiled["blocks"] == compiled["n_blocks"], \
+            f"rank {rank}: {compiled['blocks']} of {compiled['n_blocks']} blocks run a replaced forward"
+        assert eager["replaced"] == 0 and eager["blocks"] == 0, f"rank {rank}: the eager run has compiled parts"
         np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=1e-5, atol=0,
                                    err_msg=f"rank {rank} {degrees}: losses, compiled vs eager")
         np.testing.assert_allclose(compiled["norms"], eager["norms"], rtol=1e-5, atol=0,
