@@ -47,8 +47,11 @@ fresh tensor's ``shape``, ``dtype`` or ``ndim`` waits for the queue to reach tha
 What was found: at one rank the job's step is at or below plain PyNative's in the same run
 (``results/plain_mindspore.md``); the 617 vs 423-484 ms of issue 38 compared runs of
 different days on a shared host, and no time is missing at one rank. Under ``jit`` the
-plain step runs in about a third of its PyNative time: that gap is the compiled mode
-(issue 38 item 3). The job's tp 2 and dp-shard 2 steps run no op through the DTensor
+plain step runs in about half its PyNative time on a quiet host: that gap is the compiled
+mode (issue 38 item 3). The job's ``--compile`` (each dense block's math in two graphs, the
+core attention in PyNative between them) runs in 0.72 of its PyNative step at one rank and
+at dp-shard 2, 1.33 of the plain jit step: the top cost left in PyNative is cost 3 above,
+the tiled CPU attention (docs/train_compile.md). The job's tp 2 and dp-shard 2 steps run no op through the DTensor
 class's ``__fallback__`` nor core's ``dispatch`` (counted over a step: the tensor-parallel
 styles and fully_shard hand the modules local tensors), so the dispatch cache of
 ``platform/mindspore/dtensor.py`` (``results/dtensor_dispatch.md``) speeds up models that
