@@ -21,6 +21,9 @@ pytestmark = pytest.mark.skipif(os.environ.get("HYPER_PARALLEL_PLATFORM") != "mi
 
 #: Small tiles so that 37 queries x 29 keys cross many tile boundaries and diagonals.
 TILES = {"q_tile": 8, "k_tile": 8}
+#: Tiles that hold every sequence here: the call is one graph each way
+#: ([Note: MindSpore CPU attention in one graph]).
+ONE_TILE = {"q_tile": 64, "k_tile": 64}
 #: float64 is float64 end to end: only summation order differs from numpy.
 TOL64 = 1e-10
 #: float32 math against a float64 reference over at most 37 keys: ~1e-6 relative, with
@@ -94,20 +97,31 @@ def check_against_reference(q_seq: int, kv_seq: int, heads: int, kv_heads: int, 
     compare(got, want, _tol(dtype))
 
 
-def check_split_keys(dtype: str) -> None:
+def check_one_tile(q_seq: int, kv_seq: int, kv_heads: int, dtype: str, causal: str, whole: bool) -> None:
+    """``check_against_reference`` with ``ONE_TILE``, after checking which path the call
+    takes: the one-graph path (``whole``) unless some rows see no key."""
+    from hyper_parallel.platform.mindspore import attention as kernels
+
+    p = get_platform()
+    q, k, _, _ = (p.from_numpy(x) for x in inputs((2, q_seq, 4, 16), kv_seq, kv_heads))
+    assert kernels._one_graph(q, k, kernels._offset(causal, q_seq, kv_seq), **ONE_TILE) is whole
+    check_against_reference(q_seq, kv_seq, 4, kv_heads, dtype, causal, tiles=ONE_TILE)
+
+
+def check_split_keys(dtype: str, tiles: dict[str, int]) -> None:
     """The backward of keys [0, 10) and [10, 20), each given the output and log-sum-exp
     over all 20 keys, adds up to the whole call's gradients ([Note: attention kernels])."""
     from hyper_parallel.platform.mindspore import attention as kernels
 
     p = get_platform()
     q, k, v, dout = (p.to_dtype(p.from_numpy(x), p.dtype(dtype)) for x in inputs((2, 13, 4, 16), 20, 2, seed=1))
-    out, lse = kernels.attention(p, q, k, v, **TILES)
-    whole = [p.to_numpy(g) for g in kernels.attention_backward(p, dout, q, k, v, out, lse, **TILES)]
+    out, lse = kernels.attention(p, q, k, v, **tiles)
+    whole = [p.to_numpy(g) for g in kernels.attention_backward(p, dout, q, k, v, out, lse, **tiles)]
     parts = []
     for start in (0, 10):
         k_part, v_part = p.narrow(k, 1, start, 10), p.narrow(v, 1, start, 10)
         parts.append([p.to_numpy(g) for g in kernels.attention_backward(p, dout, q, k_part, v_part, out, lse,
-                                                                         **TILES)])
+                                                                         **tiles)])
     tol = _tol(dtype)
     np.testing.assert_allclose(parts[0][0] + parts[1][0], whole[0], rtol=tol, atol=tol)
     np.testing.assert_allclose(np.concatenate([parts[0][1], parts[1][1]], 1), whole[1], rtol=tol, atol=tol)
@@ -177,6 +191,33 @@ def test_grouped_heads(run_on_ranks, kv_heads: int, causal: str) -> None:
     run_on_ranks(check_against_reference, 37, 29, 4, kv_heads, "float64", causal, world_size=1)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["square", "short_q", "long_q"])
+def test_one_tile(run_on_ranks, dtype: str, causal: str, shape: tuple[int, int]) -> None:
+    """Sequences that fit one tile run as one graph each way; bottom-right causal with
+    more queries than keys (rows that see no key) runs tile by tile."""
+    whole = not (causal == "bottom_right" and shape[0] > shape[1])
+    run_on_ranks(check_one_tile, *shape, 2, dtype, causal, whole, world_size=1)
+
+
+def check_one_graph_cap() -> None:
+    """A one-tile call above ``ONE_GRAPH_MAX_SCORES`` runs tile by tile."""
+    from hyper_parallel.platform.mindspore import attention as kernels
+
+    p = get_platform()
+    seq = 1024
+    heads = kernels.ONE_GRAPH_MAX_SCORES // (seq * seq)  # exactly at the cap
+    q = p.from_numpy(np.zeros((1, seq, heads, 8), dtype=np.float32))
+    assert kernels._one_graph(q, q, 0, kernels.Q_TILE, kernels.K_TILE)
+    q = p.from_numpy(np.zeros((1, seq, heads + 1, 8), dtype=np.float32))
+    assert not kernels._one_graph(q, q, 0, kernels.Q_TILE, kernels.K_TILE)
+
+
+def test_one_graph_cap(run_on_ranks) -> None:
+    run_on_ranks(check_one_graph_cap, world_size=1)
+
+
 # Documents: lengths q (10, 0, 15, 12), kv (8, 7, 0, 14): document 1 has keys but no
 # queries, document 2 queries but no keys (output 0, lse -inf, zero gradients).
 DOCS = ((0, 10, 10, 25, 37), (0, 8, 15, 15, 29))
@@ -202,9 +243,10 @@ def test_default_tiles_via_platform(run_on_ranks, causal: str) -> None:
     run_on_ranks(check_against_reference, 40, 1100, 2, 1, "float32", causal, None, None, world_size=1)
 
 
+@pytest.mark.parametrize("tiles", [TILES, ONE_TILE], ids=["tiles", "one_tile"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_backward_with_global_statistics(run_on_ranks, dtype: str) -> None:
-    run_on_ranks(check_split_keys, dtype, world_size=1)
+def test_backward_with_global_statistics(run_on_ranks, dtype: str, tiles: dict[str, int]) -> None:
+    run_on_ranks(check_split_keys, dtype, tiles, world_size=1)
 
 
 def test_floored_lse(run_on_ranks) -> None:

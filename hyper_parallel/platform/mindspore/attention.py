@@ -2,7 +2,8 @@
 ``hyper_parallel.platform.contract.attention``).
 
 - mindspore-cpu: MindSpore 2.10 registers no ``FlashAttentionScore`` on CPU, so this
-  module runs FlashAttention-2 itself, in tiles ([Note: MindSpore CPU attention tiles]).
+  module runs FlashAttention-2 itself, in tiles ([Note: MindSpore CPU attention tiles]),
+  a small call as one graph ([Note: MindSpore CPU attention in one graph]).
 - mindspore-ascend: the ``FlashAttentionScore`` primitive and ``FlashAttentionScoreGrad``
   ([Note: Ascend FlashAttentionScore]).
 
@@ -53,6 +54,23 @@ Memory is ``O(q_tile x k_tile)`` per kv head for the scores, never ``[Sq, Sk]``.
   contiguous tiles, several times faster than ``mint.matmul`` here (measured), and
   ``mint.max`` rather than ``mint.amax`` for the row maximum (3x, measured).
 
+[Note: MindSpore CPU attention in one graph]
+PyNative runs each operation on its own, at about 1-2 ms each on the small tensors of a
+short sequence on the 2-core host, and the tiled code above is ~60 operations forward and
+backward. So a call that fits one tile (no row before ``first``, ``q_seq <= q_tile``,
+``kv_seq <= k_tile``) and whose score matrix has at most ``ONE_GRAPH_MAX_SCORES``
+elements (``batch x heads x q_seq x kv_seq``) runs as one ``mindspore.jit`` graph each way
+(``attention_graph.py``: the same math, ``s - m`` by broadcasting, which costs ~1 ms a
+tile in a graph, and the mask as a ``[rows, keys]`` where). At the ``small`` job's shapes
+(``[8, 128, 8, 16]`` queries, 4 kv heads, causal; medians of alternating runs) forward +
+backward took 86 ms in PyNative operations and 30 ms as the two graphs; the job's
+``--compile`` step went from 1.33-1.38 to 0.94 of the plain whole-step ``jit``
+(``benchmarks/results/plain_mindspore.md``). MindSpore keeps each compiled graph's
+intermediate buffers (one graph per shape), about 14 score-sized buffers: +170 MiB
+resident at those shapes, +1 GiB for a ``[1, 1024, 8, 64]`` call (measured), against
+transient buffers in PyNative; hence the cap, above which a call's operations are large
+enough that PyNative's per-operation cost is small beside them.
+
 [Note: Ascend FlashAttentionScore]
 ``FlashAttentionScore(head_num, scale_value, pre_tokens, next_tokens, inner_precise,
 input_layout, sparse_mode)(q, k, v, real_shift, drop_mask, padding_mask, attn_mask, ...)``
@@ -87,6 +105,9 @@ from hyper_parallel.platform.contract.validation import check_attention_backward
 Q_TILE = 1024
 #: Keys per tile on CPU.
 K_TILE = 1024
+#: Score elements (``batch x heads x q_seq x kv_seq``) up to which a one-tile call runs as
+#: one graph ([Note: MindSpore CPU attention in one graph]): 16 MiB of float32 scores.
+ONE_GRAPH_MAX_SCORES = 1 << 22
 #: Additive score bias of a masked pair inside a diagonal tile: ``exp(-1e30 - m)`` is 0 in
 #: float32 and float64, and it stays finite (no ``inf - inf``).
 _MASKED = -1.0e30
@@ -271,9 +292,42 @@ class _CpuTiles:
         return parts[0] if len(parts) == 1 else self.mint.cat(parts, 2)
 
 
+def _one_graph(q: Any, k: Any, offset: int | None, q_tile: int, k_tile: int) -> bool:
+    """Whether the call runs as one graph ([Note: MindSpore CPU attention in one graph])."""
+    b, q_seq, heads, _ = _shape(q)
+    kv_seq = int(k.shape[1])
+    fits = 0 < q_seq <= q_tile and 0 < kv_seq <= k_tile and (offset is None or offset >= 0)
+    return fits and b * heads * q_seq * kv_seq <= ONE_GRAPH_MAX_SCORES
+
+
+def _one_graph_inputs(p: Any, tensors: tuple[Any, ...], q: Any, k: Any, scale: float,
+                      offset: int | None) -> tuple[Any, ...]:
+    """``tensors`` in the compute dtype, then the causal mask ``[q_seq * group, kv_seq]``
+    bool (None when every pair is seen) and ``scale`` as a 0-d tensor of the compute dtype
+    (a Python float multiplies as float32, 1e-8 off in float64)."""
+    ms = p._ms
+    compute = ms.float64 if q.dtype == ms.float64 else ms.float32
+    q_seq, heads, kv_seq, kv_heads = int(q.shape[1]), int(q.shape[2]), int(k.shape[1]), int(k.shape[2])
+    mask = None
+    if offset is not None and kv_seq - 1 > offset:  # some pair lies in the causal future
+        allowed = np.arange(kv_seq)[None, :] <= np.arange(q_seq)[:, None] + offset
+        mask = ms.Tensor(np.repeat(allowed, heads // kv_heads, axis=0))
+    cast = tuple(x.astype(compute) if x.dtype != compute else x for x in tensors)
+    return (*cast, mask, ms.Tensor(scale, dtype=compute))
+
+
+def _cast_like(x: Any, like: Any) -> Any:
+    return x.astype(like.dtype) if x.dtype != like.dtype else x
+
+
 def _cpu_forward(p: Any, q: Any, k: Any, v: Any, scale: float, offset: int | None, q_tile: int,
                  k_tile: int) -> tuple[Any, Any]:
     """Tiled online-softmax forward; see [Note: MindSpore CPU attention tiles]."""
+    if _one_graph(q, k, offset, q_tile, k_tile):
+        from hyper_parallel.platform.mindspore import attention_graph
+
+        out, lse = attention_graph.forward(*_one_graph_inputs(p, (q, k, v), q, k, scale, offset))
+        return _cast_like(out, q), lse
     c = _CpuTiles(p, q, k, v, scale, offset, q_tile, k_tile)
     mint = c.mint
     if not c.tiles:  # no query sees a key (or a side is empty)
@@ -306,6 +360,11 @@ def _cpu_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                   offset: int | None, q_tile: int, k_tile: int) -> tuple[Any, Any, Any]:
     """Recomputing tiled backward (FlashAttention-2, Algorithm 2); ``out``/``lse`` may be
     those of a larger key set, see [Note: attention kernels]."""
+    if _one_graph(q, k, offset, q_tile, k_tile):
+        from hyper_parallel.platform.mindspore import attention_graph
+
+        grads = attention_graph.backward(*_one_graph_inputs(p, (dout, q, k, v, out, lse), q, k, scale, offset))
+        return tuple(_cast_like(g, x) for g, x in zip(grads, (q, k, v)))  # type: ignore[return-value]
     c = _CpuTiles(p, q, k, v, scale, offset, q_tile, k_tile)
     mint = c.mint
     if not c.tiles:
