@@ -104,7 +104,7 @@ def check_one_tile(q_seq: int, kv_seq: int, kv_heads: int, dtype: str, causal: s
 
     p = get_platform()
     q, k, _, _ = (p.from_numpy(x) for x in inputs((2, q_seq, 4, 16), kv_seq, kv_heads))
-    assert kernels._one_graph(q, k, kernels._offset(causal, q_seq, kv_seq), **ONE_TILE) is whole
+    assert kernels._one_graph(p, q, k, (q, k), kernels._offset(causal, q_seq, kv_seq), **ONE_TILE) is whole
     check_against_reference(q_seq, kv_seq, 4, kv_heads, dtype, causal, tiles=ONE_TILE)
 
 
@@ -202,16 +202,19 @@ def test_one_tile(run_on_ranks, dtype: str, causal: str, shape: tuple[int, int])
 
 
 def check_one_graph_cap() -> None:
-    """A one-tile call above ``ONE_GRAPH_MAX_SCORES`` runs tile by tile."""
+    """A one-tile call above ``ONE_GRAPH_MAX_SCORES``, or on a DTensor, runs tile by tile."""
+    import hyper_parallel as hp
     from hyper_parallel.platform.mindspore import attention as kernels
 
     p = get_platform()
     seq = 1024
     heads = kernels.ONE_GRAPH_MAX_SCORES // (seq * seq)  # exactly at the cap
     q = p.from_numpy(np.zeros((1, seq, heads, 8), dtype=np.float32))
-    assert kernels._one_graph(q, q, 0, kernels.Q_TILE, kernels.K_TILE)
+    assert kernels._one_graph(p, q, q, (q,), 0, kernels.Q_TILE, kernels.K_TILE)
+    dq = hp.DTensor.from_local(q, hp.init_device_mesh(p.device_type, (1,)), [hp.Replicate()])
+    assert not kernels._one_graph(p, dq, dq, (dq,), 0, kernels.Q_TILE, kernels.K_TILE)
     q = p.from_numpy(np.zeros((1, seq, heads + 1, 8), dtype=np.float32))
-    assert not kernels._one_graph(q, q, 0, kernels.Q_TILE, kernels.K_TILE)
+    assert not kernels._one_graph(p, q, q, (q,), 0, kernels.Q_TILE, kernels.K_TILE)
 
 
 def test_one_graph_cap(run_on_ranks) -> None:

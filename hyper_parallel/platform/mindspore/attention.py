@@ -292,8 +292,14 @@ class _CpuTiles:
         return parts[0] if len(parts) == 1 else self.mint.cat(parts, 2)
 
 
-def _one_graph(q: Any, k: Any, offset: int | None, q_tile: int, k_tile: int) -> bool:
-    """Whether the call runs as one graph ([Note: MindSpore CPU attention in one graph])."""
+def _one_graph(p: Any, q: Any, k: Any, tensors: tuple[Any, ...], offset: int | None, q_tile: int,
+               k_tile: int) -> bool:
+    """Whether the call on ``tensors`` (``q`` and ``k`` among them) runs as one graph
+    ([Note: MindSpore CPU attention in one graph]): plain tensors only (a graph sees a
+    DTensor's local tensor, while its ``shape`` is the global one, which the operations of
+    the tile path dispatch on)."""
+    if not all(type(x) is p._ms.Tensor for x in tensors):
+        return False
     b, q_seq, heads, _ = _shape(q)
     kv_seq = int(k.shape[1])
     fits = 0 < q_seq <= q_tile and 0 < kv_seq <= k_tile and (offset is None or offset >= 0)
@@ -323,7 +329,7 @@ def _cast_like(x: Any, like: Any) -> Any:
 def _cpu_forward(p: Any, q: Any, k: Any, v: Any, scale: float, offset: int | None, q_tile: int,
                  k_tile: int) -> tuple[Any, Any]:
     """Tiled online-softmax forward; see [Note: MindSpore CPU attention tiles]."""
-    if _one_graph(q, k, offset, q_tile, k_tile):
+    if _one_graph(p, q, k, (q, k, v), offset, q_tile, k_tile):
         from hyper_parallel.platform.mindspore import attention_graph
 
         out, lse = attention_graph.forward(*_one_graph_inputs(p, (q, k, v), q, k, scale, offset))
@@ -360,7 +366,7 @@ def _cpu_backward(p: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any,
                   offset: int | None, q_tile: int, k_tile: int) -> tuple[Any, Any, Any]:
     """Recomputing tiled backward (FlashAttention-2, Algorithm 2); ``out``/``lse`` may be
     those of a larger key set, see [Note: attention kernels]."""
-    if _one_graph(q, k, offset, q_tile, k_tile):
+    if _one_graph(p, q, k, (dout, q, k, v, out, lse), offset, q_tile, k_tile):
         from hyper_parallel.platform.mindspore import attention_graph
 
         grads = attention_graph.backward(*_one_graph_inputs(p, (dout, q, k, v, out, lse), q, k, scale, offset))
