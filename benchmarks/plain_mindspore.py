@@ -42,16 +42,20 @@ fresh tensor's ``shape``, ``dtype`` or ``ndim`` waits for the queue to reach tha
    at the end of the step pays on the plain side.
 3. The CPU attention (``platform/mindspore/attention.py``: a tiled FlashAttention-2 forward
    and its recomputing backward, ``O(seq x tile)`` memory) against the plain step's one
-   ``softmax(q k^T) v`` per layer: about 0.1 s a step on this host.
+   ``softmax(q k^T) v`` per layer, as about 60 PyNative operations a layer. A call this
+   small now runs as one ``mindspore.jit`` graph each way ([Note: MindSpore CPU attention
+   in one graph]): 86 -> 30 ms for one layer's forward + backward timed alone, and the
+   job's compiled step went from 544 to 372 ms (``results/plain_mindspore.md``).
 
 What was found: at one rank the job's step is at or below plain PyNative's in the same run
 (``results/plain_mindspore.md``); the 617 vs 423-484 ms of issue 38 compared runs of
 different days on a shared host, and no time is missing at one rank. Under ``jit`` the
 plain step runs in about half its PyNative time on a quiet host: that gap is the compiled
 mode (issue 38 item 3). The job's ``--compile`` (each dense block's math in two graphs, the
-core attention in PyNative between them) runs in 0.72 of its PyNative step at one rank and
-at dp-shard 2, 1.33 of the plain jit step: the top cost left in PyNative is cost 3 above,
-the tiled CPU attention (docs/train_compile.md). The job's tp 2 and dp-shard 2 steps run no op through the DTensor
+core attention between them, itself one graph each way at these sizes: cost 3 above) runs in
+0.66-0.68 of its PyNative step at one rank, 0.62-0.67 at dp-shard 2, and 0.98-1.04 of the
+plain jit step (two runs; 1.33-1.38 before the attention's graphs; docs/train_compile.md).
+The job's tp 2 and dp-shard 2 steps run no op through the DTensor
 class's ``__fallback__`` nor core's ``dispatch`` (counted over a step: the tensor-parallel
 styles and fully_shard hand the modules local tensors), so the dispatch cache of
 ``platform/mindspore/dtensor.py`` (``results/dtensor_dispatch.md``) speeds up models that

@@ -24,7 +24,8 @@ TransformerBlock:
   compiled graphs in PyNative: core's ``scaled_dot_product_attention``, the platform's
   fused kernel with its own backward (an autograd function, which the bytecode capture
   cannot trace: ``Unsupported function``; traced whole, the block crashed MindSpore 2.10,
-  a segmentation fault). So what the compiler sees are its inputs, whatever put them in
+  a segmentation fault; on CPU the platform runs a small call's kernel as its own graph
+  each way, [Note: MindSpore CPU attention in one graph]). So what the compiler sees are its inputs, whatever put them in
   the parameters' place: fully_shard's gathered weights (``--dp-shard``,
   ``--dp-replicate``) take their whole gradient, which they did not when a compiled
   forward read the substituted attributes itself (seen: the dp-shard 2 job's gradient

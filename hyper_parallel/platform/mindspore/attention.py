@@ -55,21 +55,23 @@ Memory is ``O(q_tile x k_tile)`` per kv head for the scores, never ``[Sq, Sk]``.
   ``mint.max`` rather than ``mint.amax`` for the row maximum (3x, measured).
 
 [Note: MindSpore CPU attention in one graph]
-PyNative runs each operation on its own, at about 1-2 ms each on the small tensors of a
-short sequence on the 2-core host, and the tiled code above is ~60 operations forward and
-backward. So a call that fits one tile (no row before ``first``, ``q_seq <= q_tile``,
-``kv_seq <= k_tile``) and whose score matrix has at most ``ONE_GRAPH_MAX_SCORES``
-elements (``batch x heads x q_seq x kv_seq``) runs as one ``mindspore.jit`` graph each way
-(``attention_graph.py``: the same math, ``s - m`` by broadcasting, which costs ~1 ms a
-tile in a graph, and the mask as a ``[rows, keys]`` where). At the ``small`` job's shapes
-(``[8, 128, 8, 16]`` queries, 4 kv heads, causal; medians of alternating runs) forward +
-backward took 86 ms in PyNative operations and 30 ms as the two graphs; the job's
-``--compile`` step went from 1.33-1.38 to 0.94 of the plain whole-step ``jit``
-(``benchmarks/results/plain_mindspore.md``). MindSpore keeps each compiled graph's
-intermediate buffers (one graph per shape), about 14 score-sized buffers: +170 MiB
-resident at those shapes, +1 GiB for a ``[1, 1024, 8, 64]`` call (measured), against
-transient buffers in PyNative; hence the cap, above which a call's operations are large
-enough that PyNative's per-operation cost is small beside them.
+PyNative dispatches each operation on its own, and the tile code above is about 60 of
+them forward and backward, most on small tensors for a short sequence. So a call of plain
+tensors that fits one tile (no row before ``first``, ``q_seq <= q_tile``, ``kv_seq <=
+k_tile``) and whose score matrix has at most ``ONE_GRAPH_MAX_SCORES`` elements (``batch x
+heads x q_seq x kv_seq``) runs as one ``mindspore.jit`` graph each way
+(``attention_graph.py``): the same math in the same grouped row layout, ``s - m`` by
+broadcasting (about 1 ms a tile inside a graph) and the causal mask as a ``[rows, keys]``
+``where``. At the ``small`` job's shapes (``[8, 128, 8, 16]`` queries, 4 kv heads, causal;
+medians of alternating runs on the 2-core host) forward + backward took 86 ms as PyNative
+operations and 30 ms as the two graphs, and the job's ``--compile`` step went from
+1.33-1.38 to 0.93-0.94 of the plain whole-step ``jit`` (``benchmarks/plain_mindspore.py``).
+MindSpore keeps each compiled graph (one per shape) with its intermediate buffers, about
+14 score-sized ones: +170 MiB resident at those shapes, +1 GiB for one ``[1, 1024, 8, 64]``
+call, against transient buffers in PyNative (measured). Hence the cap (16 MiB of float32
+scores); above it the operations are large enough that PyNative's per-operation cost is
+small beside them (``[1, 4096, 8, 64]``: 2.3 s tile by tile, 1.8-2.0 s with each tile
+step a graph, at 2.3 GiB against 0.8 GiB peak RSS).
 
 [Note: Ascend FlashAttentionScore]
 ``FlashAttentionScore(head_num, scale_value, pre_tokens, next_tokens, inner_precise,
