@@ -65,7 +65,7 @@ broadcasting (about 1 ms a tile inside a graph) and the causal mask as a ``[rows
 ``where``. At the ``small`` job's shapes (``[8, 128, 8, 16]`` queries, 4 kv heads, causal;
 medians of alternating runs on the 2-core host) forward + backward took 86 ms as PyNative
 operations and 30 ms as the two graphs, and the job's ``--compile`` step went from
-1.33-1.38 to 0.93-0.94 of the plain whole-step ``jit`` (``benchmarks/plain_mindspore.py``).
+1.33-1.38 to 0.93-1.04 of the plain whole-step ``jit`` (``benchmarks/plain_mindspore.py``).
 MindSpore keeps each compiled graph (one per shape) with its intermediate buffers, about
 14 score-sized ones: +170 MiB resident at those shapes, +1 GiB for one ``[1, 1024, 8, 64]``
 call, against transient buffers in PyNative (measured). Hence the cap (16 MiB of float32
